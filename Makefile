@@ -1,0 +1,43 @@
+# The README's two commands: `make test` and `make run`. Both create the environment first.
+PYTHON ?= python3
+VENV ?= .venv
+EXTRA ?= cpu
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-$(EXTRA)
+CONFIG ?= configs/default.yaml
+# One torch/OpenMP thread per process unless told otherwise (engine and trainer share the cores).
+export OMP_NUM_THREADS ?= 2
+export TOKENIZERS_PARALLELISM ?= false
+export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
+export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS ?= 120
+export DO_NOT_TRACK ?= 1
+
+.PHONY: install test test-fast run serve bench clean
+
+$(STAMP): pyproject.toml infra/install.sh infra/constraints-cpu.txt
+	PYTHON=$(PYTHON) ./infra/install.sh $(VENV) $(EXTRA)
+	touch $(STAMP)
+
+install: $(STAMP)
+
+# The whole suite (CI runs this).
+test: $(STAMP)
+	$(BIN)/python -m pytest -q -ra
+
+# Pure core only: seconds.
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not slow and not vllm and not integration" -x
+
+# The nightly pipeline on the embedded default config (CPU, local artifact root).
+run: $(STAMP)
+	$(BIN)/pivotrl run --config $(CONFIG)
+
+# A local Prefect server and a worker serving the nightly deployment (UI on 127.0.0.1:4200).
+serve: $(STAMP)
+	./infra/serve.sh
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/run_all.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache

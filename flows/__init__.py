@@ -1,0 +1,1 @@
+"""Prefect flows composing pivotrl tasks, and the command-line interface."""

@@ -1,0 +1,250 @@
+"""The demonstration data model: OpenAI chat messages with tool calls, trajectories, turn states.
+
+All classes are frozen dataclasses holding JSON-compatible values only, so every object
+round-trips through ``to_dict``/``from_dict`` (and through Parquet as JSON strings) unchanged.
+
+Terms (PivotRL §3): a *trajectory* is one expert demonstration; a *turn state* ``s`` is the complete
+history before one assistant (model) call; the *demo action* is the assistant message of that call.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from typing import Any, Literal, Mapping
+
+from pivotrl.errors import DataError
+
+Role = Literal["system", "user", "assistant", "tool"]
+ROLES: tuple[str, ...] = ("system", "user", "assistant", "tool")
+
+
+def canonical_json(obj: Any) -> str:
+    """Deterministic JSON (sorted keys, no spaces, UTF-8) used for hashing and Parquet cells."""
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
+def content_hash(obj: Any) -> str:
+    """sha256 hex digest of ``canonical_json(obj)``."""
+    return hashlib.sha256(canonical_json(obj).encode("utf-8")).hexdigest()
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """One function call inside an assistant message.
+
+    ``arguments`` maps parameter name → JSON value (positional arguments are resolved to names
+    by the parser or the data source before a ToolCall exists).
+    """
+
+    name: str
+    arguments: Mapping[str, Any] = field(default_factory=dict)
+    id: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        # OpenAI chat format: {"id", "type": "function", "function": {"name", "arguments": json str}}
+        return {
+            "id": self.id,
+            "type": "function",
+            "function": {"name": self.name, "arguments": canonical_json(dict(self.arguments))},
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any], where: str = "tool_call") -> "ToolCall":
+        if not isinstance(d, Mapping):
+            raise DataError(f"{where}: expected an object, got {type(d).__name__}")
+        fn = d.get("function", d)
+        if not isinstance(fn, Mapping) or not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise DataError(f"{where}.function.name: missing or not a non-empty string")
+        args = fn.get("arguments", {})
+        if isinstance(args, str):
+            try:
+                args = json.loads(args) if args.strip() else {}
+            except json.JSONDecodeError as e:
+                raise DataError(f"{where}.function.arguments: not valid JSON ({e.msg})") from None
+        if not isinstance(args, Mapping):
+            raise DataError(f"{where}.function.arguments: expected an object, got {type(args).__name__}")
+        call_id = d.get("id", "") or ""
+        if not isinstance(call_id, str):
+            raise DataError(f"{where}.id: expected a string")
+        return cls(name=fn["name"], arguments=dict(args), id=call_id)
+
+
+@dataclass(frozen=True)
+class Message:
+    """One chat message. ``tool_calls`` only on assistant messages; ``tool_call_id`` only on tool ones."""
+
+    role: Role
+    content: str = ""
+    tool_calls: tuple[ToolCall, ...] = ()
+    tool_call_id: str = ""
+    name: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"role": self.role, "content": self.content}
+        if self.tool_calls:
+            d["tool_calls"] = [c.to_dict() for c in self.tool_calls]
+        if self.tool_call_id:
+            d["tool_call_id"] = self.tool_call_id
+        if self.name:
+            d["name"] = self.name
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any], where: str = "message") -> "Message":
+        if not isinstance(d, Mapping):
+            raise DataError(f"{where}: expected an object, got {type(d).__name__}")
+        role = d.get("role")
+        if role not in ROLES:
+            raise DataError(f"{where}.role: {role!r} is not one of {', '.join(ROLES)}")
+        content = d.get("content") or ""
+        if not isinstance(content, str):
+            if isinstance(content, list):  # OpenAI content parts: keep the text parts
+                content = "".join(p.get("text", "") for p in content if isinstance(p, Mapping))
+            else:
+                raise DataError(f"{where}.content: expected a string, got {type(content).__name__}")
+        raw_calls = d.get("tool_calls") or []
+        if not isinstance(raw_calls, list):
+            raise DataError(f"{where}.tool_calls: expected a list")
+        if raw_calls and role != "assistant":
+            raise DataError(f"{where}.tool_calls: only assistant messages may call tools (role={role})")
+        calls = tuple(ToolCall.from_dict(c, f"{where}.tool_calls[{i}]") for i, c in enumerate(raw_calls))
+        return cls(
+            role=role,
+            content=content,
+            tool_calls=calls,
+            tool_call_id=str(d.get("tool_call_id") or ""),
+            name=str(d.get("name") or ""),
+        )
+
+
+@dataclass(frozen=True)
+class ToolSpec:
+    """A tool (function) schema as in OpenAI's ``tools=[{"type": "function", "function": {...}}]``.
+
+    ``parameters`` is a JSON-schema object; the order of ``parameters["properties"]`` is the
+    positional order used when an action passes arguments positionally.
+    """
+
+    name: str
+    description: str = ""
+    parameters: Mapping[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "type": "function",
+            "function": {"name": self.name, "description": self.description, "parameters": dict(self.parameters)},
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any], where: str = "tool") -> "ToolSpec":
+        if not isinstance(d, Mapping):
+            raise DataError(f"{where}: expected an object")
+        fn = d.get("function", d)
+        if not isinstance(fn, Mapping) or not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise DataError(f"{where}.function.name: missing or not a non-empty string")
+        params = fn.get("parameters") or {}
+        if not isinstance(params, Mapping):
+            raise DataError(f"{where}.function.parameters: expected an object")
+        return cls(name=fn["name"], description=str(fn.get("description") or ""), parameters=dict(params))
+
+
+@dataclass(frozen=True)
+class Trajectory:
+    """One expert demonstration.
+
+    ``env`` describes the tool environment the demonstration ran in (JSON), e.g. for BFCL
+    ``{"kind": "bfcl", "initial_config": {...}, "involved_classes": [...]}``; ``None`` if the tools
+    cannot be executed. ``meta`` holds source-specific ground truth (e.g. BFCL possible answers).
+    """
+
+    id: str
+    messages: tuple[Message, ...]
+    tools: tuple[ToolSpec, ...] = ()
+    source: str = ""
+    category: str = ""
+    env: Mapping[str, Any] | None = None
+    meta: Mapping[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "source": self.source,
+            "category": self.category,
+            "messages": [m.to_dict() for m in self.messages],
+            "tools": [t.to_dict() for t in self.tools],
+            "env": None if self.env is None else dict(self.env),
+            "meta": dict(self.meta),
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any], where: str = "trajectory") -> "Trajectory":
+        if not isinstance(d, Mapping):
+            raise DataError(f"{where}: expected an object, got {type(d).__name__}")
+        tid = d.get("id")
+        if not isinstance(tid, (str, int)) or str(tid) == "":
+            raise DataError(f"{where}.id: missing")
+        where = f"{where} {tid!r}"
+        msgs = d.get("messages")
+        if not isinstance(msgs, list) or not msgs:
+            raise DataError(f"{where}.messages: missing or empty")
+        tools = d.get("tools") or []
+        if not isinstance(tools, list):
+            raise DataError(f"{where}.tools: expected a list")
+        return cls(
+            id=str(tid),
+            messages=tuple(Message.from_dict(m, f"{where}.messages[{i}]") for i, m in enumerate(msgs)),
+            tools=tuple(ToolSpec.from_dict(t, f"{where}.tools[{i}]") for i, t in enumerate(tools)),
+            source=str(d.get("source") or ""),
+            category=str(d.get("category") or ""),
+            env=d.get("env"),
+            meta=dict(d.get("meta") or {}),
+        )
+
+
+@dataclass(frozen=True)
+class TurnState:
+    """A pivot candidate: the history before one assistant call, and that call (the demo action).
+
+    ``messages``: every message before the call (system, user, assistant, tool), in order.
+    ``turn_index``: index of the demo action among the trajectory's assistant messages (0-based).
+    ``verifier_context``: JSON data the verifiers need (acceptable values, environment + the calls
+    executed before this state, the demonstration's calls). ``state_id`` is
+    ``f"{trajectory_id}#{turn_index}"``.
+    """
+
+    state_id: str
+    trajectory_id: str
+    turn_index: int
+    messages: tuple[Message, ...]
+    tools: tuple[ToolSpec, ...]
+    demo_action: Message
+    category: str = ""
+    verifier_context: Mapping[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "state_id": self.state_id,
+            "trajectory_id": self.trajectory_id,
+            "turn_index": self.turn_index,
+            "category": self.category,
+            "messages": [m.to_dict() for m in self.messages],
+            "tools": [t.to_dict() for t in self.tools],
+            "demo_action": self.demo_action.to_dict(),
+            "verifier_context": dict(self.verifier_context),
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "TurnState":
+        where = f"turn state {d.get('state_id')!r}"
+        return cls(
+            state_id=str(d["state_id"]),
+            trajectory_id=str(d["trajectory_id"]),
+            turn_index=int(d["turn_index"]),
+            category=str(d.get("category") or ""),
+            messages=tuple(Message.from_dict(m, f"{where}.messages[{i}]") for i, m in enumerate(d["messages"])),
+            tools=tuple(ToolSpec.from_dict(t, f"{where}.tools[{i}]") for i, t in enumerate(d["tools"])),
+            demo_action=Message.from_dict(d["demo_action"], f"{where}.demo_action"),
+            verifier_context=dict(d.get("verifier_context") or {}),
+        )

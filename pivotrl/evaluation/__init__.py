@@ -1,0 +1,1 @@
+"""Evaluation: full-task runs on held-out tasks, local pivot accuracy, reports."""

