@@ -1,0 +1,142 @@
+"""The ``pivotrl`` command line.
+
+    pivotrl run     --config configs/default.yaml [--set training.beta=0.01 ...]   the nightly flow
+    pivotrl probe   --config ...            demonstrations → warm start → probes → pivot set
+    pivotrl demos   --config ... [--lengths] write demonstrations + candidates, print counts
+    pivotrl config  --config ... [--set ...] validate and print the resolved config
+    pivotrl lineage URI                     the tree of an artifact's inputs back to the raw sources
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from typing import Any, Optional
+
+import typer
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help="PivotRL post-training pipeline.")
+
+ConfigOpt = typer.Option("configs/default.yaml", "--config", "-c", help="YAML run config (path or fsspec URL).")
+SetOpt = typer.Option(None, "--set", "-s", help="Override a config key: --set training.beta=0.01 (repeatable).")
+
+
+def _load(config: str, overrides: Optional[list[str]]):
+    from pivotrl.config import load_config
+    from pivotrl.errors import ConfigError
+
+    try:
+        return load_config(config, overrides or [])
+    except ConfigError as e:
+        typer.echo(f"config error: {e}", err=True)
+        raise typer.Exit(2)
+
+
+@app.command()
+def run(config: str = ConfigOpt, overrides: Optional[list[str]] = SetOpt) -> None:
+    """Run the whole nightly pipeline once, now, and print where the report is."""
+    _load(config, overrides)  # fail fast on a bad config, before Prefect starts
+    t0 = time.time()
+    result = _nightly()(config_path=config, overrides=overrides or [])
+    typer.echo(f"\nPivotRL run finished in {time.time() - t0:.0f} s")
+    typer.echo(f"report: {result['report_md']}")
+    typer.echo(f"report data: {result['report_json']}")
+
+
+def _nightly():
+    from pivotrl.flows.nightly import nightly
+
+    return nightly
+
+
+@app.command()
+def probe(config: str = ConfigOpt, overrides: Optional[list[str]] = SetOpt) -> None:
+    """Build the pivot set (no training) and print its statistics."""
+    _load(config, overrides)
+    from pivotrl.flows.nightly import probe_only
+
+    t0 = time.time()
+    out = probe_only(config_path=config, overrides=overrides or [])
+    typer.echo(out["summary_md"])
+    typer.echo(f"pivots: {out['pivots']}\nprobes: {out['probes']}\nwall time: {time.time() - t0:.1f} s")
+
+
+@app.command()
+def demos(config: str = ConfigOpt, overrides: Optional[list[str]] = SetOpt,
+          lengths: bool = typer.Option(False, help="Also report rendered state lengths in model tokens.")) -> None:
+    """Write the demonstration set and candidate table to the storage root; print counts."""
+    from pivotrl.pipeline.demos import build_demonstrations
+    from pivotrl.storage import ArtifactStore
+
+    cfg = _load(config, overrides)
+    store = ArtifactStore(cfg.run.storage_root, cfg.run.storage_options or None)
+    out = build_demonstrations(cfg, store)
+    typer.echo(json.dumps(out["counts"], indent=2))
+    typer.echo(f"trajectories: {out['trajectories']}\ncandidates: {out['candidates']}")
+    if out["quarantine"]:
+        typer.echo(f"quarantine: {out['quarantine']}")
+    if lengths:
+        typer.echo(json.dumps(_state_lengths(cfg, store, out["key"]), indent=2))
+
+
+def _state_lengths(cfg: Any, store: Any, key: str) -> dict[str, Any]:
+    import numpy as np
+
+    from pivotrl.data.states import frame_to_states
+    from pivotrl.models import load_tokenizer, resolve_model
+    from pivotrl.pipeline.common import prompt_kwargs
+    from pivotrl.pipeline.demos import cache_dir
+    from pivotrl.prompts import encode_state
+
+    tok = load_tokenizer(resolve_model(cfg.model.source, cache_dir(cfg)))
+    df = store.read_parquet(f"{key}/candidates.parquet")
+    out: dict[str, Any] = {}
+    for cat, g in df.groupby("category"):
+        n = [len(encode_state(s, tok, max_len=10**9, **prompt_kwargs(cfg))) for s in frame_to_states(g)]
+        q = np.percentile(n, [0, 50, 90, 100])
+        out[str(cat)] = {"states": len(n), "min": int(q[0]), "median": int(q[1]), "p90": int(q[2]), "max": int(q[3]),
+                         "over_context": int(sum(x > cfg.model.max_context for x in n))}
+    return out
+
+
+@app.command("config")
+def show_config(config: str = ConfigOpt, overrides: Optional[list[str]] = SetOpt) -> None:
+    """Validate a config and print it resolved (with its hash)."""
+    from pivotrl.config import config_hash, dump_config
+
+    cfg = _load(config, overrides)
+    typer.echo(dump_config(cfg))
+    typer.echo(f"# config hash: {config_hash(cfg)}")
+
+
+@app.command()
+def lineage(uri: str = typer.Argument(..., help="URI of an artifact (its manifest sits beside it).")) -> None:
+    """Print the lineage tree of an artifact back to the raw sources."""
+    from pivotrl.storage import ArtifactStore
+    from pivotrl.storage import lineage as lineage_tree
+
+    parent, _, name = uri.rstrip("/").rpartition("/")
+    tree = lineage_tree(ArtifactStore(parent), name)
+    typer.echo("\n".join(_render_tree(tree)))
+
+
+def _render_tree(node: dict[str, Any], name: str = "", depth: int = 0) -> list[str]:
+    pad = "  " * depth + ("└─ " if depth else "")
+    label = f"{name}: " if name else ""
+    kind = node.get("kind") or ("source" if node.get("manifest") is False else "")
+    sha = (node.get("sha256") or "")[:12]
+    extra = " (stale)" if node.get("stale") else ""
+    lines = [f"{pad}{label}[{kind}] {node.get('uri')} sha256:{sha}{extra}"]
+    for child_name, child in (node.get("inputs") or {}).items():
+        lines += _render_tree(child, child_name, depth + 1)
+    return lines
+
+
+def main() -> None:
+    """Console-script entry point (import-safe: vLLM starts its engine processes with spawn)."""
+    app()
+
+
+if __name__ == "__main__":
+    main()

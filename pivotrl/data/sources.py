@@ -1,0 +1,210 @@
+"""Reading and writing demonstrations (OpenAI chat + tools format) at any fsspec URL.
+
+Formats, chosen by the file name:
+
+* JSON Lines (``.jsonl``, ``.json``, optionally compressed, e.g. ``.jsonl.gz``): one
+  :meth:`Trajectory.to_dict`-shaped object per line (``id``, ``messages``, ``tools``, and optionally
+  ``source``, ``category``, ``env``, ``meta``); blank lines are skipped.
+* Parquet (``.parquet``, ``.pq``): one row per trajectory, columns ``id``, ``messages`` and
+  optionally ``tools``, ``source``, ``category``, ``env``, ``meta``; the structured columns hold either
+  a JSON string or the nested value itself.
+
+Every record is checked (:func:`validate_trajectory`). A bad record raises DataError naming the
+file, the record (line number or row, and id when known) and the field; with
+``on_invalid="quarantine"`` it is skipped instead and described in the ``quarantine`` list.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import uuid
+from typing import Any, Iterable, Iterator, Literal
+
+import fsspec
+
+from pivotrl.data.schema import Trajectory
+from pivotrl.errors import ConfigError, DataError, StorageError
+
+__all__ = ["load_trajectories", "save_trajectories_jsonl", "validate_trajectory"]
+
+log = logging.getLogger(__name__)
+
+OnInvalid = Literal["error", "quarantine"]
+_PARQUET_SUFFIXES = (".parquet", ".pq")
+_JSON_COLUMNS = ("messages", "tools", "env", "meta")
+
+
+def validate_trajectory(traj: Trajectory, where: str = "") -> None:
+    """Check the invariants every demonstration must hold; DataError naming ``where`` and the field.
+
+    * at least one message and at least one assistant message (else nothing to learn from);
+    * every tool message answers an earlier assistant tool call (``tool_call_id`` matches a call id);
+    * every called tool is one of the trajectory's ``tools``;
+    * tool-call ids are unique within the trajectory.
+    """
+    where = where or f"trajectory {traj.id!r}"
+    if not traj.messages:
+        raise DataError(f"{where}.messages: empty trajectory")
+    if not any(m.role == "assistant" for m in traj.messages):
+        raise DataError(f"{where}.messages: no assistant message (nothing to learn from)")
+    tool_names = {t.name for t in traj.tools}
+    call_ids: set[str] = set()
+    for i, m in enumerate(traj.messages):
+        for j, c in enumerate(m.tool_calls):
+            if c.name not in tool_names:
+                raise DataError(
+                    f"{where}.messages[{i}].tool_calls[{j}].function.name: {c.name!r} is not one of the "
+                    f"trajectory's tools ({len(tool_names)} declared)"
+                )
+            if c.id:
+                if c.id in call_ids:
+                    raise DataError(f"{where}.messages[{i}].tool_calls[{j}].id: duplicate call id {c.id!r}")
+                call_ids.add(c.id)
+        if m.role == "tool" and m.tool_call_id not in call_ids:
+            raise DataError(
+                f"{where}.messages[{i}].tool_call_id: {m.tool_call_id!r} does not match any earlier tool call"
+            )
+
+
+def _field_of(message: str, where: str) -> str:
+    """The field path of a DataError message that starts with ``where`` (``"record"`` if none)."""
+    rest = message[len(where):] if message.startswith(where) else ""
+    rest = re.sub(r"^ \(id '[^']*'\)|^ '[^']*'", "", rest)
+    head = rest.split(":", 1)[0] if ":" in rest else ""
+    return head.strip().lstrip(".") or "record"
+
+
+def _iter_jsonl(url: str) -> Iterator[tuple[str, str, Any]]:
+    """Yield (record location, record id or "", decoded object or the DataError to report)."""
+    try:
+        with fsspec.open(url, "rb", compression="infer") as f:
+            data = f.read()
+    except FileNotFoundError:
+        raise StorageError(f"{url}: no such file") from None
+    except OSError as e:
+        raise StorageError(f"{url}: cannot read ({e})") from e
+    for lineno, raw in enumerate(data.split(b"\n"), start=1):
+        if not raw.strip():
+            continue
+        loc = f"line {lineno}"
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            yield loc, "", DataError(f"{url} {loc}: not valid UTF-8 (byte {e.start} of the line)")
+            continue
+        try:
+            obj = json.loads(text)
+        except json.JSONDecodeError as e:
+            yield loc, "", DataError(f"{url} {loc}: malformed JSON ({e.msg} at column {e.colno})")
+            continue
+        rid = str(obj.get("id", "")) if isinstance(obj, dict) else ""
+        yield loc, rid, obj
+
+
+def _iter_parquet(url: str) -> Iterator[tuple[str, str, Any]]:
+    import pyarrow.parquet as pq
+
+    try:
+        with fsspec.open(url, "rb") as f:
+            table = pq.read_table(f)
+    except FileNotFoundError:
+        raise StorageError(f"{url}: no such file") from None
+    except Exception as e:  # noqa: BLE001 - pyarrow raises several types for unreadable files
+        raise DataError(f"{url}: not a readable Parquet file ({type(e).__name__}: {e})") from e
+    missing = [c for c in ("id", "messages") if c not in table.column_names]
+    if missing:
+        raise DataError(f"{url}: Parquet column(s) {', '.join(missing)} missing (have {', '.join(table.column_names)})")
+    for i, row in enumerate(table.to_pylist()):
+        loc = f"row {i}"
+        rid = "" if row.get("id") is None else str(row["id"])
+        obj = dict(row)
+        bad = None
+        for col in _JSON_COLUMNS:
+            v = obj.get(col)
+            if isinstance(v, str):
+                try:
+                    obj[col] = json.loads(v) if v.strip() else None
+                except json.JSONDecodeError as e:
+                    bad = DataError(f"{url} {loc} {rid!r}.{col}: malformed JSON ({e.msg} at column {e.colno})")
+                    break
+        yield loc, rid, bad if bad is not None else obj
+
+
+def load_trajectories(
+    url: str,
+    on_invalid: OnInvalid = "error",
+    quarantine: list[dict[str, Any]] | None = None,
+) -> list[Trajectory]:
+    """Read and validate demonstrations from a JSONL or Parquet file at an fsspec URL.
+
+    Returns the valid trajectories in file order. With ``on_invalid="error"`` the first bad record
+    raises DataError (``"<url> line 7 (id 'x').messages[2].tool_call_id: ..."``); with
+    ``"quarantine"`` bad records are skipped and described as ``{"source": url, "record": "line 7",
+    "id": ..., "field": ..., "error": message}`` dicts appended to ``quarantine`` (their number is
+    logged). Raises StorageError if the file cannot be read, ConfigError for a bad ``on_invalid``.
+    """
+    if on_invalid not in ("error", "quarantine"):
+        raise ConfigError(f"on_invalid={on_invalid!r}: must be 'error' or 'quarantine'")
+    path = url.lower()
+    for ext in (".gz", ".bz2", ".xz", ".zst"):
+        if path.endswith(ext):
+            path = path[: -len(ext)]
+    records = _iter_parquet(url) if path.endswith(_PARQUET_SUFFIXES) else _iter_jsonl(url)
+    out: list[Trajectory] = []
+    seen: dict[str, str] = {}
+    n_bad = 0
+    for loc, rid, obj in records:
+        where = f"{url} {loc}"
+        try:
+            if isinstance(obj, DataError):
+                raise obj
+            if not isinstance(obj, dict):
+                raise DataError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+            traj = Trajectory.from_dict(obj, where=where)
+            validate_trajectory(traj, where=f"{where} {traj.id!r}")
+            if traj.id in seen:
+                raise DataError(f"{where} {traj.id!r}.id: duplicate trajectory id {traj.id!r} (first at {seen[traj.id]})")
+            seen[traj.id] = loc
+        except DataError as e:
+            if on_invalid == "error":
+                raise
+            n_bad += 1
+            msg = str(e)
+            if quarantine is not None:
+                quarantine.append(
+                    {"source": url, "record": loc, "id": rid, "field": _field_of(msg, where), "error": msg}
+                )
+            continue
+        out.append(traj)
+    if n_bad:
+        log.warning("%s: %d invalid record(s) quarantined, %d kept", url, n_bad, len(out))
+    return out
+
+
+def save_trajectories_jsonl(trajectories: Iterable[Trajectory], url: str) -> int:
+    """Write trajectories as JSON Lines to an fsspec URL, atomically (temporary name, then move).
+
+    Returns the number written. Raises StorageError if the file cannot be written.
+    """
+    fs, path = fsspec.core.url_to_fs(url)
+    tmp = f"{path}.tmp-{uuid.uuid4().hex}"
+    n = 0
+    try:
+        parent = path.rsplit("/", 1)[0] if "/" in path else ""
+        if parent:
+            fs.makedirs(parent, exist_ok=True)
+        with fs.open(tmp, "wb") as f:
+            for t in trajectories:
+                f.write((json.dumps(t.to_dict(), ensure_ascii=False) + "\n").encode("utf-8"))
+                n += 1
+        fs.mv(tmp, path)
+    except OSError as e:
+        try:
+            if fs.exists(tmp):
+                fs.rm(tmp)
+        except OSError:
+            pass
+        raise StorageError(f"{url}: cannot write ({e})") from e
+    return n

@@ -1,0 +1,142 @@
+"""Local accuracy on held-out turn states (PivotRL's local pivot score).
+
+At each state the demonstration history is given; only the one model call is judged, by the same
+verifier as in training. This measures the local signal PivotRL optimises; it is reported beside,
+never instead of, full-task success (a locally correct action does not guarantee task success).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+from typing import Any, Sequence
+
+import pandas as pd
+
+from pivotrl.data.schema import TurnState
+from pivotrl.errors import ConfigError, StateTooLongError
+
+__all__ = ["evaluate_local"]
+
+_COLUMNS = [
+    "state_id", "trajectory_id", "turn_index", "category", "status", "n_samples", "n_accepted",
+    "accuracy", "parse_errors", "tokens_generated", "reasons",
+]
+
+
+def evaluate_local(
+    engine: Any,
+    tokenizer: Any,
+    states: Sequence[TurnState],
+    verifier: Any,
+    *,
+    sampling: Any = None,
+    n: int | None = None,
+    max_context: int = 8192,
+    tool_style: str = "compact",
+    max_tool_output_chars: int | None = None,
+    batch_size: int = 64,
+) -> tuple[pd.DataFrame, dict[str, Any]]:
+    """Fraction of sampled actions the verifier accepts at each held-out state.
+
+    Each state is rendered with :func:`pivotrl.prompts.encode_state` (the training renderer),
+    ``n`` actions are sampled from ``engine`` and scored with ``verifier.score(state, texts)``.
+    States whose prompt plus ``sampling.max_tokens`` does not fit ``max_context`` are skipped and
+    counted (status "too_long"), never truncated.
+
+    Args:
+        engine: rollout engine; ``generate`` is called with up to ``batch_size`` prompts at once.
+        tokenizer: the policy's tokenizer.
+        states: held-out turn states (the demonstration history before one call).
+        verifier: an object with ``score(state, actions) -> list[VerifierResult]``.
+        sampling: ``SamplingConfig``; default greedy (temperature 0), 256 max tokens.
+        n: samples per state (m ≥ 1); overrides ``sampling.n`` when given.
+        max_context: the engine's context window, tokens.
+        tool_style, max_tool_output_chars: passed to the renderer, as in training.
+        batch_size: prompts per ``generate`` call (≥ 1).
+
+    Returns:
+        ``(per_state, summary)``. ``per_state``: one row per state with state_id, trajectory_id,
+        turn_index, category, status ("ok" | "too_long"), n_samples, n_accepted, accuracy
+        (n_accepted / n_samples, NaN when skipped), parse_errors (results with reason
+        "parse_error"), tokens_generated, reasons ({reason: count} over the samples).
+        ``summary``: n_states (evaluated), n_too_long, n_samples, n_accepted, accuracy (accepted
+        samples / samples), mean_state_accuracy, any_accepted_rate (states with ≥ 1 accepted
+        sample / states), parse_error_rate (per sample), tokens_generated, temperature, n.
+
+    Raises:
+        ConfigError: n < 1, batch_size < 1, or max_context not above sampling.max_tokens.
+        VerifierError: propagated from the verifier (a state it cannot decide is not a reward of 0).
+    """
+    from pivotrl.prompts import encode_state
+    from pivotrl.rollout.base import SamplingConfig
+
+    if sampling is None:
+        sampling = SamplingConfig(n=1, temperature=0.0, max_tokens=256)
+    if n is not None:
+        if not isinstance(n, int) or n < 1:
+            raise ConfigError(f"evaluate_local: n must be an integer >= 1, got {n!r}")
+        sampling = dataclasses.replace(sampling, n=n)
+    if not isinstance(batch_size, int) or batch_size < 1:
+        raise ConfigError(f"evaluate_local: batch_size must be an integer >= 1, got {batch_size!r}")
+    budget = max_context - sampling.max_tokens
+    if budget < 1:
+        raise ConfigError(f"max_context ({max_context}) must exceed sampling.max_tokens ({sampling.max_tokens})")
+    opts: dict[str, Any] = {"tool_style": tool_style}
+    if max_tool_output_chars is not None:
+        opts["max_tool_output_chars"] = max_tool_output_chars
+
+    rows: dict[int, dict[str, Any]] = {}
+    todo: list[tuple[int, list[int]]] = []
+    for i, state in enumerate(states):
+        base = {
+            "state_id": state.state_id,
+            "trajectory_id": state.trajectory_id,
+            "turn_index": state.turn_index,
+            "category": state.category,
+        }
+        try:
+            ids = list(encode_state(state, tokenizer, max_len=budget, **opts))
+        except StateTooLongError:
+            ids = None
+        if ids is None or len(ids) > budget:
+            rows[i] = {**base, "status": "too_long", "n_samples": 0, "n_accepted": 0, "accuracy": float("nan"),
+                       "parse_errors": 0, "tokens_generated": 0, "reasons": {}}
+        else:
+            rows[i] = {**base, "status": "ok"}
+            todo.append((i, ids))
+
+    for start in range(0, len(todo), batch_size):
+        chunk = todo[start : start + batch_size]
+        outs = engine.generate([ids for _, ids in chunk], sampling)
+        for (i, _), gens in zip(chunk, outs):
+            results = verifier.score(states[i], [g.text for g in gens])
+            accepted = sum(1 for r in results if r.accepted)
+            reasons = Counter(r.reason for r in results)
+            rows[i].update(
+                n_samples=len(results),
+                n_accepted=accepted,
+                accuracy=accepted / len(results) if results else float("nan"),
+                parse_errors=reasons.get("parse_error", 0),
+                tokens_generated=sum(len(g.token_ids) for g in gens),
+                reasons=dict(reasons),
+            )
+
+    df = pd.DataFrame([rows[i] for i in range(len(states))], columns=_COLUMNS)
+    ok = df[df["status"] == "ok"]
+    n_samples = int(ok["n_samples"].sum())
+    n_accepted = int(ok["n_accepted"].sum())
+    summary = {
+        "n_states": len(ok),
+        "n_too_long": int((df["status"] == "too_long").sum()),
+        "n_samples": n_samples,
+        "n_accepted": n_accepted,
+        "accuracy": n_accepted / n_samples if n_samples else float("nan"),
+        "mean_state_accuracy": float(ok["accuracy"].mean()) if len(ok) else float("nan"),
+        "any_accepted_rate": float((ok["n_accepted"] > 0).mean()) if len(ok) else float("nan"),
+        "parse_error_rate": int(ok["parse_errors"].sum()) / n_samples if n_samples else 0.0,
+        "tokens_generated": int(ok["tokens_generated"].sum()),
+        "temperature": float(sampling.temperature),
+        "n": int(sampling.n),
+    }
+    return df, summary

@@ -1,0 +1,370 @@
+"""The evaluation report: ``report.json`` (every number), ``report.md`` (tables, limits) and plots.
+
+The report states, for every policy, local pivot accuracy and full-task success side by side and
+never one without the other (PivotRL's known limits: local correctness is not task success).
+Plots are written with matplotlib's Agg canvas (no display, no global pyplot state). Every file is
+written to a temporary name in ``out_dir`` first and then renamed, so a present file is complete.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+import pandas as pd
+
+from pivotrl.errors import ConfigError, StorageError
+
+__all__ = ["KNOWN_LIMITS", "POLICIES", "build_report"]
+
+# The three policies every report compares, in table order.
+POLICIES: tuple[str, ...] = ("base", "reference (SFT warm start)", "pivotrl")
+
+KNOWN_LIMITS: tuple[str, ...] = (
+    "Local correctness is not task success: an action the verifier accepts at a demonstration "
+    "state (especially under a tool-name-only verifier) can still lead the full task astray. "
+    "Full-task success, measured from scratch on held-out tasks, is the deciding number.",
+    "Finite probing misses states: a state whose m probes all failed may still have a non-zero "
+    "success probability; the pivot set is an estimate.",
+    "After updates a pivot may stop satisfying the filter (its success rate moves); the pivot set "
+    "is fixed before training and not re-probed.",
+    "Training sees demonstration histories only; the full-task run checks whether the policy copes "
+    "with its own, possibly wrong, histories.",
+)
+
+REWARD_COLUMNS: tuple[str, ...] = ("reward_mean", "rewards/mean", "train/reward_mean", "reward", "rewards")
+MU_COLUMNS: tuple[str, ...] = ("mu", "mu_hat", "mean_reward", "reward_mean")
+
+REWARD_PLOT = "reward_curve.png"
+MU_PLOT = "mu_histogram.png"
+BARS_PLOT = "local_vs_full_task.png"
+
+
+def build_report(
+    results: Mapping[str, Mapping[str, Mapping[str, Any] | None]],
+    *,
+    metrics_df: pd.DataFrame | None,
+    probe_df: pd.DataFrame | None,
+    pivot_stats: Mapping[str, Any] | None,
+    meta: Mapping[str, Any],
+    out_dir: str | os.PathLike[str],
+    reward_column: str | None = None,
+    mu_column: str | None = None,
+) -> tuple[Path, Path]:
+    """Write ``report.json``, ``report.md`` and PNG plots into ``out_dir``.
+
+    Args:
+        results: policy name → ``{"local": summary | None, "full_task": summary | None}`` with the
+            summaries of :func:`pivotrl.evaluation.evaluate_local` (``accuracy``, ``n_samples``,
+            ``n_accepted``, ``n_states``...) and :func:`pivotrl.evaluation.evaluate_full_tasks`
+            (``success_rate``, ``n_success``, ``n_tasks``, ``turn_pass_rate``...). The table lists
+            :data:`POLICIES` first (a missing one is shown as not evaluated), then any others.
+        metrics_df: training metrics, one row per step: a ``step`` column and a reward column
+            (``reward_column`` or the first of :data:`REWARD_COLUMNS` present); None → no curve.
+        probe_df: one row per probed candidate with its μ̂ (``mu_column`` or the first of
+            :data:`MU_COLUMNS` present); None → no histogram.
+        pivot_stats: pivot filtering statistics (e.g. candidates, kept, decision counts,
+            lambda_diff, num_probes); shown as a table. A ``lambda_diff`` entry is drawn on the
+            histogram.
+        meta: run description (model, config hash, data, dates...); shown as a table.
+        out_dir: output directory (created if missing).
+
+    Returns:
+        ``(report.json path, report.md path)``.
+
+    Raises:
+        ConfigError: ``results`` is not a mapping of mappings, or a named column is missing.
+        StorageError: a file cannot be written.
+    """
+    if not isinstance(results, Mapping) or not all(isinstance(v, Mapping) for v in results.values()):
+        raise ConfigError("build_report: results must map policy name -> {'local': ..., 'full_task': ...}")
+    out = Path(out_dir)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise StorageError(f"report directory {out}: cannot create ({e})") from e
+
+    names = [p for p in POLICIES] + [p for p in results if p not in POLICIES]
+    rows = [_policy_row(name, results.get(name)) for name in names]
+
+    plots: dict[str, str] = {}
+    curve = _reward_series(metrics_df, reward_column)
+    if curve is not None:
+        _write_png(out / REWARD_PLOT, lambda fig: _plot_curve(fig, curve))
+        plots["reward_curve"] = REWARD_PLOT
+    mus = _mu_values(probe_df, mu_column)
+    lam = (pivot_stats or {}).get("lambda_diff")
+    if mus is not None:
+        _write_png(out / MU_PLOT, lambda fig: _plot_mu(fig, mus, lam))
+        plots["mu_histogram"] = MU_PLOT
+    _write_png(out / BARS_PLOT, lambda fig: _plot_bars(fig, rows))
+    plots["local_vs_full_task"] = BARS_PLOT
+
+    report = {
+        "meta": dict(meta),
+        "policies": rows,
+        "results": {name: dict(results[name]) for name in results},
+        "pivot_stats": None if pivot_stats is None else dict(pivot_stats),
+        "training": None if curve is None else {
+            "reward_column": curve[2],
+            "steps": len(curve[0]),
+            "first_reward": curve[1][0] if curve[1] else None,
+            "last_reward": curve[1][-1] if curve[1] else None,
+            "curve": [[s, r] for s, r in zip(curve[0], curve[1])],
+        },
+        "probes": None if mus is None else {
+            "n_candidates": len(mus),
+            "mu_mean": sum(mus) / len(mus) if mus else None,
+            "mu_histogram": _histogram(mus, bins=10),
+        },
+        "plots": plots,
+        "known_limits": list(KNOWN_LIMITS),
+    }
+    json_path = out / "report.json"
+    md_path = out / "report.md"
+    _write_text(json_path, json.dumps(_jsonable(report), indent=2, sort_keys=True, allow_nan=False) + "\n")
+    _write_text(md_path, _markdown(report, rows, plots))
+    return json_path, md_path
+
+
+# ------------------------------------------------------------------------------------------ numbers
+
+
+def _policy_row(name: str, res: Mapping[str, Any] | None) -> dict[str, Any]:
+    local = (res or {}).get("local") or {}
+    full = (res or {}).get("full_task") or {}
+    return {
+        "policy": name,
+        "evaluated": bool(local or full),
+        "local_pivot_accuracy": _num(local.get("accuracy")),
+        "local_accepted": local.get("n_accepted"),
+        "local_samples": local.get("n_samples"),
+        "local_states": local.get("n_states"),
+        "full_task_success": _num(full.get("success_rate")),
+        "tasks_succeeded": full.get("n_success"),
+        "tasks": full.get("n_tasks"),
+        "turn_pass_rate": _num(full.get("turn_pass_rate")),
+        "turns_passed": full.get("turns_passed"),
+        "turns_total": full.get("turns_total"),
+        "format_error_rate": _num(full.get("format_error_rate")),
+    }
+
+
+def _num(x: Any) -> float | None:
+    if x is None:
+        return None
+    try:
+        v = float(x)
+    except (TypeError, ValueError):
+        return None
+    return v if math.isfinite(v) else None
+
+
+def _jsonable(obj: Any) -> Any:
+    """NaN/inf → None, numpy scalars → Python, tuples → lists, keys → str."""
+    if isinstance(obj, Mapping):
+        return {str(k): _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_jsonable(v) for v in obj]
+    if isinstance(obj, bool) or obj is None or isinstance(obj, str):
+        return obj
+    if isinstance(obj, int):
+        return obj
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if hasattr(obj, "item"):  # numpy / torch scalar
+        return _jsonable(obj.item())
+    if isinstance(obj, os.PathLike):
+        return os.fspath(obj)
+    return str(obj)
+
+
+def _reward_series(df: pd.DataFrame | None, column: str | None) -> tuple[list[float], list[float], str] | None:
+    if df is None or len(df) == 0:
+        return None
+    if column is None:
+        column = next((c for c in REWARD_COLUMNS if c in df.columns), None)
+        if column is None:
+            return None
+    elif column not in df.columns:
+        raise ConfigError(f"build_report: metrics_df has no column {column!r}; columns: {list(df.columns)}")
+    steps = df["step"] if "step" in df.columns else pd.Series(range(len(df)))
+    pairs = [(float(s), float(r)) for s, r in zip(steps, df[column]) if _num(r) is not None]
+    return [p[0] for p in pairs], [p[1] for p in pairs], column
+
+
+def _mu_values(df: pd.DataFrame | None, column: str | None) -> list[float] | None:
+    if df is None:
+        return None
+    if column is None:
+        column = next((c for c in MU_COLUMNS if c in df.columns), None)
+        if column is None:
+            return None
+    elif column not in df.columns:
+        raise ConfigError(f"build_report: probe_df has no column {column!r}; columns: {list(df.columns)}")
+    return [float(v) for v in df[column] if _num(v) is not None]
+
+
+def _histogram(values: Sequence[float], bins: int) -> dict[str, list[float] | list[int]]:
+    """Counts of ``values`` in ``bins`` equal bins over [0, 1] (1.0 falls in the last bin)."""
+    counts = [0] * bins
+    for v in values:
+        counts[min(bins - 1, max(0, int(v * bins)))] += 1
+    return {"edges": [i / bins for i in range(bins + 1)], "counts": counts}
+
+
+# ---------------------------------------------------------------------------------------- markdown
+
+
+def _fmt_rate(rate: float | None, num: Any, den: Any) -> str:
+    if rate is None:
+        return "not evaluated"
+    frac = f" ({num}/{den})" if num is not None and den is not None else ""
+    return f"{rate:.3f}{frac}"
+
+
+def _md_cell(x: Any) -> str:
+    return str(x).replace("|", "\\|").replace("\n", " ")
+
+
+def _markdown(report: Mapping[str, Any], rows: list[dict[str, Any]], plots: Mapping[str, str]) -> str:
+    lines = ["# PivotRL evaluation report", ""]
+    meta = report["meta"]
+    if meta:
+        lines += ["## Run", "", "| key | value |", "|---|---|"]
+        lines += [f"| {_md_cell(k)} | {_md_cell(v)} |" for k, v in meta.items()]
+        lines.append("")
+    lines += [
+        "## Results per policy",
+        "",
+        "Local pivot accuracy: fraction of sampled actions the verifier accepts at held-out "
+        "demonstration states. Full-task success: fraction of held-out tasks solved from scratch "
+        "(BFCL multi-turn rules: state and execution-result checks after every user turn).",
+        "",
+        "| policy | local pivot accuracy | full-task success | turns passed | format error rate |",
+        "|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            "| "
+            + " | ".join(
+                [
+                    _md_cell(r["policy"]),
+                    _fmt_rate(r["local_pivot_accuracy"], r["local_accepted"], r["local_samples"]),
+                    _fmt_rate(r["full_task_success"], r["tasks_succeeded"], r["tasks"]),
+                    _fmt_rate(r["turn_pass_rate"], r["turns_passed"], r["turns_total"]),
+                    "n/a" if r["format_error_rate"] is None else f"{r['format_error_rate']:.3f}",
+                ]
+            )
+            + " |"
+        )
+    lines.append("")
+    if "local_vs_full_task" in plots:
+        lines += [f"![local pivot accuracy vs full-task success]({plots['local_vs_full_task']})", ""]
+    stats = report["pivot_stats"]
+    lines += ["## Pivot statistics", ""]
+    if stats:
+        lines += ["| statistic | value |", "|---|---|"]
+        lines += [f"| {_md_cell(k)} | {_md_cell(_jsonable(v))} |" for k, v in stats.items()]
+    else:
+        lines.append("No pivot statistics were given.")
+    lines.append("")
+    probes = report["probes"]
+    if probes is not None:
+        lines += [f"Probed candidates: {probes['n_candidates']}, mean μ̂ "
+                  + ("n/a" if probes["mu_mean"] is None else f"{probes['mu_mean']:.3f}") + ".", ""]
+    if "mu_histogram" in plots:
+        lines += [f"![histogram of reference success rate per candidate]({plots['mu_histogram']})", ""]
+    lines += ["## Training", ""]
+    training = report["training"]
+    if training is None:
+        lines.append("No training metrics were given.")
+    else:
+        first, last = training["first_reward"], training["last_reward"]
+        lines.append(
+            f"{training['steps']} logged steps; `{training['reward_column']}` "
+            f"{'n/a' if first is None else f'{first:.3f}'} at the first step, "
+            f"{'n/a' if last is None else f'{last:.3f}'} at the last."
+        )
+        if "reward_curve" in plots:
+            lines += ["", f"![mean reward per training step]({plots['reward_curve']})"]
+    lines += ["", "## Known limits", ""]
+    lines += [f"- {limit}" for limit in KNOWN_LIMITS]
+    lines.append("")
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------------- plots
+
+
+def _plot_curve(fig: Any, curve: tuple[list[float], list[float], str]) -> None:
+    ax = fig.add_subplot(1, 1, 1)
+    ax.plot(curve[0], curve[1], marker="o", markersize=3)
+    ax.set_xlabel("training step")
+    ax.set_ylabel(curve[2])
+    ax.set_title("Mean reward of sampled actions per step")
+    ax.grid(True, alpha=0.3)
+
+
+def _plot_mu(fig: Any, mus: list[float], lambda_diff: Any) -> None:
+    ax = fig.add_subplot(1, 1, 1)
+    ax.hist(mus, bins=[i / 10 for i in range(11)], edgecolor="black")
+    if _num(lambda_diff) is not None:
+        ax.axvline(float(lambda_diff), color="red", linestyle="--", label=f"lambda_diff = {float(lambda_diff):g}")
+        ax.legend()
+    ax.set_xlabel("μ̂ (reference success rate over probes)")
+    ax.set_ylabel("candidate states")
+    ax.set_title("Reference success rate per candidate")
+
+
+def _plot_bars(fig: Any, rows: list[dict[str, Any]]) -> None:
+    ax = fig.add_subplot(1, 1, 1)
+    x = list(range(len(rows)))
+    width = 0.38
+    for offset, key, label in ((-width / 2, "local_pivot_accuracy", "local pivot accuracy"),
+                               (width / 2, "full_task_success", "full-task success")):
+        values = [r[key] for r in rows]
+        bars = ax.bar([i + offset for i in x], [v or 0.0 for v in values], width, label=label)
+        ax.bar_label(bars, labels=["n/a" if v is None else f"{v:.2f}" for v in values], fontsize=7)
+    ax.set_xticks(x)
+    ax.set_xticklabels([r["policy"] for r in rows], fontsize=8)
+    ax.set_ylim(0, 1)
+    ax.set_ylabel("rate")
+    ax.set_title("Local pivot accuracy vs full-task success per policy")
+    ax.legend()
+
+
+# ------------------------------------------------------------------------------------ atomic files
+
+
+def _atomic(path: Path, write: Callable[[str], None]) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except OSError as e:
+        Path(tmp).unlink(missing_ok=True)
+        raise StorageError(f"cannot write {path}: {e}") from e
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _write_text(path: Path, text: str) -> None:
+    _atomic(path, lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))
+
+
+def _write_png(path: Path, draw: Callable[[Any], None]) -> None:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(7, 4), dpi=100)
+    FigureCanvasAgg(fig)
+    draw(fig)
+    fig.tight_layout()
+    _atomic(path, lambda tmp: fig.savefig(tmp, format="png"))

@@ -1,0 +1,143 @@
+"""Stage 1: demonstrations → trajectories, split, turn-state candidates.
+
+Outputs (under ``demos/<key>/``):
+- ``trajectories.parquet``: one row per trajectory (id, source, category, split, record JSON);
+- ``quarantine.jsonl``: skipped invalid records (only when ``data.on_invalid = "quarantine"``);
+- ``candidates.parquet``: one row per assistant turn (see ``pivotrl.data.states``), with its split.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from pivotrl.config import RunConfig
+from pivotrl.data.schema import Trajectory, canonical_json, content_hash
+from pivotrl.storage import ArtifactStore
+
+DATA_FORMAT_VERSION = 1
+
+
+def cache_dir(cfg: RunConfig) -> Path:
+    """The local download/conversion cache (env ``PIVOTRL_CACHE_DIR`` overrides the config)."""
+    return Path(os.path.expanduser(os.environ.get("PIVOTRL_CACHE_DIR") or cfg.run.cache_dir))
+
+
+def demos_key(cfg: RunConfig) -> str:
+    """Content address of the demonstration artifacts: data section + format version."""
+    return "demos/" + content_hash(
+        {"data": cfg.data.model_dump(mode="json"), "version": DATA_FORMAT_VERSION}
+    )[:16]
+
+
+def load_sources(cfg: RunConfig, quarantine: list[dict[str, Any]]) -> list[Trajectory]:
+    """Load every configured source; invalid records raise or go to ``quarantine``."""
+    from pivotrl.data.bfcl import load_bfcl
+    from pivotrl.data.sources import load_trajectories
+
+    trajs: list[Trajectory] = []
+    for src in cfg.data.sources:
+        if src.kind == "bfcl":
+            trajs += load_bfcl(
+                src.categories,
+                cache_dir(cfg),
+                limit_per_category=src.limit_per_category,
+                on_invalid=cfg.data.on_invalid,
+                quarantine=quarantine,
+            )
+        else:
+            trajs += load_trajectories(src.url, on_invalid=cfg.data.on_invalid, quarantine=quarantine)
+    seen: set[str] = set()
+    for t in trajs:
+        if t.id in seen:
+            from pivotrl.errors import DataError
+
+            raise DataError(f"trajectory id {t.id!r} appears in more than one record")
+        seen.add(t.id)
+    return trajs
+
+
+def build_demonstrations(cfg: RunConfig, store: ArtifactStore) -> dict[str, Any]:
+    """Load, validate, split and extract candidates; write the three artifacts.
+
+    Returns ``{"key", "trajectories", "candidates", "quarantine", "counts"}`` (URIs and counts).
+    Reuses the artifacts if they already exist under the content-addressed key.
+    """
+    from pivotrl.data.split import split_trajectories
+    from pivotrl.data.states import extract_turn_states, states_to_frame
+
+    key = demos_key(cfg)
+    if store.exists(f"{key}/candidates.parquet") and store.exists(f"{key}/counts.json"):
+        return _result(store, key, store.read_json(f"{key}/counts.json"))
+
+    quarantine: list[dict[str, Any]] = []
+    trajs = load_sources(cfg, quarantine)
+    sp = cfg.data.split
+    splits = split_trajectories(trajs, (sp.warm_start, sp.pivot, sp.heldout), sp.seed)
+    split_of = {t.id: name for name, ts in splits.items() for t in ts}
+
+    traj_df = pd.DataFrame(
+        {
+            "id": [t.id for t in trajs],
+            "source": [t.source for t in trajs],
+            "category": [t.category for t in trajs],
+            "split": [split_of[t.id] for t in trajs],
+            "record": [canonical_json(t.to_dict()) for t in trajs],
+        }
+    )
+    states = [s for t in trajs for s in extract_turn_states(t)]
+    cand_df = states_to_frame(states)
+    cand_df["split"] = [split_of[s.trajectory_id] for s in states]
+
+    counts = {
+        "trajectories": len(trajs),
+        "trajectories_per_split": dict(Counter(split_of.values())),
+        "trajectories_per_category": dict(Counter(t.category for t in trajs)),
+        "user_turns": sum(1 for t in trajs for m in t.messages if m.role == "user"),
+        "assistant_turns": len(states),
+        "candidates_per_category": dict(Counter(s.category for s in states)),
+        "candidates_per_split": dict(Counter(cand_df["split"])),
+        "quarantined": len(quarantine),
+    }
+    config = {"data": cfg.data.model_dump(mode="json")}
+    inputs = {f"source[{i}]": _source_uri(s) for i, s in enumerate(cfg.data.sources)}
+    store.write_artifact(f"{key}/trajectories.parquet", traj_df, kind="trajectories", inputs=inputs, config=config,
+                         extra={"seed": sp.seed})
+    if quarantine:
+        payload = "".join(json.dumps(q, ensure_ascii=False, default=str) + "\n" for q in quarantine).encode()
+        store.write_artifact(f"{key}/quarantine.jsonl", payload, kind="quarantine", inputs=inputs, config=config)
+    store.write_artifact(
+        f"{key}/candidates.parquet", cand_df, kind="candidates",
+        inputs={"trajectories": store.url(f"{key}/trajectories.parquet")}, config=config, extra={"seed": sp.seed},
+    )
+    store.write_json(f"{key}/counts.json", counts)
+    return _result(store, key, counts)
+
+
+def _source_uri(src: Any) -> str:
+    if src.kind == "bfcl":
+        return f"pypi:bfcl-eval==2026.3.23#{','.join(src.categories)}"
+    return src.url
+
+
+def _result(store: ArtifactStore, key: str, counts: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "key": key,
+        "trajectories": store.url(f"{key}/trajectories.parquet"),
+        "candidates": store.url(f"{key}/candidates.parquet"),
+        "quarantine": store.url(f"{key}/quarantine.jsonl") if counts.get("quarantined") else None,
+        "counts": counts,
+    }
+
+
+def read_trajectories(store: ArtifactStore, key: str, split: str | None = None) -> list[Trajectory]:
+    """Trajectories of ``<key>/trajectories.parquet``, optionally of one split."""
+    df = store.read_parquet(f"{key}/trajectories.parquet")
+    if split is not None:
+        df = df[df["split"] == split]
+    return [Trajectory.from_dict(json.loads(r)) for r in df["record"]]

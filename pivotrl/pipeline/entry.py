@@ -1,0 +1,79 @@
+"""Process entry point of a pipeline stage: ``python -m pivotrl.pipeline.entry STAGE --spec FILE``.
+
+The spec is a JSON file ``{"config": <RunConfig as JSON>, "inputs": {...}, "output": <path>}``;
+the stage's result dict is written as JSON to ``output`` (atomically). Heavy stages run in their
+own process so that the rollout engine, the trainer and their memory live and die with the stage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+STAGES = ("reference", "probe", "train", "evaluate")
+
+
+def run_stage(stage: str, config: dict[str, Any], inputs: dict[str, Any]) -> dict[str, Any]:
+    """Run ``stage`` in this process and return its result dict."""
+    from pivotrl.config import RunConfig
+    from pivotrl.pipeline import stages
+    from pivotrl.storage import ArtifactStore
+
+    cfg = RunConfig.model_validate(config)
+    store = ArtifactStore(cfg.run.storage_root, cfg.run.storage_options or None)
+    if stage == "reference":
+        return stages.stage_reference(cfg, store, inputs["demos"])
+    if stage == "probe":
+        return stages.stage_probe(cfg, store, inputs["demos"], inputs["reference"])
+    if stage == "train":
+        return stages.stage_train(cfg, store, inputs["probe"], inputs["reference"])
+    if stage == "evaluate":
+        return stages.stage_evaluate(cfg, store, inputs["demos"], inputs["reference"], inputs["probe"], inputs["train"])
+    raise ValueError(f"unknown stage {stage!r}; valid: {', '.join(STAGES)}")
+
+
+def run_stage_process(stage: str, config: dict[str, Any], inputs: dict[str, Any], *, threads: int = 2,
+                      env: dict[str, str] | None = None) -> dict[str, Any]:
+    """Run ``stage`` in a child process (same interpreter); raise RuntimeError with the exit code
+    and the last lines of its output if it fails. Output is streamed to this process's stdout."""
+    with tempfile.TemporaryDirectory(prefix=f"pivotrl-{stage}-") as tmp:
+        spec = Path(tmp) / "spec.json"
+        out = Path(tmp) / "result.json"
+        spec.write_text(json.dumps({"config": config, "inputs": inputs, "output": str(out)}))
+        child_env = {**os.environ, "OMP_NUM_THREADS": str(threads), **(env or {})}
+        proc = subprocess.Popen([sys.executable, "-m", "pivotrl.pipeline.entry", stage, "--spec", str(spec)],
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=child_env, text=True)
+        tail: list[str] = []
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            sys.stdout.write(line)
+            tail = (tail + [line])[-30:]
+        rc = proc.wait()
+        if rc != 0 or not out.exists():
+            raise RuntimeError(f"stage {stage!r} failed with exit code {rc}; last output:\n{''.join(tail)}")
+        return json.loads(out.read_text())
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m pivotrl.pipeline.entry")
+    ap.add_argument("stage", choices=STAGES)
+    ap.add_argument("--spec", required=True)
+    a = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    spec = json.loads(Path(a.spec).read_text())
+    result = run_stage(a.stage, spec["config"], spec["inputs"])
+    tmp = Path(spec["output"] + ".tmp")
+    tmp.write_text(json.dumps(result, default=str))
+    tmp.replace(spec["output"])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

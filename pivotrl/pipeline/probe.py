@@ -1,0 +1,207 @@
+"""Stage 3: probe the frozen reference policy on every candidate state and select the pivot set.
+
+PivotRL §3, stage 1: for each candidate state ``s``, m = ``probing.num_probes`` actions are sampled
+from π_ref and scored by the verifier; μ̂(s) and the population σ̂²(s) of the m rewards decide
+whether ``s`` is kept (σ̂² > 0 and μ̂ < λ_diff). What is kept is the *state*, never a probe.
+
+Outputs:
+- ``probes/<key>/probes.parquet``: one row per probed state — ``state_id``, ``category``,
+  ``turn_index``, ``prompt_tokens``, ``rewards`` (m floats, JSON), ``mu``, ``var``,
+  ``action_tokens_mean``, ``samples`` (the m texts, JSON), ``reasons`` (verifier reasons, JSON),
+  ``status`` ("ok" | "too_long" | "verifier_error") and ``decision`` (see
+  ``pivotrl.filtering.pivot_decision``; empty unless status is "ok").
+- ``pivots/<key>/pivots.parquet``: the kept candidate rows (state + verifier context) with μ̂, σ̂²;
+  ``pivots/<key>/stats.json`` and ``summary.md``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from typing import Any, Sequence
+
+import numpy as np
+import pandas as pd
+
+from pivotrl.data.schema import TurnState, content_hash
+from pivotrl.errors import StateTooLongError, VerifierError
+
+PROBE_VERSION = 1
+
+
+def select_candidates(cand_df: pd.DataFrame, split: str, max_states: int | None, seed: int) -> pd.DataFrame:
+    """Rows of ``split``; if ``max_states`` is set, a seeded sample of that many (stable order)."""
+    df = cand_df[cand_df["split"] == split]
+    if max_states is not None and len(df) > max_states:
+        df = df.sample(n=max_states, random_state=seed)
+    return df.sort_values("state_id").reset_index(drop=True)
+
+
+def probe_states(
+    engine: Any,
+    tokenizer: Any,
+    states: Sequence[TurnState],
+    verifier: Any,
+    *,
+    num_probes: int,
+    sampling: Any,
+    max_context: int,
+    max_tokens: int,
+    prompt_kwargs: dict[str, Any] | None = None,
+    batch_size: int = 16,
+    progress: bool = True,
+) -> pd.DataFrame:
+    """Sample ``num_probes`` actions per state from ``engine`` and score them.
+
+    States longer than ``max_context - max_tokens`` are skipped with status "too_long" (never
+    truncated). A verifier that cannot decide for a state (``VerifierError``) drops the whole
+    state with status "verifier_error": μ̂ is never computed from a partial group.
+    Returns the probe table described in the module docstring (one row per state, input order).
+    """
+    from pivotrl.filtering import probe_stats
+    from pivotrl.prompts import encode_state
+
+    prompt_kwargs = prompt_kwargs or {}
+    rows: list[dict[str, Any]] = []
+    encoded: list[tuple[TurnState, list[int]]] = []
+    for s in states:
+        try:
+            ids = encode_state(s, tokenizer, max_len=max_context - max_tokens, **prompt_kwargs)
+        except StateTooLongError as e:
+            rows.append(_row(s, status="too_long", reason=str(e)))
+            continue
+        encoded.append((s, ids))
+
+    it = range(0, len(encoded), batch_size)
+    if progress:
+        from tqdm.auto import tqdm
+
+        it = tqdm(it, desc="probing", unit="batch")
+    for b in it:
+        chunk = encoded[b : b + batch_size]
+        gens = engine.generate([ids for _, ids in chunk], sampling)
+        for (s, ids), samples in zip(chunk, gens):
+            texts = [g.text for g in samples]
+            try:
+                results = verifier.score(s, texts)
+            except VerifierError as e:
+                rows.append(_row(s, prompt_tokens=len(ids), status="verifier_error", reason=str(e), samples=texts))
+                continue
+            rewards = [float(r.reward) for r in results]
+            mu, var = probe_stats(rewards)
+            rows.append(
+                _row(
+                    s,
+                    prompt_tokens=len(ids),
+                    rewards=rewards,
+                    mu=float(mu),
+                    var=float(var),
+                    action_tokens_mean=float(np.mean([len(g.token_ids) for g in samples])),
+                    samples=texts,
+                    reasons=[r.reason for r in results],
+                    status="ok",
+                )
+            )
+    order = {s.state_id: i for i, s in enumerate(states)}
+    rows.sort(key=lambda r: order[r["state_id"]])
+    return pd.DataFrame(rows, columns=PROBE_COLUMNS)
+
+
+PROBE_COLUMNS = [
+    "state_id", "trajectory_id", "category", "turn_index", "prompt_tokens", "rewards", "mu", "var",
+    "action_tokens_mean", "samples", "reasons", "status", "reason", "decision",
+]
+
+
+def _row(s: TurnState, **kw: Any) -> dict[str, Any]:
+    row = {
+        "state_id": s.state_id,
+        "trajectory_id": s.trajectory_id,
+        "category": s.category,
+        "turn_index": s.turn_index,
+        "prompt_tokens": kw.get("prompt_tokens", -1),
+        "rewards": json.dumps(kw.get("rewards", [])),
+        "mu": kw.get("mu", float("nan")),
+        "var": kw.get("var", float("nan")),
+        "action_tokens_mean": kw.get("action_tokens_mean", float("nan")),
+        "samples": json.dumps(kw.get("samples", []), ensure_ascii=False),
+        "reasons": json.dumps(kw.get("reasons", [])),
+        "status": kw["status"],
+        "reason": kw.get("reason", ""),
+        "decision": kw.get("decision", ""),
+    }
+    return row
+
+
+def apply_pivot_filter(probe_df: pd.DataFrame, lambda_diff: float) -> pd.DataFrame:
+    """Fill ``decision`` for every "ok" row with the pivot rule (σ̂² > 0 and μ̂ < λ_diff).
+
+    Returns a copy; rows whose status is not "ok" get decision "skipped_<status>".
+    """
+    from pivotrl.filtering import pivot_decision
+
+    df = probe_df.copy()
+    df["decision"] = [
+        pivot_decision(float(mu), float(var), lambda_diff) if st == "ok" else f"skipped_{st}"
+        for mu, var, st in zip(df["mu"], df["var"], df["status"])
+    ]
+    return df
+
+
+def pivot_stats(probe_df: pd.DataFrame, lambda_diff: float) -> dict[str, Any]:
+    """Counts of the filter: candidates, all-fail, all-pass, above threshold, kept, skipped;
+    per category and per turn index; the μ̂ histogram (bins of width 1/m over [0, 1])."""
+    d = probe_df
+    ok = d[d["status"] == "ok"]
+
+    def counts(frame: pd.DataFrame) -> dict[str, int]:
+        c = Counter(frame["decision"])
+        return {
+            "candidates": int(len(frame)),
+            "all_fail": int(c.get("all_fail", 0)),
+            "all_pass": int(c.get("all_pass", 0)),
+            "above_threshold": int(c.get("above_threshold", 0)),
+            "kept": int(c.get("kept", 0)),
+            "skipped_too_long": int(c.get("skipped_too_long", 0)),
+            "skipped_verifier_error": int(c.get("skipped_verifier_error", 0)),
+        }
+
+    m = max((len(json.loads(r)) for r in ok["rewards"]), default=1)
+    hist, edges = np.histogram(ok["mu"].to_numpy(dtype=float), bins=m + 1, range=(-0.5 / m, 1 + 0.5 / m))
+    return {
+        "lambda_diff": lambda_diff,
+        "total": counts(d),
+        "per_category": {k: counts(g) for k, g in d.groupby("category")},
+        "per_turn_index": {int(k): counts(g) for k, g in d.groupby("turn_index")},
+        "mu_histogram": {"bin_centers": [round(float(x), 4) for x in (edges[:-1] + edges[1:]) / 2],
+                         "counts": [int(x) for x in hist]},
+        "mu_mean": float(ok["mu"].mean()) if len(ok) else float("nan"),
+    }
+
+
+def stats_markdown(stats: dict[str, Any]) -> str:
+    """A markdown summary of ``pivot_stats`` (for the Prefect artifact and the run report)."""
+    cols = ["candidates", "all_fail", "all_pass", "above_threshold", "kept", "skipped_too_long",
+            "skipped_verifier_error"]
+    lines = [f"## Pivot set (λ_diff = {stats['lambda_diff']})", "",
+             "| group | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
+    lines.append("| **all** | " + " | ".join(str(stats["total"][c]) for c in cols) + " |")
+    for name, c in stats["per_category"].items():
+        lines.append(f"| {name} | " + " | ".join(str(c[k]) for k in cols) + " |")
+    for ti, c in stats["per_turn_index"].items():
+        lines.append(f"| turn {ti} | " + " | ".join(str(c[k]) for k in cols) + " |")
+    h = stats["mu_histogram"]
+    lines += ["", "μ̂ histogram (probes that succeeded / m): " +
+              ", ".join(f"{c:.2f}: {n}" for c, n in zip(h["bin_centers"], h["counts"]))]
+    return "\n".join(lines) + "\n"
+
+
+def probe_key(candidates_hash: str, ref_hash: str, probing: dict[str, Any], verifier: dict[str, Any],
+              prompt: dict[str, Any], engine: str) -> str:
+    """Content address of a probe table: candidates, reference weights, probing/verifier/prompt
+    settings and the engine (λ_diff excluded: changing it re-filters without re-probing)."""
+    probing = {k: v for k, v in probing.items() if k != "lambda_diff"}
+    return "probes/" + content_hash(
+        {"candidates": candidates_hash, "reference": ref_hash, "probing": probing, "verifier": verifier,
+         "prompt": prompt, "engine": engine, "version": PROBE_VERSION}
+    )[:16]

@@ -1,0 +1,445 @@
+"""The heavy pipeline stages: reference (warm start), probing + pivot filter, PivotRL training,
+evaluation + report. Each is a plain function ``(cfg, store, inputs) -> outputs dict`` that reads
+and writes artifacts only through the store, so it can run in its own process (see
+``pivotrl.pipeline.entry``) launched by a Prefect task or by a cluster launcher.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import signal
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from pivotrl.config import RunConfig, config_hash
+from pivotrl.data.schema import TurnState, content_hash
+from pivotrl.errors import StateTooLongError, TrainingError, VerifierError
+from pivotrl.pipeline.common import (
+    local_checkpoint, make_rollout_engine, make_verifier, prompt_kwargs, sampling_for,
+)
+from pivotrl.pipeline.demos import cache_dir, read_trajectories
+from pivotrl.storage import ArtifactStore
+
+log = logging.getLogger("pivotrl.pipeline")
+
+
+# --------------------------------------------------------------------------------------------
+# Reference policy: resolve the base model, optional supervised warm start.
+# --------------------------------------------------------------------------------------------
+def stage_reference(cfg: RunConfig, store: ArtifactStore, demos: dict[str, Any]) -> dict[str, Any]:
+    """Resolve the base model and, if enabled, fine-tune it on the warm-start split (π_ref).
+
+    Returns {"base_dir", "base_hash", "ref_key" (None without warm start), "ref_hash", "sft"}.
+    The warm start never sees the pivot-candidate split it will be probed on.
+    """
+    from pivotrl.models import checkpoint_hash, load_tokenizer, resolve_model
+    from pivotrl.prompts import build_sft_example
+
+    cache = cache_dir(cfg)
+    base_dir = Path(resolve_model(cfg.model.source, cache))
+    base_hash = checkpoint_hash(base_dir)
+    out: dict[str, Any] = {"base_dir": str(base_dir), "base_hash": base_hash, "ref_key": None,
+                           "ref_hash": base_hash, "sft": None}
+    if not cfg.warm_start.enabled:
+        return out
+    ws = cfg.warm_start.model_dump(mode="json")
+    key = "models/warm_start/" + content_hash(
+        {"base": base_hash, "demos": demos["key"], "warm_start": ws, "prompt": cfg.prompt.model_dump(mode="json"),
+         "dtype": cfg.model.dtype, "seed": cfg.run.seed})[:16]
+    out["ref_key"] = key
+    if store.exists(f"{key}/_COMPLETE") and store.exists(f"{key}.sft.json"):
+        out["sft"] = store.read_json(f"{key}.sft.json")
+        out["ref_hash"] = out["sft"]["checkpoint_hash"]
+        return out
+
+    from pivotrl.training.sft import run_sft
+
+    tok = load_tokenizer(base_dir)
+    trajs = read_trajectories(store, demos["key"], split="warm_start")
+    examples, too_long = [], 0
+    for t in trajs:
+        try:
+            examples.append(build_sft_example(t, tok, max_len=cfg.warm_start.max_len, **prompt_kwargs(cfg)))
+        except StateTooLongError:
+            too_long += 1
+    with tempfile.TemporaryDirectory(dir=cache) as tmp:
+        ckpt = Path(tmp) / "ckpt"
+        metrics = run_sft(
+            str(base_dir), examples, str(ckpt), epochs=cfg.warm_start.epochs, lr=cfg.warm_start.lr,
+            batch_size=cfg.warm_start.batch_size, dtype=cfg.model.dtype,
+            zero_stage=cfg.training.deepspeed.zero_stage, seed=cfg.run.seed,
+        )
+        ref_hash = checkpoint_hash(ckpt)
+        store.put_dir(str(ckpt), key)
+    sft = {"examples": len(examples), "skipped_too_long": too_long, "checkpoint_hash": ref_hash,
+           "metrics": _jsonable(metrics)}
+    store.write_artifact(f"{key}.sft.json", sft, kind="reference_checkpoint",
+                         inputs={"trajectories": demos["trajectories"], "base_model": f"{cfg.model.source}#{base_hash}"},
+                         config={"warm_start": ws, "model": cfg.model.model_dump(mode="json")},
+                         extra={"seed": cfg.run.seed, "checkpoint": store.url(key)})
+    out["sft"], out["ref_hash"] = sft, ref_hash
+    return out
+
+
+def reference_dir(cfg: RunConfig, store: ArtifactStore, ref: dict[str, Any]) -> Path:
+    if ref["ref_key"] is None:
+        return Path(ref["base_dir"])
+    return local_checkpoint(store, ref["ref_key"], cache_dir(cfg))
+
+
+# --------------------------------------------------------------------------------------------
+# Probing + pivot filter.
+# --------------------------------------------------------------------------------------------
+def stage_probe(cfg: RunConfig, store: ArtifactStore, demos: dict[str, Any], ref: dict[str, Any]) -> dict[str, Any]:
+    """Probe π_ref on the pivot-candidate split, then apply the pivot rule (λ_diff)."""
+    from pivotrl.data.bfcl import ensure_bfcl
+    from pivotrl.data.states import frame_to_states
+    from pivotrl.models import load_tokenizer
+    from pivotrl.pipeline.probe import (
+        apply_pivot_filter, pivot_stats, probe_key, probe_states, select_candidates, stats_markdown,
+    )
+
+    cand_manifest = store.read_manifest(f"{demos['key']}/candidates.parquet")
+    pkey = probe_key(cand_manifest.sha256, ref["ref_hash"], cfg.probing.model_dump(mode="json"),
+                     cfg.verifier.model_dump(mode="json"), cfg.prompt.model_dump(mode="json"), cfg.rollout.engine)
+    probes_uri = store.url(f"{pkey}/probes.parquet")
+    if not store.exists(f"{pkey}/probes.parquet"):
+        cand = select_candidates(store.read_parquet(f"{demos['key']}/candidates.parquet"), "pivot",
+                                 cfg.probing.max_states, cfg.probing.seed)
+        states = frame_to_states(cand)
+        rdir = reference_dir(cfg, store, ref)
+        tok = load_tokenizer(rdir)
+        verifier = make_verifier(cfg, ensure_bfcl(cache_dir(cfg)))
+        engine = make_rollout_engine(cfg, rdir)
+        t0 = time.time()
+        try:
+            df = probe_states(
+                engine, tok, states, verifier, num_probes=cfg.probing.num_probes,
+                sampling=sampling_for(cfg, n=cfg.probing.num_probes, temperature=cfg.probing.temperature,
+                                      seed=cfg.probing.seed, top_p=cfg.probing.top_p, top_k=cfg.probing.top_k),
+                max_context=cfg.model.max_context, max_tokens=cfg.rollout.max_tokens, prompt_kwargs=prompt_kwargs(cfg),
+            )
+        finally:
+            engine.close()
+            _close(verifier)
+        store.write_artifact(
+            f"{pkey}/probes.parquet", df, kind="probes",
+            inputs={"candidates": store.url(f"{demos['key']}/candidates.parquet"),
+                    "reference": store.url(ref["ref_key"]) if ref["ref_key"] else f"{cfg.model.source}#{ref['base_hash']}"},
+            config={k: getattr(cfg, k).model_dump(mode="json") for k in ("probing", "verifier", "prompt", "rollout", "model")},
+            extra={"seed": cfg.probing.seed, "reference_hash": ref["ref_hash"], "verifier": cfg.verifier.name,
+                   "wall_s": round(time.time() - t0, 2)},
+        )
+    lam = cfg.probing.lambda_diff
+    vkey = pkey.replace("probes/", "pivots/") + "-" + content_hash({"lambda_diff": lam})[:8]
+    if not store.exists(f"{vkey}/pivots.parquet"):
+        df = apply_pivot_filter(store.read_parquet(f"{pkey}/probes.parquet"), lam)
+        stats = pivot_stats(df, lam)
+        cand = store.read_parquet(f"{demos['key']}/candidates.parquet")
+        kept = df[df["decision"] == "kept"][["state_id", "mu", "var"]]
+        pivots = cand.merge(kept, on="state_id", how="inner").sort_values("state_id").reset_index(drop=True)
+        store.write_json(f"{vkey}/stats.json", stats)
+        store.write_text(f"{vkey}/summary.md", stats_markdown(stats))
+        store.write_artifact(
+            f"{vkey}/pivots.parquet", pivots, kind="pivots",
+            inputs={"probes": probes_uri, "candidates": store.url(f"{demos['key']}/candidates.parquet")},
+            config={"lambda_diff": lam, "probing": cfg.probing.model_dump(mode="json")},
+            extra={"reference_hash": ref["ref_hash"], "verifier": cfg.verifier.name, "num_pivots": len(pivots)},
+        )
+    stats = store.read_json(f"{vkey}/stats.json")
+    return {"probes_key": pkey, "probes": probes_uri, "pivots_key": vkey,
+            "pivots": store.url(f"{vkey}/pivots.parquet"), "stats": stats,
+            "summary_md": store.read_text(f"{vkey}/summary.md")}
+
+
+# --------------------------------------------------------------------------------------------
+# PivotRL training (world size 1 in-process; see pivotrl.training.launch for process groups).
+# --------------------------------------------------------------------------------------------
+def pivot_schedule(num_pivots: int, batch: int, epochs: int, seed: int, max_steps: int | None) -> list[list[int]]:
+    """The pivot order of the whole run: one seeded permutation per epoch, cut into batches.
+
+    Deterministic in its arguments, so a resumed run consumes exactly the same sequence.
+    """
+    import random
+
+    steps: list[list[int]] = []
+    for e in range(epochs):
+        order = list(range(num_pivots))
+        random.Random(seed * 1_000_003 + e).shuffle(order)
+        steps += [order[i : i + batch] for i in range(0, num_pivots, batch)]
+    return steps[:max_steps] if max_steps else steps
+
+
+def stage_train(cfg: RunConfig, store: ArtifactStore, probe: dict[str, Any], ref: dict[str, Any]) -> dict[str, Any]:
+    """Local GRPO on the pivot set (PivotRL §3 stage 2), with π_old refreshed in the rollout engine
+    after every batch and the refresh verified against the trainer's log-probs.
+
+    Resumes from the latest complete checkpoint under ``train/<key>/checkpoints`` and consumes the
+    same pivot order as an uninterrupted run. Returns {"train_key", "policy_key", "metrics", ...}.
+    """
+    from pivotrl.data.bfcl import ensure_bfcl
+    from pivotrl.data.states import frame_to_states
+    from pivotrl.models import load_tokenizer
+    from pivotrl.prompts import encode_state
+    from pivotrl.training.pivotrl import Group, PivotRLTrainer
+
+    tr = cfg.training
+    tkey = "train/" + content_hash({"pivots": store.read_manifest(f"{probe['pivots_key']}/pivots.parquet").sha256,
+                                    "reference": ref["ref_hash"], "training": tr.model_dump(mode="json"),
+                                    "rollout": cfg.rollout.model_dump(mode="json"), "verifier": cfg.verifier.model_dump(mode="json"),
+                                    "prompt": cfg.prompt.model_dump(mode="json"), "dtype": cfg.model.dtype,
+                                    "seed": cfg.run.seed})[:16]
+    final_key = f"{tkey}/policy"
+    if store.exists(f"{final_key}/_COMPLETE") and store.exists(f"{tkey}/metrics.parquet"):
+        return {"train_key": tkey, "policy_key": final_key, "metrics": store.url(f"{tkey}/metrics.parquet"),
+                "summary": store.read_json(f"{tkey}/summary.json")}
+
+    cache = cache_dir(cfg)
+    pivots = frame_to_states(store.read_parquet(f"{probe['pivots_key']}/pivots.parquet"))
+    if not pivots:
+        raise TrainingError(f"the pivot set {probe['pivots']} is empty: nothing to train on "
+                            "(lower probing.lambda_diff's strictness, probe more states, or warm-start the reference)")
+    rdir = reference_dir(cfg, store, ref)
+    tok = load_tokenizer(rdir)
+    prompts = [encode_state(s, tok, max_len=cfg.model.max_context - cfg.rollout.max_tokens, **prompt_kwargs(cfg))
+               for s in pivots]
+    schedule = pivot_schedule(len(pivots), tr.pivots_per_batch, tr.epochs, cfg.run.seed, tr.max_steps)
+    work = Path(tempfile.mkdtemp(prefix="pivotrl-train-", dir=cache))
+    trainer = PivotRLTrainer(
+        str(rdir), str(rdir), group_size=tr.group_size, epsilon=tr.epsilon, beta=tr.beta, delta=tr.delta,
+        kl_estimator=tr.kl_estimator, advantage_estimator=tr.advantage_estimator, ratio_type=tr.ratio_type,
+        lr=tr.lr, updates_per_batch=tr.updates_per_batch, micro_batch_groups=tr.micro_batch_groups,
+        shared_prefix=tr.shared_prefix, dtype=cfg.model.dtype, zero_stage=tr.deepspeed.zero_stage,
+        grad_clip=tr.grad_clip, seed=cfg.run.seed,
+    )
+    start, rows = 0, []
+    latest = _latest_checkpoint(store, f"{tkey}/checkpoints")
+    policy_dir = rdir
+    if latest is not None:
+        step_dir = local_checkpoint(store, latest, cache)
+        trainer.load_checkpoint(str(step_dir))
+        start = int(json.loads((step_dir / "trainer_state.json").read_text())["step"])
+        rows = pd.read_parquet(step_dir / "metrics.parquet").to_dict("records") if (step_dir / "metrics.parquet").exists() else []
+        policy_dir = step_dir / "hf"
+        log.info("resuming PivotRL training from %s (step %d)", latest, start)
+    verifier = make_verifier(cfg, ensure_bfcl(cache))
+    engine = make_rollout_engine(cfg, policy_dir)
+    tol_max = tr.refresh_tolerance if tr.refresh_tolerance is not None else (1e-3 if cfg.model.dtype == "fp32" else 1.0)
+    try:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=len(schedule), initial=start, desc="pivotrl", unit="step")
+        for step in range(start, len(schedule)):
+            t0 = time.time()
+            _maybe_kill(cfg, store, tkey, step)
+            idx = schedule[step]
+            gens = engine.generate([prompts[i] for i in idx],
+                                   sampling_for(cfg, n=tr.group_size, temperature=1.0, seed=cfg.run.seed * 100_003 + step))
+            groups, dropped = [], 0
+            for i, samples in zip(idx, gens):
+                try:
+                    res = verifier.score(pivots[i], [g.text for g in samples])
+                except VerifierError as e:
+                    dropped += 1
+                    log.warning("dropping pivot %s at step %d: %s", pivots[i].state_id, step, e)
+                    continue
+                groups.append(Group(state_id=pivots[i].state_id, prompt_ids=prompts[i],
+                                    actions=[list(g.token_ids) for g in samples], rewards=[r.reward for r in res]))
+            t_roll = time.time() - t0
+            metrics = trainer.train_step(groups) if groups else {}
+            # Refresh π_old inside the running engine, then check it took: engine log-probs of a
+            # fixed action must match the trainer's.
+            export = work / f"policy-{step}"
+            trainer.export_hf(str(export))
+            _copy_tokenizer(rdir, export)
+            engine.load_weights(str(export))
+            d_max, d_mean = _refresh_delta(engine, trainer, prompts[idx[0]], groups[0].actions[0] if groups else None)
+            shutil.rmtree(work / f"policy-{step - 1}", ignore_errors=True)
+            row = {"step": step + 1, "pivots": len(idx), "groups": len(groups), "dropped_groups": dropped,
+                   **{k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))},
+                   "rollout_s": round(t_roll, 3), "step_time_s": round(time.time() - t0, 3),
+                   "refresh_max_abs_delta": d_max, "refresh_mean_abs_delta": d_mean}
+            rows.append(row)
+            bar.update(1)
+            bar.set_postfix(reward=f"{row.get('reward_mean', float('nan')):.2f}", refresh=f"{d_max:.1e}")
+            if d_max > tol_max:
+                raise TrainingError(
+                    f"policy refresh check failed at step {step + 1}: engine vs trainer log-probs differ by "
+                    f"{d_max:.3g} per token (tolerance {tol_max:g}); the rollout engine is not sampling from π_old")
+            if (step + 1) % tr.checkpoint_every == 0 or step + 1 == len(schedule):
+                _save_checkpoint(store, trainer, f"{tkey}/checkpoints/step-{step + 1:06d}", step + 1, rows, work, rdir)
+        bar.close()
+    finally:
+        engine.close()
+        _close(verifier)
+    metrics_df = pd.DataFrame(rows)
+    last = _latest_checkpoint(store, f"{tkey}/checkpoints")
+    final = local_checkpoint(store, last, cache) / "hf"
+    store.put_dir(str(final), final_key)
+    inputs = {"pivots": probe["pivots"], "reference": store.url(ref["ref_key"]) if ref["ref_key"] else ref["base_dir"]}
+    store.write_artifact(f"{tkey}/metrics.parquet", metrics_df, kind="training_metrics", inputs=inputs,
+                         config={"training": tr.model_dump(mode="json")}, extra={"seed": cfg.run.seed})
+    summary = {"steps": len(rows), "pivots": len(pivots), "final_reward_mean": float(metrics_df["reward_mean"].iloc[-1])
+               if "reward_mean" in metrics_df and len(metrics_df) else None,
+               "policy": store.url(final_key)}
+    store.write_artifact(f"{tkey}/summary.json", summary, kind="policy_checkpoint", inputs=inputs,
+                         config={"training": tr.model_dump(mode="json")}, extra={"checkpoint": store.url(final_key)})
+    shutil.rmtree(work, ignore_errors=True)
+    return {"train_key": tkey, "policy_key": final_key, "metrics": store.url(f"{tkey}/metrics.parquet"), "summary": summary}
+
+
+def _refresh_delta(engine: Any, trainer: Any, prompt: list[int], action: list[int] | None) -> tuple[float, float]:
+    if not action:
+        return 0.0, 0.0
+    eng = engine.score([prompt], [action])[0]
+    ref = [float(x) for x in trainer.policy_logprobs(prompt, action)]
+    deltas = [abs(a - b) for a, b in zip(eng, ref)]
+    return (max(deltas), sum(deltas) / len(deltas)) if deltas else (0.0, 0.0)
+
+
+def _save_checkpoint(store: ArtifactStore, trainer: Any, key: str, step: int, rows: list[dict], work: Path,
+                     tok_dir: Path) -> None:
+    d = work / f"ckpt-{step}"
+    trainer.save_checkpoint(str(d))
+    (d / "trainer_state.json").write_text(json.dumps({"step": step}))
+    pd.DataFrame(rows).to_parquet(d / "metrics.parquet")
+    if not (d / "hf").exists():
+        trainer.export_hf(str(d / "hf"))
+    _copy_tokenizer(tok_dir, d / "hf")
+    store.put_dir(str(d), key)
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def _latest_checkpoint(store: ArtifactStore, prefix: str) -> str | None:
+    try:
+        keys = store.list(prefix)
+    except Exception:
+        return None
+    steps = sorted({k.split("/step-")[1].split("/")[0] for k in keys if "/step-" in k and k.endswith("_COMPLETE")})
+    return f"{prefix}/step-{steps[-1]}" if steps else None
+
+
+def _copy_tokenizer(src: Path, dst: Path) -> None:
+    for f in Path(src).iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens", "chat_template", "generation_config")) and f.is_file():
+            if not (Path(dst) / f.name).exists():
+                shutil.copy2(f, Path(dst) / f.name)
+
+
+def _maybe_kill(cfg: RunConfig, store: ArtifactStore, tkey: str, step: int) -> None:
+    """Fault injection: SIGKILL this process once at ``faults.kill_trainer_at_step``."""
+    at = cfg.faults.kill_trainer_at_step
+    marker = f"{tkey}/faults/killed-at-{at}"
+    if at is not None and step == at and not store.exists(marker):
+        store.write_text(marker, "killed\n")
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _close(obj: Any) -> None:
+    close = getattr(obj, "close", None)
+    if callable(close):
+        close()
+
+
+def _jsonable(x: Any) -> Any:
+    return json.loads(json.dumps(x, default=lambda o: o.item() if hasattr(o, "item") else str(o)))
+
+
+# --------------------------------------------------------------------------------------------
+# Evaluation + report.
+# --------------------------------------------------------------------------------------------
+def stage_evaluate(cfg: RunConfig, store: ArtifactStore, demos: dict[str, Any], ref: dict[str, Any],
+                   probe: dict[str, Any], train: dict[str, Any]) -> dict[str, Any]:
+    """Evaluate base, π_ref and the PivotRL policy with the same seeds: full multi-turn tasks from
+    scratch on held-out tasks, and local accuracy on held-out states and on the pivot set."""
+    from pivotrl.data.bfcl import ensure_bfcl
+    from pivotrl.data.states import frame_to_states
+    from pivotrl.evaluation.full_task import evaluate_full_tasks
+    from pivotrl.evaluation.local import evaluate_local
+    from pivotrl.evaluation.report import build_report
+    from pivotrl.models import load_tokenizer
+    from pivotrl.pipeline.probe import select_candidates
+
+    ev = cfg.evaluation
+    ekey = "eval/" + content_hash({"demos": demos["key"], "base": ref["base_hash"], "ref": ref["ref_hash"],
+                                   "train": train["train_key"], "evaluation": ev.model_dump(mode="json"),
+                                   "prompt": cfg.prompt.model_dump(mode="json"), "rollout": cfg.rollout.model_dump(mode="json")})[:16]
+    if store.exists(f"{ekey}/report.json"):
+        return {"eval_key": ekey, "report_json": store.url(f"{ekey}/report.json"),
+                "report_md": store.url(f"{ekey}/report.md"), "report": store.read_json(f"{ekey}/report.json")}
+    cache = cache_dir(cfg)
+    bfcl_root = ensure_bfcl(cache)
+    heldout = [t for t in read_trajectories(store, demos["key"], split="heldout") if t.env is not None]
+    heldout = sorted(heldout, key=lambda t: t.id)[: ev.num_tasks]
+    cand = store.read_parquet(f"{demos['key']}/candidates.parquet")
+    local_states = frame_to_states(select_candidates(cand, "heldout", max(ev.num_tasks * 2, 16), cfg.run.seed))
+    pivots = frame_to_states(store.read_parquet(f"{probe['pivots_key']}/pivots.parquet"))
+    policies = {"base": Path(ref["base_dir"]),
+                "reference": reference_dir(cfg, store, ref),
+                "pivotrl": local_checkpoint(store, train["policy_key"], cache)}
+    tok = load_tokenizer(policies["reference"])
+    verifier = make_verifier(cfg, bfcl_root)
+    engine = make_rollout_engine(cfg, policies["base"])
+    results: dict[str, Any] = {}
+    per_task: list[pd.DataFrame] = []
+    try:
+        for name, mdir in policies.items():
+            if name != "base":
+                engine.load_weights(str(mdir))
+            res: dict[str, Any] = {}
+            for seed in ev.seeds:
+                samp = sampling_for(cfg, n=1, temperature=ev.temperature, seed=seed)
+                df, summ = evaluate_full_tasks(engine, tok, heldout, bfcl_root=str(bfcl_root),
+                                               max_steps_per_turn=ev.max_steps_per_turn, sampling=samp, seed=seed,
+                                               max_context=cfg.model.max_context, **prompt_kwargs(cfg))
+                df["policy"], df["seed"] = name, seed
+                per_task.append(df)
+                res.setdefault("full_task_runs", []).append(summ)
+                _, lsum = evaluate_local(engine, tok, local_states, verifier, sampling=samp)
+                res.setdefault("local_heldout_runs", []).append(lsum)
+                if ev.local_pivots:
+                    _, psum = evaluate_local(engine, tok, pivots, verifier, sampling=samp)
+                    res.setdefault("local_pivot_runs", []).append(psum)
+            res["full_task"] = res["full_task_runs"][0] if len(ev.seeds) == 1 else _mean_summ(res["full_task_runs"])
+            res["local"] = res["local_heldout_runs"][0] if len(ev.seeds) == 1 else _mean_summ(res["local_heldout_runs"])
+            if ev.local_pivots:
+                res["local_pivots"] = res["local_pivot_runs"][0] if len(ev.seeds) == 1 else _mean_summ(res["local_pivot_runs"])
+            results[name] = res
+    finally:
+        engine.close()
+        _close(verifier)
+    metrics_df = store.read_parquet(f"{train['train_key']}/metrics.parquet")
+    probe_df = store.read_parquet(f"{probe['probes_key']}/probes.parquet")
+    meta = {"run": cfg.run.name, "config_hash": config_hash(cfg), "model_source": cfg.model.source,
+            "note": "SmolLM2-135M-Instruct here is dequantised from a Q4_1 GGUF, not the original bf16 weights"
+            if "smollm2" in cfg.model.source.lower() else "",
+            "heldout_tasks": [t.id for t in heldout], "local_states": len(local_states), "pivots": len(pivots),
+            "sft": ref.get("sft"), "training": train.get("summary")}
+    with tempfile.TemporaryDirectory(dir=cache) as tmp:
+        rj, rm = build_report(results, metrics_df=metrics_df, probe_df=probe_df, pivot_stats=probe["stats"],
+                              meta=meta, out_dir=tmp)
+        pd.concat(per_task).to_parquet(Path(tmp) / "full_task.parquet")
+        for f in sorted(Path(tmp).iterdir()):
+            if f.name != "report.json":
+                store.write_bytes(f"{ekey}/{f.name}", f.read_bytes())
+        store.write_artifact(f"{ekey}/report.json", json.loads(Path(rj).read_text()), kind="report",
+                             inputs={"policy": store.url(train["policy_key"]), "pivots": probe["pivots"],
+                                     "metrics": train["metrics"], "trajectories": demos["trajectories"]},
+                             config={"evaluation": ev.model_dump(mode="json")}, extra={"seeds": ev.seeds})
+    return {"eval_key": ekey, "report_json": store.url(f"{ekey}/report.json"),
+            "report_md": store.url(f"{ekey}/report.md"), "report": store.read_json(f"{ekey}/report.json")}
+
+
+def _mean_summ(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k in runs[0]:
+        vals = [r[k] for r in runs if isinstance(r.get(k), (int, float))]
+        out[k] = sum(vals) / len(vals) if len(vals) == len(runs) else runs[0][k]
+    return out

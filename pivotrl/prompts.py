@@ -1,0 +1,486 @@
+"""The one prompt renderer: turn states and demonstrations → ChatML text and token ids.
+
+Every consumer (probing, SFT, GRPO, evaluation) renders prompts here, so a state's prompt is
+byte-identical wherever it is used (PivotRL §3: the state ``s`` is the complete history before one
+model call, including the system prompt and the tool schemas).
+
+Layout (ChatML, as SmolLM2's chat template writes it)::
+
+    <|im_start|>system\\n{own system text}\\n\\n{tools section}\\n\\n{action format}<|im_end|>\\n
+    <|im_start|>user\\n{content}<|im_end|>\\n
+    <|im_start|>assistant\\n{format_action(message)}<|im_end|>\\n
+    <|im_start|>tool\\n{tool output, truncated}<|im_end|>\\n
+    ...
+    <|im_start|>assistant\\n                      ← the generation header every prompt ends with
+
+Tool schemas go into the system message because chat templates of small ChatML models ignore
+``tools=``. The default ``"compact"`` style writes one line per tool: a Python-like signature and
+the first sentence of the description; BFCL's per-tool boilerplate ("This tool belongs to the X API,
+which ... Tool description: ") is stated once per group of tools instead.
+
+Tokenisation is done piecewise so that the prefix property holds by construction: the text before
+an assistant action, the action itself (``encode_action``: action tokens + eos) and the text after
+it are encoded separately and concatenated. Hence for every assistant turn ``i`` of a trajectory,
+``build_sft_example(...)[0][:start_i] == encode_state(state_i)``, and a probe's token ids
+``encode_state(s) + generated_ids`` are laid out like SFT sequences.
+
+Shapes: P = state (prompt) tokens, T = action tokens (including the eos ``<|im_end|>``).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Sequence
+
+from pivotrl.actions import format_action
+from pivotrl.data.schema import Message, ToolSpec, Trajectory, TurnState
+from pivotrl.errors import ConfigError, DataError, StateTooLongError
+from pivotrl.registry import Registry
+
+__all__ = [
+    "ACTION_FORMAT_INSTRUCTION",
+    "DEFAULT_MAX_TOOL_OUTPUT_CHARS",
+    "DEFAULT_SYSTEM_PROMPT",
+    "TOOL_STYLES",
+    "build_sft_example",
+    "encode_action",
+    "encode_state",
+    "render_prompt",
+    "render_tools",
+    "state_token_length",
+]
+
+IM_START = "<|im_start|>"
+IM_END = "<|im_end|>"
+GENERATION_HEADER = f"{IM_START}assistant\n"
+
+DEFAULT_MAX_TOOL_OUTPUT_CHARS = 2000
+# Used only when a conversation has neither its own system message nor tools, so that no chat
+# template can insert a model-specific default system prompt of its own.
+DEFAULT_SYSTEM_PROMPT = "You are a helpful assistant."
+ACTION_FORMAT_INSTRUCTION = (
+    "To call tools, reply with only a Python list of calls with keyword arguments, e.g. "
+    "[cd(folder='docs'), ls(a=True)]. The results come back as tool messages. "
+    "To answer or to end your turn, reply with plain text that does not start with '['."
+)
+_TOOLS_HEADER = "Tools (Python signatures; a parameter with a default value is optional):"
+_TRUNCATION_MARKER = "\n[... {n} more characters truncated]"
+
+TOOL_STYLES: Registry[Callable[[Sequence[ToolSpec]], str]] = Registry("tool rendering style")
+
+
+# ------------------------------------------------------------------------------------ tool styles
+
+_BFCL_PREAMBLE = re.compile(r"^\s*This tool belongs to (?P<group>.*?)\s*Tool description:\s*(?P<desc>.*)$", re.S)
+# A sentence ends at . ! ? followed by whitespace and an upper-case letter, a digit or a quote.
+_SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[A-Z0-9'\"(])")
+_MAX_DESCRIPTION_CHARS = 160
+
+_JSON_TYPES = {
+    "string": "str",
+    "integer": "int",
+    "number": "float",
+    "float": "float",
+    "boolean": "bool",
+    "dict": "dict",
+    "object": "dict",
+    "any": "Any",
+    "null": "None",
+}
+
+
+def first_sentence(text: str, max_chars: int = _MAX_DESCRIPTION_CHARS) -> str:
+    """The first sentence of ``text`` (whitespace collapsed), cut to ``max_chars`` with ``...``."""
+    text = " ".join(text.split())
+    sentence = _SENTENCE_END.split(text, maxsplit=1)[0] if text else ""
+    if len(sentence) > max_chars:
+        sentence = sentence[: max_chars - 3].rstrip() + "..."
+    return sentence
+
+
+def split_tool_description(description: str) -> tuple[str, str]:
+    """Split a BFCL multi-turn description into (group, own description).
+
+    ``"This tool belongs to the Math API, which provides ... Tool description: Add two numbers."``
+    → ``("The Math API, which provides ...", "Add two numbers.")``. Descriptions without that
+    boilerplate give ``("", description)``.
+    """
+    m = _BFCL_PREAMBLE.match(description)
+    if not m:
+        return "", description.strip()
+    group = first_sentence(m.group("group"), max_chars=400).rstrip(".")
+    if group:
+        group = group[0].upper() + group[1:]
+    return group, m.group("desc").strip()
+
+
+def _type_str(schema: Any) -> str:
+    if not isinstance(schema, Mapping):
+        return "Any"
+    if "enum" in schema and isinstance(schema["enum"], list) and schema["enum"]:
+        return "Literal[" + ", ".join(repr(v) for v in schema["enum"]) + "]"
+    t = schema.get("type")
+    if isinstance(t, list):
+        return " | ".join(_JSON_TYPES.get(str(x), str(x)) for x in t)
+    if t in ("array", "tuple"):
+        base = "list" if t == "array" else "tuple"
+        items = schema.get("items")
+        return f"{base}[{_type_str(items)}]" if isinstance(items, Mapping) and items else base
+    return _JSON_TYPES.get(str(t), str(t) if t else "Any")
+
+
+def _default_str(schema: Mapping[str, Any]) -> str:
+    value = schema["default"]
+    # BFCL writes a default of None as the string 'None'.
+    return "None" if value == "None" else repr(value)
+
+
+def tool_signature(tool: ToolSpec) -> str:
+    """Python-like signature: ``name(req: str, opt: int = 0, other: bool = ...)``.
+
+    Required parameters (``parameters["required"]``) come first and have no default; an optional
+    parameter shows its schema ``default`` (``None`` for BFCL's ``'None'``) or ``...`` if none is
+    given. Parameter order otherwise follows ``parameters["properties"]``.
+    """
+    params = tool.parameters or {}
+    props = params.get("properties") or {}
+    required = params.get("required") or []
+    parts_req: list[str] = []
+    parts_opt: list[str] = []
+    if isinstance(props, Mapping):
+        for pname, pschema in props.items():
+            ptype = _type_str(pschema)
+            if pname in required:
+                parts_req.append(f"{pname}: {ptype}")
+            else:
+                default = (
+                    _default_str(pschema) if isinstance(pschema, Mapping) and "default" in pschema else "..."
+                )
+                parts_opt.append(f"{pname}: {ptype} = {default}")
+    return f"{tool.name}({', '.join(parts_req + parts_opt)})"
+
+
+@TOOL_STYLES.register("compact")
+def _render_compact(tools: Sequence[ToolSpec]) -> str:
+    """One line per tool, ``- signature: first sentence``; tools grouped by their BFCL API."""
+    groups: dict[str, list[str]] = {}
+    for tool in tools:
+        group, desc = split_tool_description(tool.description)
+        sentence = first_sentence(desc)
+        line = f"- {tool_signature(tool)}" + (f": {sentence}" if sentence else "")
+        groups.setdefault(group, []).append(line)
+    lines = [_TOOLS_HEADER]
+    for group, tool_lines in groups.items():
+        if group:
+            lines.append(f"# {group}.")
+        lines.extend(tool_lines)
+    return "\n".join(lines)
+
+
+@TOOL_STYLES.register("compact_params")
+def _render_compact_params(tools: Sequence[ToolSpec]) -> str:
+    """As ``"compact"``, plus one indented line per parameter: ``name: first sentence``."""
+    groups: dict[str, list[str]] = {}
+    for tool in tools:
+        group, desc = split_tool_description(tool.description)
+        sentence = first_sentence(desc)
+        lines = [f"- {tool_signature(tool)}" + (f": {sentence}" if sentence else "")]
+        props = (tool.parameters or {}).get("properties") or {}
+        if isinstance(props, Mapping):
+            for pname, pschema in props.items():
+                pdesc = first_sentence(str(pschema.get("description", ""))) if isinstance(pschema, Mapping) else ""
+                if pdesc:
+                    lines.append(f"  {pname}: {pdesc}")
+        groups.setdefault(group, []).extend(lines)
+    out = [_TOOLS_HEADER]
+    for group, tool_lines in groups.items():
+        if group:
+            out.append(f"# {group}.")
+        out.extend(tool_lines)
+    return "\n".join(out)
+
+
+@TOOL_STYLES.register("json")
+def _render_json(tools: Sequence[ToolSpec]) -> str:
+    """Every tool's full OpenAI schema, one compact JSON object per line (for comparison)."""
+    return "\n".join(["Tools (JSON schemas):"] + [json.dumps(t.to_dict(), ensure_ascii=False) for t in tools])
+
+
+def render_tools(tools: Sequence[ToolSpec], style: str = "compact") -> str:
+    """Render tool schemas for the system prompt.
+
+    Args:
+        tools: the tools of the state/trajectory, in order.
+        style: a name in ``TOOL_STYLES`` (``"compact"``: one Python-like signature line per tool;
+            ``"json"``: one JSON schema per line).
+
+    Returns the tools section text ("" for no tools). Raises ConfigError for an unknown style.
+    """
+    render = TOOL_STYLES.get(style)
+    return render(tools) if tools else ""
+
+
+# --------------------------------------------------------------------------------------- pieces
+
+
+@dataclass(frozen=True)
+class _Piece:
+    text: str
+    is_action: bool  # the content of an assistant message (encoded with encode_action's rule)
+
+
+def _system_text(own: str, tools: Sequence[ToolSpec], tool_style: str) -> str:
+    parts = [own.strip()] if own.strip() else []
+    if tools:
+        parts.append(render_tools(tools, tool_style))
+        parts.append(ACTION_FORMAT_INSTRUCTION)
+    return "\n\n".join(parts) if parts else DEFAULT_SYSTEM_PROMPT
+
+
+def _tool_output(content: str, max_chars: int) -> str:
+    if len(content) <= max_chars:
+        return content
+    return content[:max_chars] + _TRUNCATION_MARKER.format(n=len(content) - max_chars)
+
+
+def _pieces(
+    messages: Sequence[Message],
+    tools: Sequence[ToolSpec],
+    *,
+    tool_style: str,
+    max_tool_output_chars: int,
+    where: str,
+) -> list[_Piece]:
+    """The prompt as alternating plain / action pieces, ending with the generation header."""
+    if max_tool_output_chars < 1:
+        raise ConfigError(f"max_tool_output_chars={max_tool_output_chars}: must be >= 1")
+    msgs = list(messages)
+    own_system = ""
+    if msgs and msgs[0].role == "system":
+        own_system = msgs[0].content
+        msgs = msgs[1:]
+    pieces: list[_Piece] = []
+    buf = f"{IM_START}system\n{_system_text(own_system, tools, tool_style)}{IM_END}\n"
+    for i, m in enumerate(msgs):
+        if m.role == "assistant":
+            buf += GENERATION_HEADER
+            pieces.append(_Piece(buf, False))
+            try:
+                action = format_action(m)
+            except DataError as e:
+                raise DataError(f"{where}: assistant message {i}: {e}") from None
+            pieces.append(_Piece(action, True))
+            buf = f"{IM_END}\n"
+        elif m.role == "tool":
+            buf += f"{IM_START}tool\n{_tool_output(m.content, max_tool_output_chars)}{IM_END}\n"
+        else:
+            buf += f"{IM_START}{m.role}\n{m.content}{IM_END}\n"
+    pieces.append(_Piece(buf + GENERATION_HEADER, False))
+    return pieces
+
+
+def render_prompt(
+    messages: Sequence[Message],
+    tools: Sequence[ToolSpec],
+    tokenizer: Any = None,
+    *,
+    tool_style: str = "compact",
+    max_tool_output_chars: int = DEFAULT_MAX_TOOL_OUTPUT_CHARS,
+) -> str:
+    """Render a history as ChatML text ending with the generation header ``<|im_start|>assistant\\n``.
+
+    Args:
+        messages: the history before one model call (a TurnState's ``messages``). A leading system
+            message is kept, with the tools section and the action format appended.
+        tools: the tool schemas offered at this state.
+        tokenizer: if given, its chat template must write ChatML exactly as this module does
+            (checked once per template); ConfigError otherwise. May be None (no check).
+        tool_style: see :func:`render_tools`.
+        max_tool_output_chars: tool outputs longer than this are cut, with an explicit marker
+            ``[... N more characters truncated]``.
+
+    Assistant messages are written with ``pivotrl.actions.format_action``; tool messages as role
+    ``tool``. Raises DataError for a message that cannot be rendered, ConfigError for bad options.
+    """
+    if tokenizer is not None:
+        check_chat_template(tokenizer)
+    pieces = _pieces(
+        messages, tools, tool_style=tool_style, max_tool_output_chars=max_tool_output_chars, where="prompt"
+    )
+    return "".join(p.text for p in pieces)
+
+
+# --------------------------------------------------------------------------------------- tokens
+
+
+def _eos_id(tokenizer: Any) -> int:
+    eos = getattr(tokenizer, "eos_token_id", None)
+    if eos is None or tokenizer.convert_ids_to_tokens(eos) != IM_END:
+        raise ConfigError(f"tokenizer: eos token must be {IM_END!r} (ChatML), got {tokenizer.eos_token!r}")
+    return int(eos)
+
+
+def _encode_text(text: str, tokenizer: Any) -> list[int]:
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def _encode_pieces(pieces: Sequence[_Piece], tokenizer: Any) -> tuple[list[list[int]], int]:
+    eos = _eos_id(tokenizer)
+    out = [encode_action(p.text, tokenizer)[:-1] if p.is_action else _encode_text(p.text, tokenizer) for p in pieces]
+    return out, eos
+
+
+def encode_action(text: str, tokenizer: Any) -> list[int]:
+    """Token ids of one action: ``tokenizer(text)`` without special-token insertion, then eos.
+
+    Returns a list of T ints whose last element is the id of ``<|im_end|>``. This is exactly how
+    an action appears inside an SFT sequence (and how a sampled action ends). Raises ConfigError if
+    the tokenizer's eos is not ``<|im_end|>``.
+    """
+    return _encode_text(text, tokenizer) + [_eos_id(tokenizer)]
+
+
+def encode_state(
+    state: TurnState,
+    tokenizer: Any,
+    *,
+    max_len: int,
+    tool_style: str = "compact",
+    max_tool_output_chars: int = DEFAULT_MAX_TOOL_OUTPUT_CHARS,
+) -> list[int]:
+    """Token ids (P ints) of a turn state's prompt, ending with the generation header.
+
+    ``max_len`` is the most prompt tokens allowed; callers reserve room for the action (e.g.
+    ``max_model_len - max_tokens``). Raises StateTooLongError (naming the state id, its length and
+    ``max_len``) instead of truncating (spec: long states are skipped and counted).
+    """
+    ids = _state_ids(state, tokenizer, tool_style=tool_style, max_tool_output_chars=max_tool_output_chars)
+    if len(ids) > max_len:
+        raise StateTooLongError(
+            f"turn state {state.state_id!r}: prompt is {len(ids)} tokens, more than max_len={max_len}"
+        )
+    return ids
+
+
+def state_token_length(
+    state: TurnState,
+    tokenizer: Any,
+    *,
+    tool_style: str = "compact",
+    max_tool_output_chars: int = DEFAULT_MAX_TOOL_OUTPUT_CHARS,
+) -> int:
+    """Number of prompt tokens P of a state (as :func:`encode_state` would produce, without a limit)."""
+    return len(_state_ids(state, tokenizer, tool_style=tool_style, max_tool_output_chars=max_tool_output_chars))
+
+
+def _state_ids(state: TurnState, tokenizer: Any, *, tool_style: str, max_tool_output_chars: int) -> list[int]:
+    check_chat_template(tokenizer)
+    pieces = _pieces(
+        state.messages,
+        state.tools,
+        tool_style=tool_style,
+        max_tool_output_chars=max_tool_output_chars,
+        where=f"turn state {state.state_id!r}",
+    )
+    encoded, _ = _encode_pieces(pieces, tokenizer)
+    return [t for seg in encoded for t in seg]
+
+
+def build_sft_example(
+    trajectory: Trajectory,
+    tokenizer: Any,
+    *,
+    max_len: int,
+    tool_style: str = "compact",
+    max_tool_output_chars: int = DEFAULT_MAX_TOOL_OUTPUT_CHARS,
+    truncate_at_turn: bool = False,
+) -> tuple[list[int], list[int]]:
+    """One supervised sequence for a whole demonstration, with its loss mask.
+
+    Returns ``(input_ids, loss_mask)``, two lists of equal length L: the trajectory rendered up to
+    and including its last assistant action's eos; ``loss_mask`` is 1 exactly on every assistant
+    action's tokens and its eos ``<|im_end|>``, else 0 (tool outputs, user text and headers are
+    inputs, never trained on; PivotRL §3). For every assistant turn ``i`` with first action token at
+    ``start_i``, ``input_ids[:start_i] == encode_state(state_i)``.
+
+    If L > ``max_len``: raise StateTooLongError naming the trajectory and lengths, or, with
+    ``truncate_at_turn=True``, end the example after the last action that fits (StateTooLongError
+    if not even the first one fits). DataError if the trajectory has no assistant message.
+    """
+    check_chat_template(tokenizer)
+    # Drop everything after the last assistant message: it is never a target.
+    msgs = list(trajectory.messages)
+    last = max((i for i, m in enumerate(msgs) if m.role == "assistant"), default=-1)
+    if last < 0:
+        raise DataError(f"trajectory {trajectory.id!r}: no assistant message to train on")
+    pieces = _pieces(
+        msgs[: last + 1],
+        trajectory.tools,
+        tool_style=tool_style,
+        max_tool_output_chars=max_tool_output_chars,
+        where=f"trajectory {trajectory.id!r}",
+    )
+    encoded, eos = _encode_pieces(pieces[:-1], tokenizer)  # the final generation header is not needed
+    input_ids: list[int] = []
+    loss_mask: list[int] = []
+    end_of_fitting_action = 0
+    for piece, ids in zip(pieces, encoded):
+        if piece.is_action:
+            ids = ids + [eos]
+            input_ids.extend(ids)
+            loss_mask.extend([1] * len(ids))
+            if len(input_ids) <= max_len:
+                end_of_fitting_action = len(input_ids)
+        else:
+            if piece.text.startswith(IM_END):  # the eos closing the previous action is already there
+                if not ids or ids[0] != eos:
+                    raise ConfigError(f"tokenizer does not encode {IM_END!r} as one special token")
+                ids = ids[1:]
+            input_ids.extend(ids)
+            loss_mask.extend([0] * len(ids))
+    if len(input_ids) > max_len:
+        if not truncate_at_turn or end_of_fitting_action == 0:
+            raise StateTooLongError(
+                f"trajectory {trajectory.id!r}: SFT example is {len(input_ids)} tokens, more than "
+                f"max_len={max_len}" + (" (not even the first action fits)" if truncate_at_turn else "")
+            )
+        input_ids = input_ids[:end_of_fitting_action]
+        loss_mask = loss_mask[:end_of_fitting_action]
+    return input_ids, loss_mask
+
+
+# ---------------------------------------------------------------------------- template check
+
+_CHECKED_TEMPLATES: dict[str, None] = {}
+
+
+def check_chat_template(tokenizer: Any) -> None:
+    """Raise ConfigError unless ``tokenizer``'s chat template writes ChatML as this module does.
+
+    Renders a small conversation (system, user, assistant, tool) with ``apply_chat_template`` and
+    compares it with this module's layout. A tokenizer without a chat template passes if its eos is
+    ``<|im_end|>``. Checked once per distinct template string.
+    """
+    _eos_id(tokenizer)
+    template = getattr(tokenizer, "chat_template", None)
+    if not template or template in _CHECKED_TEMPLATES:
+        return
+    probe = [
+        {"role": "system", "content": "S"},
+        {"role": "user", "content": "U"},
+        {"role": "assistant", "content": "[f(x=1)]"},
+        {"role": "tool", "content": "T"},
+    ]
+    expected = "".join(f"{IM_START}{m['role']}\n{m['content']}{IM_END}\n" for m in probe) + GENERATION_HEADER
+    try:
+        got = tokenizer.apply_chat_template(probe, tokenize=False, add_generation_prompt=True)
+    except Exception as e:  # noqa: BLE001 - any template failure means "not ChatML as expected"
+        raise ConfigError(f"tokenizer chat template failed on a ChatML probe: {type(e).__name__}: {e}") from None
+    if got != expected:
+        raise ConfigError(
+            "tokenizer chat template is not ChatML as pivotrl.prompts renders it: "
+            f"expected {expected!r}, got {got!r}"
+        )
+    _CHECKED_TEMPLATES[template] = None

@@ -1,0 +1,248 @@
+"""Per-token log-probabilities of a group of K actions that share one state.
+
+Shape legend (as in the spec): K = group size, P = state (prefix) tokens, T = action tokens,
+T_max = the longest action in the group, V = vocabulary size.
+
+Two ways to compute the same numbers:
+
+* **shared prefix** (default): the state is run once with ``use_cache=True``; the logits of its last
+  position predict the first action token; the key/value cache is repeated K times along the batch
+  dimension and the K right-padded actions (all but their last token) are run on top of it, with
+  explicit ``position_ids`` starting at P and an attention mask covering prefix + action. Tokens
+  processed: ``P + K·(T_max − 1)``. Gradients flow through the cached prefix keys/values, so the
+  parameter gradients equal the naive computation's.
+* **naive**: K full sequences ``state + action[:-1]``: ``K·(P + T_max − 1)`` tokens.
+
+The shared path needs a model whose forward returns a ``transformers`` cache object with
+``batch_repeat_interleave`` and accepts ``past_key_values``, ``position_ids`` and a 2-D
+``attention_mask`` (Llama, Mistral, Qwen2 and other standard decoder-only models do). For any other
+model (no cache object returned, or a forward that rejects these arguments) the computation falls
+back to the naive path, once per model class, with a warning; the results are the same, only slower.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+
+from pivotrl.errors import DataError
+
+__all__ = [
+    "GroupLogprobs",
+    "compute_group_logprobs",
+    "group_logprobs",
+    "processed_tokens",
+]
+
+log = logging.getLogger(__name__)
+
+# Model classes (by qualified name) on which the shared-prefix path failed: they use the naive path.
+_NAIVE_ONLY: set[str] = set()
+
+
+@dataclass(frozen=True)
+class GroupLogprobs:
+    """Result of :func:`compute_group_logprobs` for one state and its K actions."""
+
+    logprobs: torch.Tensor  # (K, T_max) float32 (float64 for a float64 model), log π(a_{i,t} | s, a_{i,<t}); 0 where action_mask == 0
+    action_mask: torch.Tensor  # (K, T_max) float32, 1 on real action tokens, 0 on right padding
+    entropy: torch.Tensor | None  # (K, T_max) float32, detached token entropy in nats; None unless asked
+    tokens_processed: int  # tokens run through the model (see processed_tokens)
+    shared_prefix: bool  # whether the shared-prefix path was used
+
+
+def processed_tokens(prompt_len: int, action_lens: Sequence[int], *, shared_prefix: bool) -> int:
+    """Tokens run through the model for one group: ``P + K·(T_max−1)`` shared, ``K·(P+T_max−1)`` naive.
+
+    Padding tokens of shorter actions are counted (they are computed). Pure arithmetic.
+    """
+    k, t_max = len(action_lens), max(action_lens)
+    if shared_prefix:
+        return prompt_len + k * (t_max - 1)
+    return k * (prompt_len + t_max - 1)
+
+
+def _underlying(model: Any) -> Any:
+    """The ``nn.Module`` behind a DeepSpeed engine (``.module``) or the model itself."""
+    return getattr(model, "module", model)
+
+
+def _accepts(model: Any, name: str) -> bool:
+    try:
+        params = inspect.signature(_underlying(model).forward).parameters
+    except (TypeError, ValueError):
+        return False
+    return name in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+
+
+def _model_device(model: Any) -> torch.device:
+    for p in _underlying(model).parameters():
+        return p.device
+    return torch.device("cpu")
+
+
+def _model_dtype(model: Any) -> torch.dtype:
+    for p in _underlying(model).parameters():
+        return p.dtype
+    return torch.float32
+
+
+def _check_inputs(prompt_ids: Sequence[int], actions: Sequence[Sequence[int]]) -> None:
+    if len(prompt_ids) == 0:
+        raise DataError("group_logprobs: prompt_ids is empty; a state needs at least one token")
+    if len(actions) == 0:
+        raise DataError("group_logprobs: actions is empty; a group needs at least one action (K ≥ 1)")
+    for i, a in enumerate(actions):
+        if len(a) == 0:
+            raise DataError(f"group_logprobs: action {i} has no tokens; every action needs T ≥ 1")
+
+
+def _pad_actions(
+    actions: Sequence[Sequence[int]], device: torch.device, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-pad to (K, T_max) token ids (pad id 0, never attended to) and a (K, T_max) 0/1 mask."""
+    t_max = max(len(a) for a in actions)
+    ids = torch.zeros(len(actions), t_max, dtype=torch.long, device=device)
+    mask = torch.zeros(len(actions), t_max, dtype=dtype, device=device)
+    for i, a in enumerate(actions):
+        ids[i, : len(a)] = torch.as_tensor(list(a), dtype=torch.long, device=device)
+        mask[i, : len(a)] = 1.0
+    return ids, mask
+
+
+def _token_stats(
+    logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor, with_entropy: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """logits (K, T_max, V) → log-probs (K, T_max) fp32 (fp64 for fp64 logits), masked to 0; entropy or None."""
+    if logits.dtype != torch.float64:
+        logits = logits.float()  # bf16/fp16 logits are normalised in fp32
+    logp_all = torch.log_softmax(logits, dim=-1)  # (K, T_max, V)
+    logprobs = logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1) * mask  # (K, T_max)
+    entropy = None
+    if with_entropy:
+        with torch.no_grad():
+            entropy = -(logp_all.exp() * logp_all).sum(-1) * mask  # (K, T_max)
+    return logprobs, entropy
+
+
+def _naive_logits(model: Any, prompt: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """K sequences ``state + action[:-1]`` → logits (K, T_max, V) predicting each action token."""
+    k, t_max = ids.shape
+    p = prompt.shape[0]
+    inputs = torch.cat([prompt.unsqueeze(0).expand(k, p), ids[:, :-1]], dim=1)  # (K, P + T_max − 1)
+    attn = torch.cat(
+        [torch.ones(k, p, dtype=torch.long, device=ids.device), mask[:, :-1].long()], dim=1
+    )  # (K, P + T_max − 1)
+    kwargs: dict[str, Any] = {"input_ids": inputs, "attention_mask": attn, "use_cache": False}
+    if _accepts(model, "logits_to_keep"):
+        kwargs["logits_to_keep"] = t_max
+    logits = model(**kwargs).logits  # (K, ≥T_max, V)
+    return logits[:, -t_max:]
+
+
+def _shared_logits(model: Any, prompt: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor | None:
+    """Shared-prefix logits (K, T_max, V); None when the model cannot expand its cache."""
+    k, t_max = ids.shape
+    p = prompt.shape[0]
+    kwargs: dict[str, Any] = {"input_ids": prompt.unsqueeze(0), "use_cache": True}
+    if _accepts(model, "logits_to_keep"):
+        kwargs["logits_to_keep"] = 1
+    out = model(**kwargs)
+    first = out.logits[:, -1:]  # (1, 1, V): predicts every action's first token
+    cache = getattr(out, "past_key_values", None)
+    if cache is None or not hasattr(cache, "batch_repeat_interleave"):
+        return None
+    if t_max == 1:
+        return first.expand(k, 1, first.shape[-1])
+    cache.batch_repeat_interleave(k)
+    steps = t_max - 1
+    attn = torch.cat(
+        [torch.ones(k, p, dtype=torch.long, device=ids.device), mask[:, :-1].long()], dim=1
+    )  # (K, P + T_max − 1)
+    positions = torch.arange(p, p + steps, device=ids.device).unsqueeze(0).expand(k, steps)  # (K, T_max − 1)
+    rest = model(
+        input_ids=ids[:, :-1],
+        past_key_values=cache,
+        position_ids=positions,
+        attention_mask=attn,
+        use_cache=True,
+    ).logits  # (K, T_max − 1, V)
+    return torch.cat([first.expand(k, 1, first.shape[-1]), rest], dim=1)
+
+
+def compute_group_logprobs(
+    model: Any,
+    prompt_ids: Sequence[int],
+    actions: Sequence[Sequence[int]],
+    *,
+    shared_prefix: bool = True,
+    with_entropy: bool = False,
+) -> GroupLogprobs:
+    """Per-token log-probs of K actions given one state, plus bookkeeping (see :class:`GroupLogprobs`).
+
+    Args:
+        model: a causal LM (``transformers`` model or a DeepSpeed engine wrapping one), any dtype.
+            Called as is: gradients flow unless the caller wraps this in ``torch.no_grad()``.
+        prompt_ids: the state's P token ids (the rendered history ending with the generation header).
+        actions: K lists of action token ids (lengths T_i ≥ 1, may differ).
+        shared_prefix: run the state once and reuse its key/value cache (falls back to the naive
+            path for models that cannot; see the module docstring).
+        with_entropy: also return the detached token entropy (K, T_max) in nats.
+
+    Returns:
+        :class:`GroupLogprobs` whose ``logprobs`` (K, T_max) are float32 log π(a_{i,t} | s, a_{i,<t})
+        with 0 on padding, and ``action_mask`` (K, T_max) float32 (both float64 for a float64 model).
+
+    Raises:
+        DataError: empty state, empty group, or an empty action.
+    """
+    _check_inputs(prompt_ids, actions)
+    device = _model_device(model)
+    prompt = torch.as_tensor(list(prompt_ids), dtype=torch.long, device=device)  # (P,)
+    dtype = torch.float64 if _model_dtype(model) == torch.float64 else torch.float32
+    ids, mask = _pad_actions(actions, device, dtype)  # (K, T_max)
+    lens = [len(a) for a in actions]
+    key = type(_underlying(model)).__qualname__
+    logits = None
+    used_shared = False
+    if shared_prefix and key not in _NAIVE_ONLY:
+        try:
+            logits = _shared_logits(model, prompt, ids, mask)
+        except (TypeError, NotImplementedError, AttributeError) as err:
+            log.warning("shared-prefix log-probs unsupported by %s (%s); using the naive path", key, err)
+            logits = None
+        if logits is None:
+            _NAIVE_ONLY.add(key)
+        else:
+            used_shared = True
+    if logits is None:
+        logits = _naive_logits(model, prompt, ids, mask)
+    logprobs, entropy = _token_stats(logits, ids, mask, with_entropy)
+    return GroupLogprobs(
+        logprobs=logprobs,
+        action_mask=mask,
+        entropy=entropy,
+        tokens_processed=processed_tokens(len(prompt_ids), lens, shared_prefix=used_shared),
+        shared_prefix=used_shared,
+    )
+
+
+def group_logprobs(
+    model: Any,
+    prompt_ids: Sequence[int],
+    actions: Sequence[Sequence[int]],
+    *,
+    shared_prefix: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token log-probs (K, T_max) float32 and action_mask (K, T_max) float32 of K actions at one state.
+
+    ``logprobs[i, t] = log π(a_{i,t} | s, a_{i,<t})`` for ``t < T_i``, 0 on right padding. The
+    whole-action log-probability of action i is ``logprobs[i].sum()`` (PivotRL §3, sequence ratio).
+    See :func:`compute_group_logprobs` for arguments, errors and the shared-prefix computation.
+    """
+    res = compute_group_logprobs(model, prompt_ids, actions, shared_prefix=shared_prefix)
+    return res.logprobs, res.action_mask

@@ -1,0 +1,165 @@
+"""Verifier contract, registry and the ``auto`` dispatcher (PivotRL §3.2: ``R(s, a) = 1[a ∈ M(s)]``).
+
+A verifier scores the raw model outputs (actions) sampled at one turn state: it parses them itself
+with :func:`pivotrl.actions.parse_action`; output that does not parse is a reward of 0 with reason
+``"parse_error"`` (not an error). When it cannot decide (a tool crashed or timed out after its
+retries) it raises :class:`~pivotrl.errors.VerifierError`, never a reward of 0.
+
+Acceptance rules are explicit (tool names, argument rules, functional equivalence), never text
+similarity. Every verifier accepts a text action when the demonstration's action is text (the
+"end the turn / answer" step), and rejects a text action when the demonstration calls tools.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol, Sequence, runtime_checkable
+
+from pivotrl.actions import parse_action
+from pivotrl.data.schema import Message, ToolCall, TurnState
+from pivotrl.errors import ActionParseError, ConfigError, DataError
+from pivotrl.registry import Registry
+
+__all__ = [
+    "VERIFIERS",
+    "AutoVerifier",
+    "ParsedAction",
+    "Verifier",
+    "VerifierResult",
+    "demo_calls",
+    "get_verifier",
+    "parse_actions",
+]
+
+
+@dataclass(frozen=True)
+class VerifierResult:
+    """The verdict on one action: ``reward`` ∈ {0.0, 1.0}, ``accepted`` = reward == 1, ``reason``
+    a short machine-readable tag (e.g. ``"match"``, ``"parse_error"``, ``"wrong_tool"``)."""
+
+    reward: float
+    accepted: bool
+    reason: str
+
+    @classmethod
+    def accept(cls, reason: str = "match") -> "VerifierResult":
+        return cls(1.0, True, reason)
+
+    @classmethod
+    def reject(cls, reason: str) -> "VerifierResult":
+        return cls(0.0, False, reason)
+
+
+@runtime_checkable
+class Verifier(Protocol):
+    """``score(state, actions) -> list[VerifierResult]``: one result per action (m or K of them)."""
+
+    def score(self, state: TurnState, actions: Sequence[str]) -> list[VerifierResult]: ...
+
+
+VERIFIERS: Registry[type] = Registry("verifier")
+
+
+def get_verifier(name: str, **opts: Any) -> Verifier:
+    """Instantiate the verifier registered as ``name`` with keyword options ``opts``.
+
+    Names: "tool_name", "arguments", "execution", "auto". Raises ConfigError for an unknown name
+    (listing the valid ones) or options the verifier does not take.
+    """
+    cls = VERIFIERS.get(name)
+    try:
+        return cls(**opts)
+    except TypeError as e:
+        raise ConfigError(f"verifier {name!r}: bad options {sorted(opts)}: {e}") from None
+
+
+@dataclass(frozen=True)
+class ParsedAction:
+    """An action after parsing: ``message`` is None iff it did not parse (``error`` says why)."""
+
+    text: str
+    message: Message | None
+    error: str = ""
+
+    @property
+    def calls(self) -> tuple[ToolCall, ...]:
+        return () if self.message is None else self.message.tool_calls
+
+    @property
+    def is_text(self) -> bool:
+        return self.message is not None and not self.message.tool_calls
+
+
+def parse_actions(state: TurnState, actions: Sequence[str]) -> list[ParsedAction]:
+    """Parse each raw action with the state's tools (positional arguments are named from them)."""
+    out = []
+    for text in actions:
+        try:
+            out.append(ParsedAction(text, parse_action(text, state.tools)))
+        except ActionParseError as e:
+            out.append(ParsedAction(text, None, str(e)))
+    return out
+
+
+def demo_calls(state: TurnState) -> tuple[ToolCall, ...]:
+    """The demonstration's calls: ``verifier_context["demo_calls"]`` if present, else the demo
+    action's tool calls (empty for a text demo action). Raises DataError for malformed dicts."""
+    raw = state.verifier_context.get("demo_calls")
+    if raw is None:
+        return tuple(state.demo_action.tool_calls)
+    if not isinstance(raw, list):
+        raise DataError(f"turn state {state.state_id!r}: verifier_context.demo_calls is not a list")
+    return tuple(ToolCall.from_dict(d, f"turn state {state.state_id!r}.demo_calls[{i}]") for i, d in enumerate(raw))
+
+
+def kind_check(demo: Sequence[ToolCall], parsed: ParsedAction) -> VerifierResult | None:
+    """The verdict every verifier shares, or None if the calls must be compared.
+
+    Unparsable → reject "parse_error"; text demo → accept a text action ("text"), reject calls
+    ("wrong_kind"); call demo → reject a text action ("wrong_kind").
+    """
+    if parsed.message is None:
+        return VerifierResult.reject("parse_error")
+    if not demo:
+        return VerifierResult.accept("text") if parsed.is_text else VerifierResult.reject("wrong_kind")
+    if parsed.is_text:
+        return VerifierResult.reject("wrong_kind")
+    return None
+
+
+@VERIFIERS.register("auto")
+class AutoVerifier:
+    """Dispatch on ``state.verifier_context["default_verifier"]`` (set by the data source).
+
+    Options are passed to each underlying verifier when it is first needed, keyed by name:
+    ``AutoVerifier(execution={"pool": pool}, arguments={})``; a name without options gets none.
+    """
+
+    def __init__(self, **per_verifier_opts: dict[str, Any]) -> None:
+        for name in per_verifier_opts:
+            if name not in VERIFIERS or name == "auto":
+                raise ConfigError(f"auto verifier: option {name!r} is not a verifier name; valid: "
+                                  f"{', '.join(n for n in VERIFIERS if n != 'auto')}")
+        self._opts = per_verifier_opts
+        self._verifiers: dict[str, Verifier] = {}
+
+    def verifier_for(self, state: TurnState) -> Verifier:
+        name = state.verifier_context.get("default_verifier")
+        if not isinstance(name, str) or name == "auto" or name not in VERIFIERS:
+            raise DataError(
+                f"turn state {state.state_id!r}: verifier_context.default_verifier={name!r} is not one of "
+                f"{', '.join(n for n in VERIFIERS if n != 'auto')}"
+            )
+        if name not in self._verifiers:
+            self._verifiers[name] = get_verifier(name, **self._opts.get(name, {}))
+        return self._verifiers[name]
+
+    def score(self, state: TurnState, actions: Sequence[str]) -> list[VerifierResult]:
+        """Score with the state's default verifier (see :class:`Verifier`)."""
+        return self.verifier_for(state).score(state, actions)
+
+    def close(self) -> None:
+        for v in self._verifiers.values():
+            close = getattr(v, "close", None)
+            if close is not None:
+                close()

@@ -1,0 +1,106 @@
+"""The evaluation report: both numbers for every policy, plots on disk, atomic, valid JSON."""
+
+from __future__ import annotations
+
+import json
+
+import pandas as pd
+import pytest
+
+from pivotrl.errors import ConfigError
+from pivotrl.evaluation.report import BARS_PLOT, MU_PLOT, POLICIES, REWARD_PLOT, build_report
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def _local(accepted: int, samples: int) -> dict:
+    return {"accuracy": accepted / samples, "n_accepted": accepted, "n_samples": samples, "n_states": samples}
+
+
+def _full(success: int, tasks: int, passed: int, turns: int) -> dict:
+    return {
+        "success_rate": success / tasks,
+        "n_success": success,
+        "n_tasks": tasks,
+        "turn_pass_rate": passed / turns,
+        "turns_passed": passed,
+        "turns_total": turns,
+        "format_error_rate": 0.25,
+        "failure_reasons": {"state_mismatch": tasks - success},
+    }
+
+
+RESULTS = {
+    "base": {"local": _local(1, 40), "full_task": _full(0, 20, 3, 80)},
+    "reference (SFT warm start)": {"local": _local(12, 40), "full_task": _full(2, 20, 21, 80)},
+    "pivotrl": {"local": _local(19, 40), "full_task": _full(3, 20, 26, 80)},
+}
+
+
+def _table_rows(md: str) -> dict[str, list[str]]:
+    rows = {}
+    for line in md.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if line.startswith("| ") and cells[0] in POLICIES:
+            rows[cells[0]] = cells[1:]
+    return rows
+
+
+def test_report_table_plots_and_json(tmp_path):
+    metrics = pd.DataFrame({"step": [0, 1, 2, 3], "reward_mean": [0.25, 0.375, 0.5, 0.625]})
+    probes = pd.DataFrame({"state_id": [f"t#{i}" for i in range(6)], "mu": [0.0, 0.125, 0.25, 0.25, 1.0, float("nan")]})
+    stats = {"candidates": 6, "kept": 3, "all_fail": 1, "all_pass": 1, "lambda_diff": 0.5, "num_probes": 8}
+    json_path, md_path = build_report(
+        RESULTS, metrics_df=metrics, probe_df=probes, pivot_stats=stats,
+        meta={"model": "tiny", "config_hash": "abc"}, out_dir=tmp_path / "rep",
+    )
+    md = md_path.read_text()
+    rows = _table_rows(md)
+    assert list(rows) == list(POLICIES)
+    # local pivot accuracy | full-task success | turns passed | format error rate
+    # (3/80 = 0.0375 is stored as 0.03749..., 21/80 = 0.2625 as 0.26250...01)
+    assert rows["base"][:3] == ["0.025 (1/40)", "0.000 (0/20)", "0.037 (3/80)"]
+    assert rows["reference (SFT warm start)"][:3] == ["0.300 (12/40)", "0.100 (2/20)", "0.263 (21/80)"]
+    assert rows["pivotrl"][:3] == ["0.475 (19/40)", "0.150 (3/20)", "0.325 (26/80)"]
+    assert "## Known limits" in md and "Finite probing" in md and "Local correctness is not task success" in md
+    for png in (REWARD_PLOT, MU_PLOT, BARS_PLOT):
+        data = (tmp_path / "rep" / png).read_bytes()
+        assert data.startswith(PNG_MAGIC) and len(data) > 1000
+        assert f"]({png})" in md
+    report = json.loads(json_path.read_text())  # strict JSON: NaN became null
+    pol = {r["policy"]: r for r in report["policies"]}
+    assert pol["pivotrl"]["local_pivot_accuracy"] == pytest.approx(19 / 40)
+    assert pol["pivotrl"]["full_task_success"] == pytest.approx(3 / 20)
+    assert report["training"]["curve"] == [[0.0, 0.25], [1.0, 0.375], [2.0, 0.5], [3.0, 0.625]]
+    assert report["probes"]["n_candidates"] == 5  # the NaN μ̂ is left out
+    assert report["probes"]["mu_histogram"]["counts"] == [1, 1, 2, 0, 0, 0, 0, 0, 0, 1]
+    assert report["pivot_stats"]["kept"] == 3
+    # nothing but the report files is left behind (temporary files were renamed)
+    assert sorted(p.name for p in (tmp_path / "rep").iterdir()) == sorted(
+        ["report.json", "report.md", REWARD_PLOT, MU_PLOT, BARS_PLOT]
+    )
+
+
+def test_report_missing_policy_and_inputs(tmp_path):
+    results = {"pivotrl": {"local": _local(2, 4), "full_task": None}, "extra": {"local": None, "full_task": _full(1, 2, 3, 4)}}
+    json_path, md_path = build_report(results, metrics_df=None, probe_df=None, pivot_stats=None, meta={}, out_dir=tmp_path)
+    md = md_path.read_text()
+    rows = _table_rows(md)
+    assert rows["base"][:2] == ["not evaluated", "not evaluated"]
+    assert rows["pivotrl"][:2] == ["0.500 (2/4)", "not evaluated"]
+    assert "| extra | not evaluated | 0.500 (1/2) | 0.750 (3/4) |" in md
+    assert "No training metrics were given." in md and "No pivot statistics were given." in md
+    assert (tmp_path / BARS_PLOT).exists() and not (tmp_path / REWARD_PLOT).exists()
+    report = json.loads(json_path.read_text())
+    assert report["training"] is None and report["probes"] is None
+    pol = {r["policy"]: r for r in report["policies"]}
+    assert pol["base"]["evaluated"] is False and pol["base"]["local_pivot_accuracy"] is None
+    assert pol["pivotrl"]["full_task_success"] is None and pol["extra"]["turn_pass_rate"] == 0.75
+
+
+def test_report_rejects_bad_input(tmp_path):
+    with pytest.raises(ConfigError, match="results must map"):
+        build_report({"base": 0.5}, metrics_df=None, probe_df=None, pivot_stats=None, meta={}, out_dir=tmp_path)
+    with pytest.raises(ConfigError, match="no column 'loss'"):
+        build_report(RESULTS, metrics_df=pd.DataFrame({"step": [0]}), probe_df=None, pivot_stats=None, meta={},
+                     out_dir=tmp_path, reward_column="loss")
