@@ -8,18 +8,21 @@ Tool-calling action
         [cd(folder='document'), mkdir(dir_name='temp')]
 
     * A call is ``name(arguments)``; ``name`` is an identifier or a dotted name
-      (``math.factorial(number=5)``); whitespace around the dots is allowed, as in Python.
+      (``math.factorial(number=5)``); whitespace around the dots is allowed, as in Python. Tool
+      names outside this form (``get-weather``) cannot be expressed: data sources reject them.
     * Arguments are keyword arguments ``param=value`` or positional values. Positional values come
       first and are mapped to names in the order of the tool's ``parameters["properties"]``; the
       tool must then be known (``tools`` given and containing the name) and have enough properties.
-      A name given twice (positionally and by keyword, or two keywords) is an error.
+      A name given twice (positionally and by keyword, or two keywords) is an error. Argument
+      names that are not Python identifiers or are reserved words (``from``, ``Content-Type``) are
+      written in a final ``**{'from': 'LAX'}`` dict literal; ``**`` before anything else is rejected.
     * Values are Python literals: strings (any quoting Python allows, no bytes / f-strings), integers,
       finite floats, ``True``/``False``/``None``, numbers with a leading ``-`` or ``+``, lists,
       tuples (read as lists) and dicts with string keys, nested to any depth. Nothing is evaluated:
       the text is parsed with :mod:`ast` and only literal nodes are read.
     * Whitespace (including newlines) is allowed around the list and between tokens; a trailing comma
       inside the list or an argument list is allowed. Anything after the closing ``]``, comments,
-      ``*args``/``**kwargs``, an empty list ``[]`` or anything other than a list of calls is
+      ``*args``, ``**name``, an empty list ``[]`` or anything other than a list of calls is
       rejected with :class:`~pivotrl.errors.ActionParseError`.
 
 Text action
@@ -38,15 +41,25 @@ from __future__ import annotations
 
 import ast
 import io
+import keyword
 import math
 import re
 import tokenize
+import unicodedata
 from typing import Any, Mapping, Sequence
 
 from pivotrl.data.schema import Message, ToolCall, ToolSpec
 from pivotrl.errors import ActionParseError, DataError
 
-__all__ = ["format_action", "format_call", "format_value", "parse_action", "parse_call", "is_viable_prefix"]
+__all__ = [
+    "format_action",
+    "format_call",
+    "format_value",
+    "is_action_name",
+    "is_viable_prefix",
+    "parse_action",
+    "parse_call",
+]
 
 
 # --------------------------------------------------------------------------------------- formatting
@@ -80,10 +93,34 @@ def format_value(value: Any) -> str:
     raise DataError(f"action value of type {type(value).__name__} is not a JSON value")
 
 
+def _is_keyword_name(name: str) -> bool:
+    # Python reads identifiers NFKC-normalised ("µ" becomes "μ"): such names go through **{...} too.
+    return name.isidentifier() and not keyword.iskeyword(name) and unicodedata.normalize("NFKC", name) == name
+
+
+def is_action_name(name: str) -> bool:
+    """Whether a tool name can be written in an action: identifiers joined by dots (``math.factorial``).
+
+    Names such as ``get-weather`` cannot (they would read as a subtraction).
+    """
+    return bool(name) and all(_is_keyword_name(part) for part in name.split("."))
+
+
 def format_call(call: ToolCall) -> str:
-    """Render one call as ``name(a=1, b='x')`` (keyword arguments sorted by name)."""
-    args = ", ".join(f"{k}={format_value(call.arguments[k])}" for k in sorted(call.arguments))
-    return f"{call.name}({args})"
+    """Render one call as ``name(a=1, b='x')`` (keyword arguments sorted by name).
+
+    Argument names that cannot be Python keywords (``from``, ``Content-Type``) go, sorted, into
+    one final ``**{'from': ...}`` dict literal. Raises DataError for a tool name that
+    :func:`is_action_name` rejects, or an argument value with no literal form.
+    """
+    if not is_action_name(call.name):
+        raise DataError(f"tool name {call.name!r} cannot be written as an action (dotted identifiers only)")
+    names = sorted(call.arguments)
+    parts = [f"{k}={format_value(call.arguments[k])}" for k in names if _is_keyword_name(k)]
+    extra = {k: call.arguments[k] for k in names if not _is_keyword_name(k)}
+    if extra:
+        parts.append(f"**{format_value(extra)}")
+    return f"{call.name}({', '.join(parts)})"
 
 
 def format_action(message: Message) -> str:
@@ -161,9 +198,12 @@ def _raw_call(node: ast.AST) -> _RawCall:
         positional.append(_literal(a))
     keywords = []
     for kw in node.keywords:
-        if kw.arg is None:
-            raise ActionParseError(f"{name}: '**' arguments are not allowed")
-        keywords.append((kw.arg, _literal(kw.value)))
+        if kw.arg is None:  # **{...}: argument names that are not Python identifiers
+            if not isinstance(kw.value, ast.Dict):
+                raise ActionParseError(f"{name}: '**' is only allowed before a dict literal")
+            keywords.extend(_literal(kw.value).items())
+        else:
+            keywords.append((kw.arg, _literal(kw.value)))
     return name, positional, keywords
 
 

@@ -40,6 +40,7 @@ __all__ = [
     "section_hash",
     "dump_config",
     "public_config",
+    "is_credential_key",
 ]
 
 
@@ -53,12 +54,26 @@ def _reject_bool(value: Any) -> Any:
 Int = Annotated[int, BeforeValidator(_reject_bool)]
 Float = Annotated[float, BeforeValidator(_reject_bool)]
 
-_CREDENTIAL_WORDS = re.compile(r"^key$|secret|password|passwd|token|credential|access_key|key_id|private", re.I)
+_CREDENTIAL_PARTS = frozenset({"secret", "password", "passwd", "token", "credential", "credentials", "sas"})
+_CREDENTIAL_NAMES = frozenset({"key", "key_id", "access_key", "account_key", "private_key", "api_key", "apikey"})
+
+
+def is_credential_key(name: str) -> bool:
+    """True for option names that hold secrets (``secret``, ``aws_session_token``, ``key``, ``api_key``...).
+
+    Names are split on ``_``/``-``; ``max_tokens`` is not a credential, ``session_token`` is.
+    """
+    lowered = str(name).lower()
+    parts = re.split(r"[_\-.]", lowered)
+    if lowered in _CREDENTIAL_NAMES or any(p in _CREDENTIAL_PARTS for p in parts):
+        return True
+    return any(lowered.endswith("_" + n) for n in _CREDENTIAL_NAMES)
 
 
 def _rule(key: str, value: Any, rule: str) -> PydanticCustomError:
     """A cross-field error; ``key`` is relative to the model that raises it."""
-    return PydanticCustomError("pivotrl_rule", "{key} = {value}: {rule}", {"key": key, "value": _fmt(value), "rule": rule})
+    ctx = {"key": key, "value": _fmt(value), "rule": rule}
+    return PydanticCustomError("pivotrl_rule", "{key} = {value}: {rule}", ctx)
 
 
 class Section(BaseModel):
@@ -100,7 +115,7 @@ class RunSection(Section):
         def walk(obj: Any, path: str) -> None:
             if isinstance(obj, Mapping):
                 for k, v in obj.items():
-                    if _CREDENTIAL_WORDS.search(str(k)):
+                    if is_credential_key(k):
                         raise _rule(
                             f"{path}.{k}", "<hidden>",
                             "looks like a credential; set it in the environment (e.g. AWS_SECRET_ACCESS_KEY), "
@@ -288,7 +303,9 @@ class TrainingSection(Section):
     beta: Float = Field(
         0.01,
         ge=0,
-        description="Weight of the reverse KL(π_θ ‖ π_ref) penalty; small and > 0 keeps valid alternatives (spec π*).",
+        description=(
+            "Weight of the reverse KL(π_θ ‖ π_ref) penalty; small and > 0 keeps valid alternatives (spec π*)."
+        ),
     )
     delta: Float = Field(
         1e-6, gt=0, description="δ in Â = (R − R̄)/(σ_R + δ); only guards the division by zero.",
@@ -297,8 +314,8 @@ class TrainingSection(Section):
     kl_estimator: Literal["squared_log_ratio", "k1", "k3_per_token"] = Field(
         "squared_log_ratio",
         description=(
-            "KL penalty estimator: squared_log_ratio = ½(Σ_t log π_θ − log π_ref)², whose gradient estimates ∇ of "
-            "the reverse KL (default); k1 = the plain log-ratio (zero expected gradient); k3_per_token = GRPO's "
+            "KL penalty estimator: squared_log_ratio = ½(Σ_t log π_θ − log π_ref)², whose gradient "
+            "estimates ∇ of the reverse KL (default); k1 = the plain log-ratio (zero expected gradient); k3_per_token = GRPO's "
             "per-token k3 (follows the forward KL). The last two exist for comparison only."
         ),
     )
@@ -323,7 +340,9 @@ class TrainingSection(Section):
     micro_batch_groups: Int = Field(
         1, ge=1, description="Groups per micro-batch on one rank (gradient accumulation covers the rest)."
     )
-    max_steps: Int | None = Field(None, ge=1, description="Stop after this many rollout batches (null = epochs decide).")
+    max_steps: Int | None = Field(
+        None, ge=1, description="Stop after this many rollout batches (null = epochs decide)."
+    )
     grad_clip: Float | None = Field(1.0, gt=0, description="Clip the global gradient norm to this value (null = off).")
     shared_prefix: bool = Field(
         True, description="Run the state once and its K actions on the cached prefix (same gradients, less compute)."
@@ -346,7 +365,8 @@ class TrainingSection(Section):
         description="How ranks start: torchrun, the deepspeed launcher (multi-node with hostfile), or in this process.",
     )
     hostfile: str | None = Field(
-        None, description="DeepSpeed hostfile ('host slots=N' per line); required by the deepspeed launcher on > 1 node."
+        None,
+        description="DeepSpeed hostfile ('host slots=N' per line); required by the deepspeed launcher on > 1 node.",
     )
     master_addr: str = Field("127.0.0.1", min_length=1, description="Address of rank 0 for the rendezvous.")
     master_port: Int = Field(29500, ge=1, le=65535, description="TCP port of rank 0 for the rendezvous.")
@@ -434,7 +454,9 @@ class RunConfig(Section):
     @model_validator(mode="after")
     def _cross_section(self) -> "RunConfig":
         if self.warm_start.enabled and self.data.split.warm_start <= 0:
-            raise _rule("data.split.warm_start", self.data.split.warm_start, "must be > 0 when warm_start.enabled is true")
+            raise _rule(
+                "data.split.warm_start", self.data.split.warm_start, "must be > 0 when warm_start.enabled is true"
+            )
         if self.rollout.max_tokens >= self.model.max_context:
             raise _rule(
                 "rollout.max_tokens", self.rollout.max_tokens,
@@ -515,11 +537,15 @@ def _walk_loc(loc: Sequence[Any]) -> tuple[str, str, type[BaseModel] | None, Any
     return path, parent_path, parent, info
 
 
+def _num(x: Any) -> Any:
+    return int(x) if isinstance(x, float) and x.is_integer() else x
+
+
 _RULES = {
-    "greater_than_equal": lambda c: f"must be ≥ {c['ge']}",
-    "greater_than": lambda c: f"must be > {c['gt']}",
-    "less_than_equal": lambda c: f"must be ≤ {c['le']}",
-    "less_than": lambda c: f"must be < {c['lt']}",
+    "greater_than_equal": lambda c: f"must be ≥ {_num(c['ge'])}",
+    "greater_than": lambda c: f"must be > {_num(c['gt'])}",
+    "less_than_equal": lambda c: f"must be ≤ {_num(c['le'])}",
+    "less_than": lambda c: f"must be < {_num(c['lt'])}",
     "literal_error": lambda c: f"must be one of {c['expected']}",
     "int_parsing": lambda c: "must be an integer",
     "int_type": lambda c: "must be an integer",
@@ -589,8 +615,10 @@ def parse_config(data: Mapping[str, Any] | None, source: str | None = None) -> R
     if not isinstance(data, Mapping):
         raise ConfigError(f"invalid config {source or ''}: the top level must be a mapping of sections, "
                           f"got {type(data).__name__}")
+    # A section written as an empty key ("probing:" with every field commented out) means defaults.
+    data = {k: v for k, v in data.items() if not (v is None and k in RunConfig.model_fields)}
     try:
-        return RunConfig.model_validate(dict(data))
+        return RunConfig.model_validate(data)
     except ValidationError as exc:
         raise _config_error(exc, source) from None
 
@@ -695,7 +723,9 @@ def load_config(path_or_url: str | None, overrides: Sequence[str] = ()) -> RunCo
     data = json.loads(json.dumps(data, default=str))  # deep copy, plain containers
     for override in overrides:
         _apply_override(data, override)
-    source = path_or_url if not overrides else f"{path_or_url or '(defaults)'} with overrides {list(overrides)}"
+    # Name the overridden keys, never their values (a value could be a secret pasted by mistake).
+    keys = ", ".join(o.split("=", 1)[0].strip() for o in overrides)
+    source = path_or_url if not overrides else f"{path_or_url or '(defaults)'} with overrides of {keys}"
     return parse_config(data, source)
 
 

@@ -23,7 +23,6 @@ import json
 import os
 import platform
 import random
-import re
 import shutil
 import subprocess
 import sys
@@ -36,6 +35,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping
 
+from pivotrl.config import is_credential_key
 from pivotrl.data.schema import content_hash
 from pivotrl.errors import PivotRLError, StorageError
 
@@ -51,7 +51,6 @@ MANIFEST_SUFFIX = ".manifest.json"
 MANIFEST_FORMAT_VERSION = 1
 _TMP = ".tmp"
 _CHUNK = 1 << 20
-_CREDENTIAL_KEY = re.compile(r"^key$|secret|password|passwd|token|credential|access_key|key_id|private", re.I)
 
 
 # ------------------------------------------------------------------------------ environment
@@ -140,7 +139,7 @@ def _scrub(obj: Any) -> Any:
         return {
             str(k): _scrub(v)
             for k, v in obj.items()
-            if str(k) != "storage_options" and not _CREDENTIAL_KEY.search(str(k))
+            if str(k) != "storage_options" and not is_credential_key(str(k))
         }
     if isinstance(obj, (list, tuple)):
         return [_scrub(v) for v in obj]

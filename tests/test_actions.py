@@ -4,7 +4,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pivotrl.actions import format_action, format_value, is_viable_prefix, parse_action, parse_call
+from pivotrl.actions import (
+    format_action,
+    format_value,
+    is_action_name,
+    is_viable_prefix,
+    parse_action,
+    parse_call,
+)
 from pivotrl.data.schema import Message, ToolCall, ToolSpec
 from pivotrl.errors import ActionParseError, DataError
 
@@ -71,6 +78,7 @@ def test_positional_errors(text, with_tools, fragment):
         "[f(x=1)][g()]",
         "[f(*a)]",
         "[f(**a)]",
+        "[f(**{1: 2})]",
         "[f(x=a)]",
         "[f(x=1+2)]",
         "[f(x=b'bytes')]",
@@ -117,6 +125,21 @@ def test_format_is_canonical_and_round_trips():
     assert format_action(Message(role="assistant", content="Done.")) == "Done."
 
 
+def test_argument_names_that_are_not_identifiers():
+    msg = Message(role="assistant", tool_calls=(ToolCall("fly", {"to": "JFK", "from": "LAX", "Content-Type": "x"}),))
+    text = format_action(msg)
+    assert text == "[fly(to='JFK', **{'Content-Type': 'x', 'from': 'LAX'})]"
+    assert calls(parse_action(text)) == calls(msg)
+    with pytest.raises(ActionParseError, match="'to' given more than once"):
+        parse_action("[fly(to='A', **{'to': 'B'})]")
+
+
+def test_tool_names_outside_the_format_are_rejected():
+    assert is_action_name("math.factorial") and not is_action_name("get-weather") and not is_action_name("a..b")
+    with pytest.raises(DataError, match="'get-weather' cannot be written"):
+        format_action(Message(role="assistant", tool_calls=(ToolCall("get-weather", {}),)))
+
+
 def test_format_value_rejects_non_json():
     with pytest.raises(DataError):
         format_value(float("nan"))
@@ -157,7 +180,7 @@ _JSON = st.recursive(
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.dictionaries(st.from_regex(r"[a-z_][a-z0-9_]{0,6}", fullmatch=True), _JSON, max_size=4))
+@given(st.dictionaries(st.from_regex(r"[a-z_][a-z0-9_]{0,6}", fullmatch=True) | st.text(max_size=4), _JSON, max_size=4))
 def test_fuzz_format_parse_round_trip_and_prefixes_viable(args):
     msg = Message(role="assistant", tool_calls=(ToolCall("pkg.tool", args), ToolCall("g", {})))
     text = format_action(msg)

@@ -348,7 +348,7 @@ def load_bfcl(
     raise DataError naming the file, the record id and the field; with ``on_invalid="quarantine"``
     they are skipped and described in ``quarantine`` as ``{"source", "record", "error"}`` dicts.
     Raises ConfigError for an unknown category or option. Multi-turn categories execute every
-    ground-truth call in BFCL's simulators (about 1 ms per call).
+    ground-truth call in BFCL's simulators.
     """
     if on_invalid not in ("error", "quarantine"):
         raise ConfigError(f"on_invalid={on_invalid!r}: must be 'error' or 'quarantine'")

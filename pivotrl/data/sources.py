@@ -24,6 +24,7 @@ from typing import Any, Iterable, Iterator, Literal
 
 import fsspec
 
+from pivotrl.actions import is_action_name
 from pivotrl.data.schema import Trajectory
 from pivotrl.errors import ConfigError, DataError, StorageError
 
@@ -42,13 +43,20 @@ def validate_trajectory(traj: Trajectory, where: str = "") -> None:
     * at least one message and at least one assistant message (else nothing to learn from);
     * every tool message answers an earlier assistant tool call (``tool_call_id`` matches a call id);
     * every called tool is one of the trajectory's ``tools``;
-    * tool-call ids are unique within the trajectory.
+    * tool-call ids are unique within the trajectory;
+    * every tool name can be written in the action format (:func:`pivotrl.actions.is_action_name`).
     """
     where = where or f"trajectory {traj.id!r}"
     if not traj.messages:
         raise DataError(f"{where}.messages: empty trajectory")
     if not any(m.role == "assistant" for m in traj.messages):
         raise DataError(f"{where}.messages: no assistant message (nothing to learn from)")
+    for k, t in enumerate(traj.tools):
+        if not is_action_name(t.name):
+            raise DataError(
+                f"{where}.tools[{k}].function.name: {t.name!r} cannot be written as an action "
+                "(identifiers joined by dots only)"
+            )
     tool_names = {t.name for t in traj.tools}
     call_ids: set[str] = set()
     for i, m in enumerate(traj.messages):
@@ -165,7 +173,9 @@ def load_trajectories(
             traj = Trajectory.from_dict(obj, where=where)
             validate_trajectory(traj, where=f"{where} {traj.id!r}")
             if traj.id in seen:
-                raise DataError(f"{where} {traj.id!r}.id: duplicate trajectory id {traj.id!r} (first at {seen[traj.id]})")
+                raise DataError(
+                    f"{where} {traj.id!r}.id: duplicate trajectory id {traj.id!r} (first at {seen[traj.id]})"
+                )
             seen[traj.id] = loc
         except DataError as e:
             if on_invalid == "error":

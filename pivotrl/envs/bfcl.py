@@ -176,7 +176,8 @@ class BFCLEnvironment:
         (``_load_scenario(config, long_context=False)``). Raises DataError for a malformed context.
         """
         if not isinstance(ctx, Mapping) or ctx.get("kind") != "bfcl":
-            raise DataError(f"env context: expected kind 'bfcl', got {ctx.get('kind') if isinstance(ctx, Mapping) else ctx!r}")
+            kind = ctx.get("kind") if isinstance(ctx, Mapping) else ctx
+            raise DataError(f"env context: expected kind 'bfcl', got {kind!r}")
         classes = ctx.get("involved_classes")
         if not isinstance(classes, list) or not classes:
             raise DataError("env context.involved_classes: expected a non-empty list of class names")

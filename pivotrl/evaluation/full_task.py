@@ -350,7 +350,8 @@ def evaluate_full_tasks(
         tool_style, max_tool_output_chars: passed to the prompt renderer, as in training.
         executor: ``ctx -> session`` factory for tool environments (see :data:`EnvFactory`); both
             the policy's and the ground truth's environments are built with it. Default: in-process
-            ``BFCLEnvironment.from_context(ctx, bfcl_root)``.
+            ``BFCLEnvironment.from_context(ctx, bfcl_root)``; ``sandbox_executor(pool)`` runs every
+            call in ``pivotrl.envs.sandbox`` workers.
 
     Returns:
         ``(per_task, summary)``. ``per_task`` has one row per task with columns task_id, category,

@@ -17,8 +17,10 @@ Estimators, chosen by name from :data:`KL_ESTIMATORS` (each maps (B, T) tensors 
 
 - ``"squared_log_ratio"`` (default): ``½ ℓ²``. Its gradient is ``ℓ · ∇ℓ = ℓ · ∇ log π_θ(a|s)``
   (π_ref is fixed), whose expectation is exactly ``∇ KL`` above — the one required property. The
-  ratio is that of the whole action (a sum over tokens), so the term couples an action's tokens:
-  a per-token ``½ d_t²`` would drop the ``d_{t'} ∇ log π_θ(a_t)`` cross terms of later tokens.
+  log-ratio is that of the whole action (a sum over tokens), so the term couples an action's
+  tokens: a per-token ``Σ_t ½ d_t²`` would drop the cross terms ``d_{t'} ∇ log π_θ(a_t|…)`` with
+  ``t' > t`` (a later token's log-ratio times an earlier token's score), which do not vanish in
+  expectation when later tokens depend on earlier ones.
   (Its *value* estimates ``E[½ℓ²]``, not KL; the reported KL metric is :func:`k3_value`.)
 - ``"k1"``: ``ℓ``. An unbiased estimate of the KL *value*, but a trap as a loss term: its gradient
   is ``∇ log π_θ(a|s)``, whose expectation under on-policy sampling is **zero**, so it does not

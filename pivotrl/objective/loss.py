@@ -21,6 +21,7 @@ Shape legend: B = actions on this rank (pivots × K), T = padded action tokens.
 from __future__ import annotations
 
 import math
+import operator
 
 import torch
 from torch import Tensor
@@ -145,11 +146,15 @@ def pivotrl_loss(
     if num_actions is None:
         n = b
     else:
-        if isinstance(num_actions, bool) or not isinstance(num_actions, int) or num_actions < b:
+        try:
+            n = operator.index(num_actions) if not isinstance(num_actions, bool) else -1
+        except TypeError:
+            n = -1
+        if n < b:
             raise ConfigError(
-                f"num_actions must be an int >= the local batch size B={b} (the global action count), got {num_actions!r}"
+                f"num_actions must be an int >= the local batch size B={b} "
+                f"(the global number of actions, all ranks together), got {num_actions!r}"
             )
-        n = num_actions
 
     compute_dtype = torch.promote_types(logprobs.dtype, torch.float32)
     lp = logprobs.to(compute_dtype)

@@ -231,7 +231,7 @@ def stage_train(cfg: RunConfig, store: ArtifactStore, probe: dict[str, Any], ref
         log.info("resuming PivotRL training from %s (step %d)", latest, start)
     verifier = make_verifier(cfg, ensure_bfcl(cache))
     engine = make_rollout_engine(cfg, policy_dir)
-    tol_max = tr.refresh_tolerance if tr.refresh_tolerance is not None else (1e-3 if cfg.model.dtype == "fp32" else 1.0)
+    tol_max = tr.refresh_tolerance if tr.refresh_tolerance is not None else (1e-4 if cfg.model.dtype == "fp32" else 0.3)
     try:
         from tqdm.auto import tqdm
 

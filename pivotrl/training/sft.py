@@ -1,0 +1,235 @@
+"""Supervised warm start: next-token loss on the assistant action tokens of demonstrations.
+
+The default reference model cannot produce the action format at all (see the measured notes), so
+pivot filtering needs a policy that can act: this module fine-tunes it on demonstration turns
+first. Examples are ``(input_ids, loss_mask)`` pairs from ``pivotrl.prompts.build_sft_example``:
+``loss_mask[t] = 1`` on assistant action tokens (including their end-of-turn token), 0 on the
+system prompt, tool schemas, user turns and tool outputs.
+
+Loss per optimiser step (one batch of ``batch_size`` examples)::
+
+    loss = − Σ_{examples, t: loss_mask[t]=1} log π(x_t | x_<t)  /  (number of such tokens in the batch)
+
+a token-level mean over the *global* batch: the same on 1 or many ranks (each rank's share is
+divided by the global token count; see ``deepspeed_utils.data_parallel_loss_scale``). Batches are
+drawn from a per-epoch shuffle seeded by ``seed``; each rank processes its examples in micro-batches
+of ``micro_batch_size`` (right-padded). Same DeepSpeed engine and launch path as the RL trainer.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from pivotrl.errors import ConfigError, DataError, TrainingError
+from pivotrl.training.deepspeed_utils import (
+    build_engine,
+    data_parallel_loss_scale,
+    export_hf_checkpoint,
+    load_causal_lm,
+    rank_and_world,
+)
+
+__all__ = ["SFTSpec", "main", "read_examples", "run_sft", "sft_batch_loss"]
+
+Example = tuple[Sequence[int], Sequence[int]]
+
+
+def _check_examples(examples: Sequence[Example]) -> None:
+    if len(examples) == 0:
+        raise DataError("run_sft: no examples")
+    for i, ex in enumerate(examples):
+        if len(ex) != 2:
+            raise DataError(f"SFT example {i}: expected (input_ids, loss_mask), got {len(ex)} items")
+        ids, mask = ex
+        if len(ids) != len(mask):
+            raise DataError(f"SFT example {i}: input_ids has {len(ids)} tokens but loss_mask has {len(mask)}")
+        if len(ids) < 2:
+            raise DataError(f"SFT example {i}: needs at least 2 tokens, got {len(ids)}")
+        if any(m not in (0, 1) for m in mask):
+            raise DataError(f"SFT example {i}: loss_mask must contain only 0 and 1")
+        if not any(mask[1:]):
+            raise DataError(f"SFT example {i}: loss_mask marks no predictable token (positions ≥ 1)")
+
+
+def _collate(examples: Sequence[Example], device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-pad to (B, L): input ids, attention mask (long) and loss mask (float)."""
+    length = max(len(ids) for ids, _ in examples)
+    ids_t = torch.zeros(len(examples), length, dtype=torch.long, device=device)
+    attn = torch.zeros(len(examples), length, dtype=torch.long, device=device)
+    loss_mask = torch.zeros(len(examples), length, dtype=torch.float32, device=device)
+    for i, (ids, mask) in enumerate(examples):
+        ids_t[i, : len(ids)] = torch.as_tensor(list(ids), dtype=torch.long)
+        attn[i, : len(ids)] = 1
+        loss_mask[i, : len(ids)] = torch.as_tensor(list(mask), dtype=torch.float32)
+    return ids_t, attn, loss_mask
+
+
+def sft_batch_loss(model: Any, examples: Sequence[Example], num_tokens: int) -> tuple[torch.Tensor, float]:
+    """Summed masked negative log-likelihood of ``examples`` divided by ``num_tokens``.
+
+    ``num_tokens`` is the number of loss tokens (mask = 1 at positions ≥ 1) of the whole global
+    batch. Returns ``(loss scalar fp32, summed NLL as a float)``. (B, L) internally.
+    """
+    device = next(getattr(model, "module", model).parameters()).device
+    ids, attn, loss_mask = _collate(examples, device)
+    logits = model(input_ids=ids, attention_mask=attn, use_cache=False).logits[:, :-1]  # (B, L−1, V)
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    target_lp = logp.gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)  # (B, L−1)
+    nll = -(target_lp * loss_mask[:, 1:]).sum()
+    return nll / num_tokens, float(nll.detach())
+
+
+def run_sft(
+    model_dir: str | os.PathLike[str],
+    examples: Sequence[Example],
+    out_dir: str | os.PathLike[str],
+    *,
+    epochs: int = 1,
+    lr: float = 1e-5,
+    batch_size: int = 8,
+    micro_batch_size: int = 1,
+    dtype: str = "bfloat16",
+    zero_stage: int = 0,
+    seed: int = 0,
+    grad_clip: float = 1.0,
+    weight_decay: float = 0.0,
+    tokenizer_dir: str | os.PathLike[str] | None = None,
+) -> dict[str, Any]:
+    """Fine-tune ``model_dir`` on ``examples`` and export an HF checkpoint (+ tokenizer) to ``out_dir``.
+
+    Args:
+        model_dir: HF checkpoint to start from (also the tokenizer source unless ``tokenizer_dir``).
+        examples: ``(input_ids, loss_mask)`` pairs (lists of ints of equal length L; mask 1 on
+            assistant action tokens). Every rank passes the same list.
+        out_dir: the exported checkpoint directory (written atomically, replaced if present).
+        epochs, lr, batch_size (global examples per optimiser step; the last batch of an epoch
+            may be smaller), micro_batch_size (examples per backward pass on one rank), dtype
+            (``"bfloat16"``: bf16 compute, fp32 master weights; or ``"float32"``), zero_stage
+            (0–3), seed (shuffle order and torch seed), grad_clip (≥ 0), weight_decay.
+
+    Returns:
+        metrics: ``losses`` (per step, mean NLL per loss token, nats), ``first_loss``,
+        ``final_loss``, ``steps``, ``loss_tokens`` (per epoch), ``tokens`` (input tokens processed
+        in total), ``time_s``, ``tokens_per_s``, ``out_dir``.
+
+    Raises:
+        DataError: malformed examples. ConfigError: bad settings. TrainingError: non-finite loss.
+    """
+    for name, value, lo in (("epochs", epochs, 1), ("batch_size", batch_size, 1), ("micro_batch_size", micro_batch_size, 1)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < lo:
+            raise ConfigError(f"{name} must be an integer >= {lo}, got {value!r}")
+    _check_examples(examples)
+    random.seed(seed)
+    torch.manual_seed(seed)
+    model = load_causal_lm(model_dir, torch.float32)
+    engine = build_engine(model, lr=lr, zero_stage=zero_stage, dtype=dtype, grad_clip=grad_clip, weight_decay=weight_decay)
+    engine.eval()  # no dropout: deterministic, and the same forward as the RL trainer
+    rank, world = rank_and_world()
+    scale = data_parallel_loss_scale()
+    order_rng = random.Random(seed)
+    losses: list[float] = []
+    tokens = 0
+    t0 = time.perf_counter()
+    loss_tokens_epoch = sum(int(sum(m[1:])) for _, m in examples)
+    for _epoch in range(epochs):
+        order = list(range(len(examples)))
+        order_rng.shuffle(order)
+        for start in range(0, len(order), batch_size):
+            batch = [examples[i] for i in order[start : start + batch_size]]
+            num_tokens = sum(int(sum(m[1:])) for _, m in batch)
+            mine = batch[rank::world]
+            n_micro = math.ceil(math.ceil(len(batch) / world) / micro_batch_size)
+            nll_sum = 0.0
+            for j in range(n_micro):
+                mb = mine[j * micro_batch_size : (j + 1) * micro_batch_size]
+                if mb:
+                    loss, nll = sft_batch_loss(engine, mb, num_tokens)
+                    if not math.isfinite(float(loss.detach())):
+                        raise TrainingError(f"non-finite SFT loss at step {len(losses) + 1}")
+                    tokens += sum(len(ids) for ids, _ in mb)
+                    nll_sum += nll
+                else:  # keep the number of backward passes equal on every rank
+                    out = engine(input_ids=torch.zeros(1, 1, dtype=torch.long), use_cache=False)
+                    loss = out.logits.float().sum() * 0.0
+                engine.backward(loss * scale, scale_wrt_gas=False)
+            engine.step()
+            total = torch.tensor([nll_sum], dtype=torch.float64)
+            if world > 1:
+                torch.distributed.all_reduce(total)
+            losses.append(float(total) / num_tokens)
+    elapsed = time.perf_counter() - t0
+    tok_total = torch.tensor([float(tokens)], dtype=torch.float64)
+    if world > 1:
+        torch.distributed.all_reduce(tok_total)
+    export_hf_checkpoint(engine, out_dir, tokenizer_dir=tokenizer_dir if tokenizer_dir is not None else model_dir)
+    return {
+        "losses": losses,
+        "first_loss": losses[0],
+        "final_loss": losses[-1],
+        "steps": len(losses),
+        "loss_tokens": loss_tokens_epoch,
+        "tokens": int(tok_total),
+        "time_s": elapsed,
+        "tokens_per_s": float(tok_total) / elapsed if elapsed > 0 else 0.0,
+        "out_dir": str(out_dir),
+    }
+
+
+# ---------------------------------------------------------------------- entry point
+@dataclass(frozen=True)
+class SFTSpec:
+    """``python -m pivotrl.training.sft --spec spec.json``.
+
+    ``examples_path``: JSON Lines of ``{"input_ids": [...], "loss_mask": [...]}``;
+    ``metrics_path``: where rank 0 writes the returned metrics (JSON); ``options``: keyword
+    arguments of :func:`run_sft` (epochs, lr, batch_size, micro_batch_size, dtype, zero_stage,
+    seed, grad_clip, weight_decay, tokenizer_dir).
+    """
+
+    model_dir: str
+    examples_path: str
+    out_dir: str
+    metrics_path: str | None = None
+    options: dict[str, Any] | None = None
+
+
+def read_examples(path: str | os.PathLike[str]) -> list[Example]:
+    """Read SFT examples from JSON Lines; DataError naming the line."""
+    out: list[Example] = []
+    for n, line in enumerate(Path(path).read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+            out.append(([int(x) for x in rec["input_ids"]], [int(x) for x in rec["loss_mask"]]))
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as err:
+            raise DataError(f"{path}:{n}: not an SFT example ({err})") from None
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Command-line entry: ``--spec <json file>`` with the fields of :class:`SFTSpec`."""
+    from pivotrl.training.launch import read_spec
+
+    spec = read_spec(argv, SFTSpec)
+    metrics = run_sft(spec.model_dir, read_examples(spec.examples_path), spec.out_dir, **(spec.options or {}))
+    rank, _ = rank_and_world()
+    if rank == 0 and spec.metrics_path:
+        target = Path(spec.metrics_path)
+        tmp = target.with_name(f".{target.name}.tmp")
+        tmp.write_text(json.dumps(metrics, indent=2, sort_keys=True))
+        os.replace(tmp, target)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
