@@ -40,6 +40,8 @@ from typing import Any, Callable, Mapping, Protocol, Sequence
 import pandas as pd
 
 from pivotrl.actions import parse_action
+from pivotrl.prompts import encode_state
+from pivotrl.rollout.base import SamplingConfig
 from pivotrl.data.schema import Message, ToolCall, ToolSpec, Trajectory, TurnState
 from pivotrl.errors import (
     ActionParseError,
@@ -323,7 +325,7 @@ def evaluate_full_tasks(
     *,
     bfcl_root: str | PathLike[str] | None = None,
     max_steps_per_turn: int = 4,
-    sampling: Any = None,
+    sampling: SamplingConfig | None = None,
     seed: int | None = 0,
     max_context: int = 8192,
     tool_style: str = "compact",
@@ -343,8 +345,9 @@ def evaluate_full_tasks(
         max_steps_per_turn: model calls allowed per user turn (≥ 1).
         sampling: a ``pivotrl.rollout.SamplingConfig`` with ``n == 1``; default greedy
             (temperature 0) with 256 max tokens.
-        seed: base seed; step k of the run samples with ``seed + k`` (ignored when ``sampling.seed``
-            is set). Greedy decoding does not depend on it.
+        seed: base seed (``sampling.seed`` takes precedence when set); step k of the run (the
+            k-th batched ``generate`` call) samples with ``base + k``. None: unseeded. Greedy
+            decoding does not depend on it.
         max_context: the engine's context window in tokens. A prompt of P tokens is rendered only if
             ``P + sampling.max_tokens <= max_context``; otherwise the task ends with reason "context".
         tool_style, max_tool_output_chars: passed to the prompt renderer, as in training.
@@ -366,9 +369,6 @@ def evaluate_full_tasks(
         ConfigError: bad settings (max_steps_per_turn < 1, sampling.n != 1, no bfcl_root).
         DataError: a trajectory without ``env`` or user messages, or two with the same id.
     """
-    from pivotrl.prompts import encode_state
-    from pivotrl.rollout.base import SamplingConfig
-
     if not isinstance(max_steps_per_turn, int) or max_steps_per_turn < 1:
         raise ConfigError(f"max_steps_per_turn must be an integer >= 1, got {max_steps_per_turn!r}")
     if sampling is None:
@@ -404,6 +404,7 @@ def evaluate_full_tasks(
     if max_tool_output_chars is not None:
         encode_opts["max_tool_output_chars"] = max_tool_output_chars
 
+    base_seed = sampling.seed if sampling.seed is not None else seed
     step = 0
     while True:
         ready: list[_TaskRun] = []
@@ -411,13 +412,13 @@ def evaluate_full_tasks(
         for run in runs:
             if run.done:
                 continue
-            ids = _encode(run, tokenizer, budget, encode_state, encode_opts)
+            ids = _encode(run, tokenizer, budget, encode_opts)
             if ids is not None:
                 ready.append(run)
                 prompts.append(ids)
         if not ready:
             break
-        step_seed = sampling.seed if sampling.seed is not None else (None if seed is None else seed + step)
+        step_seed = None if base_seed is None else base_seed + step
         outs = engine.generate(prompts, dataclasses.replace(sampling, seed=step_seed))
         if len(outs) != len(prompts):
             raise ConfigError(f"engine returned {len(outs)} results for {len(prompts)} prompts")
@@ -436,7 +437,7 @@ _COLUMNS = [
 ]
 
 
-def _encode(run: _TaskRun, tokenizer: Any, budget: int, encode_state: Any, opts: dict[str, Any]) -> list[int] | None:
+def _encode(run: _TaskRun, tokenizer: Any, budget: int, opts: dict[str, Any]) -> list[int] | None:
     """Render the policy's own history; end the task with reason "context" if it does not fit."""
     traj = run.trajectory
     state = TurnState(
@@ -452,9 +453,6 @@ def _encode(run: _TaskRun, tokenizer: Any, budget: int, encode_state: Any, opts:
         ids = list(encode_state(state, tokenizer, max_len=budget, **opts))
     except StateTooLongError as e:
         run.fail("context", f"turn {run.turn}, model call {run.model_calls}: {e}")
-        return None
-    if len(ids) > budget:  # the renderer's own limit may be looser than the engine's
-        run.fail("context", f"turn {run.turn}: prompt of {len(ids)} tokens exceeds {budget} (context minus max_tokens)")
         return None
     run.context_tokens = max(run.context_tokens, len(ids))
     return ids

@@ -15,6 +15,8 @@ import pandas as pd
 
 from pivotrl.data.schema import TurnState
 from pivotrl.errors import ConfigError, StateTooLongError
+from pivotrl.prompts import encode_state
+from pivotrl.rollout.base import SamplingConfig
 
 __all__ = ["evaluate_local"]
 
@@ -30,7 +32,7 @@ def evaluate_local(
     states: Sequence[TurnState],
     verifier: Any,
     *,
-    sampling: Any = None,
+    sampling: SamplingConfig | None = None,
     n: int | None = None,
     max_context: int = 8192,
     tool_style: str = "compact",
@@ -68,9 +70,6 @@ def evaluate_local(
         ConfigError: n < 1, batch_size < 1, or max_context not above sampling.max_tokens.
         VerifierError: propagated from the verifier (a state it cannot decide is not a reward of 0).
     """
-    from pivotrl.prompts import encode_state
-    from pivotrl.rollout.base import SamplingConfig
-
     if sampling is None:
         sampling = SamplingConfig(n=1, temperature=0.0, max_tokens=256)
     if n is not None:
@@ -99,7 +98,7 @@ def evaluate_local(
             ids = list(encode_state(state, tokenizer, max_len=budget, **opts))
         except StateTooLongError:
             ids = None
-        if ids is None or len(ids) > budget:
+        if ids is None:
             rows[i] = {**base, "status": "too_long", "n_samples": 0, "n_accepted": 0, "accuracy": float("nan"),
                        "parse_errors": 0, "tokens_generated": 0, "reasons": {}}
         else:
