@@ -98,6 +98,17 @@ def test_report_missing_policy_and_inputs(tmp_path):
     assert pol["pivotrl"]["full_task_success"] is None and pol["extra"]["turn_pass_rate"] == 0.75
 
 
+def test_report_alias_and_pivot_set_column(tmp_path):
+    results = {"base": RESULTS["base"], "reference": RESULTS["reference (SFT warm start)"],
+               "pivotrl": {**RESULTS["pivotrl"], "local_pivots": _local(5, 8)}}
+    _, md_path = build_report(results, metrics_df=None, probe_df=None, pivot_stats=None, meta={}, out_dir=tmp_path)
+    md = md_path.read_text()
+    rows = _table_rows(md)
+    assert list(rows) == list(POLICIES)  # "reference" is the SFT warm-start row, no extra row
+    assert rows["reference (SFT warm start)"][:2] == ["0.300 (12/40)", "0.100 (2/20)"]
+    assert rows["pivotrl"][4] == "0.625" and rows["base"][4] == "not evaluated"
+
+
 def test_report_rejects_bad_input(tmp_path):
     with pytest.raises(ConfigError, match="results must map"):
         build_report({"base": 0.5}, metrics_df=None, probe_df=None, pivot_stats=None, meta={}, out_dir=tmp_path)

@@ -11,6 +11,7 @@ Inside a worker:
 - ``RLIMIT_CPU`` gives each request at most ``cpu_s`` seconds of CPU time (the soft limit is moved
   forward before every request; exceeding it kills the worker with SIGXCPU → reason ``"timeout"``);
 - every request runs in a fresh, empty temporary working directory, removed afterwards;
+- the worker leads its own process group, so killing it also kills anything a tool started;
 - network access is blocked *best-effort*: creating an internet socket (``socket.socket`` for any
   family but AF_UNIX), ``socket.create_connection`` and name resolution raise PermissionError.
   This is a guard against accidents, not a kernel sandbox: code that reaches the C-level
@@ -153,7 +154,6 @@ class _Worker:
         )
 
     def request(self, fn: str, payload: Any, timeout_s: float) -> Any:
-        assert self.proc.stdin is not None and self.proc.stdout is not None
         try:
             _write_msg(self.proc.stdin, {"fn": fn, "payload": payload})
         except (BrokenPipeError, OSError):
@@ -302,13 +302,17 @@ class SandboxPool:
                 worker = self._start(worker)
             try:
                 return worker.request(fn, payload, self.timeout_s)
-            except SandboxError as e:
-                if e.reason != "error":  # the worker is dead or unreliable: replace it
-                    self._discard(worker)
-                    worker = None
-                    with self._lock:
-                        self.replaced += 1
-                raise
+            except Exception as e:
+                if isinstance(e, SandboxError) and e.reason == "error":
+                    raise  # the function raised; the worker itself is fine
+                # The worker is dead or its protocol state is unknown: replace it.
+                self._discard(worker)
+                worker = None
+                with self._lock:
+                    self.replaced += 1
+                if isinstance(e, SandboxError):
+                    raise
+                raise SandboxError(f"sandbox worker protocol failure in {fn!r}: {type(e).__name__}: {e}", "crash") from e
         finally:
             self._idle.put(worker)
 

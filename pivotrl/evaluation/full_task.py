@@ -273,10 +273,9 @@ class SandboxSession:
         return [str(o) for o in reply["outputs"]]
 
     def snapshot(self) -> dict[str, Any]:
-        if self._snapshot is None:
+        if self._snapshot is None:  # nothing executed yet: fetch the initial state
             self.execute_all([])
-        assert self._snapshot is not None  # set by execute_all
-        return self._snapshot
+        return dict(self._snapshot or {})
 
 
 def sandbox_executor(pool: Any) -> EnvFactory:

@@ -19,7 +19,7 @@ import pandas as pd
 
 from pivotrl.errors import ConfigError, StorageError
 
-__all__ = ["KNOWN_LIMITS", "POLICIES", "build_report"]
+__all__ = ["KNOWN_LIMITS", "POLICIES", "POLICY_ALIASES", "build_report"]
 
 # The three policies every report compares, in table order.
 POLICIES: tuple[str, ...] = ("base", "reference (SFT warm start)", "pivotrl")
@@ -35,6 +35,9 @@ KNOWN_LIMITS: tuple[str, ...] = (
     "Training sees demonstration histories only; the full-task run checks whether the policy copes "
     "with its own, possibly wrong, histories.",
 )
+
+# Other spellings accepted as keys of ``results``.
+POLICY_ALIASES: dict[str, str] = {"reference": "reference (SFT warm start)", "sft": "reference (SFT warm start)"}
 
 REWARD_COLUMNS: tuple[str, ...] = ("reward_mean", "rewards/mean", "train/reward_mean", "reward", "rewards")
 MU_COLUMNS: tuple[str, ...] = ("mu", "mu_hat", "mean_reward", "reward_mean")
@@ -58,11 +61,13 @@ def build_report(
     """Write ``report.json``, ``report.md`` and PNG plots into ``out_dir``.
 
     Args:
-        results: policy name → ``{"local": summary | None, "full_task": summary | None}`` with the
+        results: policy name → ``{"local": summary | None, "full_task": summary | None}`` (plus an
+            optional ``"local_pivots"``: local accuracy on the training pivot set) with the
             summaries of :func:`pivotrl.evaluation.evaluate_local` (``accuracy``, ``n_samples``,
             ``n_accepted``, ``n_states``...) and :func:`pivotrl.evaluation.evaluate_full_tasks`
             (``success_rate``, ``n_success``, ``n_tasks``, ``turn_pass_rate``...). The table lists
-            :data:`POLICIES` first (a missing one is shown as not evaluated), then any others.
+            :data:`POLICIES` first (a missing one is shown as not evaluated; "reference" is read as
+            "reference (SFT warm start)"), then any others.
         metrics_df: training metrics, one row per step: a ``step`` column and a reward column
             (``reward_column`` or the first of :data:`REWARD_COLUMNS` present); None → no curve.
         probe_df: one row per probed candidate with its μ̂ (``mu_column`` or the first of
@@ -88,6 +93,7 @@ def build_report(
     except OSError as e:
         raise StorageError(f"report directory {out}: cannot create ({e})") from e
 
+    results = {POLICY_ALIASES.get(name, name): res for name, res in results.items()}
     names = [p for p in POLICIES] + [p for p in results if p not in POLICIES]
     rows = [_policy_row(name, results.get(name)) for name in names]
 
@@ -137,6 +143,7 @@ def build_report(
 def _policy_row(name: str, res: Mapping[str, Any] | None) -> dict[str, Any]:
     local = (res or {}).get("local") or {}
     full = (res or {}).get("full_task") or {}
+    pivots = (res or {}).get("local_pivots") or {}
     return {
         "policy": name,
         "evaluated": bool(local or full),
@@ -144,6 +151,7 @@ def _policy_row(name: str, res: Mapping[str, Any] | None) -> dict[str, Any]:
         "local_accepted": local.get("n_accepted"),
         "local_samples": local.get("n_samples"),
         "local_states": local.get("n_states"),
+        "local_pivot_set_accuracy": _num(pivots.get("accuracy")),
         "full_task_success": _num(full.get("success_rate")),
         "tasks_succeeded": full.get("n_success"),
         "tasks": full.get("n_tasks"),
@@ -242,26 +250,26 @@ def _markdown(report: Mapping[str, Any], rows: list[dict[str, Any]], plots: Mapp
         "## Results per policy",
         "",
         "Local pivot accuracy: fraction of sampled actions the verifier accepts at held-out "
-        "demonstration states. Full-task success: fraction of held-out tasks solved from scratch "
+        "demonstration states (the demonstration history is given). Full-task success: fraction of held-out tasks solved from scratch "
         "(BFCL multi-turn rules: state and execution-result checks after every user turn).",
         "",
-        "| policy | local pivot accuracy | full-task success | turns passed | format error rate |",
-        "|---|---|---|---|---|",
     ]
+    with_pivots = any(r["local_pivot_set_accuracy"] is not None for r in rows)
+    header = ["policy", "local pivot accuracy", "full-task success", "turns passed", "format error rate"]
+    if with_pivots:
+        header.append("local accuracy on the training pivots")
+    lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for r in rows:
-        lines.append(
-            "| "
-            + " | ".join(
-                [
-                    _md_cell(r["policy"]),
-                    _fmt_rate(r["local_pivot_accuracy"], r["local_accepted"], r["local_samples"]),
-                    _fmt_rate(r["full_task_success"], r["tasks_succeeded"], r["tasks"]),
-                    _fmt_rate(r["turn_pass_rate"], r["turns_passed"], r["turns_total"]),
-                    "n/a" if r["format_error_rate"] is None else f"{r['format_error_rate']:.3f}",
-                ]
-            )
-            + " |"
-        )
+        cells = [
+            _md_cell(r["policy"]),
+            _fmt_rate(r["local_pivot_accuracy"], r["local_accepted"], r["local_samples"]),
+            _fmt_rate(r["full_task_success"], r["tasks_succeeded"], r["tasks"]),
+            _fmt_rate(r["turn_pass_rate"], r["turns_passed"], r["turns_total"]),
+            "n/a" if r["format_error_rate"] is None else f"{r['format_error_rate']:.3f}",
+        ]
+        if with_pivots:
+            cells.append(_fmt_rate(r["local_pivot_set_accuracy"], None, None))
+        lines.append("| " + " | ".join(cells) + " |")
     lines.append("")
     if "local_vs_full_task" in plots:
         lines += [f"![local pivot accuracy vs full-task success]({plots['local_vs_full_task']})", ""]

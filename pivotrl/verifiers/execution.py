@@ -119,7 +119,10 @@ class ExecutionVerifier:
             for key, verdict in zip(pending, verdicts):
                 for i in pending[key]:
                     results[i] = verdict
-        return [r for r in results if r is not None]
+        done = [r for r in results if r is not None]
+        if len(done) != len(results):  # pragma: no cover - every action gets exactly one verdict
+            raise VerifierError(f"turn state {state.state_id!r}: {len(results) - len(done)} actions left unscored")
+        return done
 
     def _execute(
         self, state: TurnState, demo: Sequence[ToolCall], candidates: list[list[dict[str, Any]]]

@@ -1,0 +1,291 @@
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from pivotrl.errors import ConfigError, DataError
+from pivotrl.testing import save_tiny_checkpoint, tiny_tokenizer
+from pivotrl.training.launch import LaunchConfig, read_spec, render_launch_command
+from pivotrl.training.pivotrl import Group, OfflineSpec, PivotRLTrainer
+
+TIMING_KEYS = {"step_time_s", "tokens_per_s"}
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "model")
+
+
+def _ids(n: int, gen: torch.Generator) -> list[int]:
+    return torch.randint(2, 500, (n,), generator=gen).tolist()
+
+
+def _groups(seed: int, n: int, k: int = 4, rewards: list[list[float]] | None = None) -> list[Group]:
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        r = rewards[i] if rewards else [float((i + j) % 2) for j in range(k)]
+        out.append(Group(f"s{seed}-{i}", _ids(10 + i, gen), [_ids(2 + (i + j) % 4, gen) for j in range(k)], r))
+    return out
+
+
+def _sample(model: torch.nn.Module, prompt: list[int], k: int, t: int, gen: torch.Generator) -> list[list[int]]:
+    """K actions of T tokens sampled from the model itself (temperature 1)."""
+    with torch.no_grad():
+        seqs = torch.tensor([prompt] * k)
+        for _ in range(t):
+            probs = torch.softmax(model(input_ids=seqs).logits[:, -1].float(), -1)
+            seqs = torch.cat([seqs, torch.multinomial(probs, 1, generator=gen)], 1)
+    return seqs[:, len(prompt) :].tolist()
+
+
+def _chosen_mass(model: torch.nn.Module, prompts: list[list[int]]) -> float:
+    """Exact expected reward of the toy verifier: P(first action token ≡ 0 mod 3), averaged over states."""
+    with torch.no_grad():
+        masses = [
+            torch.softmax(model(input_ids=torch.tensor([p])).logits[0, -1].float(), -1)[0::3].sum().item() for p in prompts
+        ]
+    return sum(masses) / len(masses)
+
+
+def test_mean_reward_rises_with_a_toy_verifier(ckpt: Path) -> None:
+    trainer = PivotRLTrainer(ckpt, group_size=8, dtype="float32", lr=2e-3, beta=0.01, micro_batch_groups=4, seed=0)
+    gen = torch.Generator().manual_seed(0)
+    prompts = [_ids(12, gen) for _ in range(8)]
+    before = _chosen_mass(trainer.engine.module, prompts)
+    rewards = []
+    for _ in range(10):
+        groups = []
+        for i, p in enumerate(prompts):
+            acts = _sample(trainer.engine.module, p, 8, 3, gen)
+            groups.append(Group(f"s{i}", p, acts, [float(a[0] % 3 == 0) for a in acts]))
+        rewards.append(trainer.train_step(groups)["reward_mean"])
+    after = _chosen_mass(trainer.engine.module, prompts)
+    assert 0.25 < before < 0.40  # about a third of the vocabulary is ≡ 0 mod 3
+    assert after > before + 0.2
+    assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + 0.15
+
+
+def test_clipping_binds_only_after_the_first_update(ckpt: Path) -> None:
+    groups = _groups(1, 3)
+    one = PivotRLTrainer(ckpt, group_size=4, dtype="float32", lr=5e-2, updates_per_batch=1, beta=0.0)
+    m1 = one.train_step(groups)
+    assert m1["ratio_mean"] == 1.0 and m1["ratio_min"] == 1.0 and m1["ratio_max"] == 1.0
+    assert m1["clip_frac"] == 0.0
+    three = PivotRLTrainer(ckpt, group_size=4, dtype="float32", lr=5e-2, updates_per_batch=3, beta=0.0)
+    m3 = three.train_step(groups)
+    assert m3["updates"] == 3.0
+    assert m3["ratio_max"] > 1.2 or m3["ratio_min"] < 0.8  # ratios left [1−ε, 1+ε]
+    assert m3["clip_frac"] > 0.0
+    assert m3["clip_frac"] == pytest.approx(m3["clip_frac_high"] + m3["clip_frac_low"])
+    # first update: ratios are exactly 1 (π_old = the weights of that forward) → loss is −mean(Â) = 0 for GRPO
+    assert m3["loss"] == pytest.approx(0.0, abs=1e-7)
+
+
+def test_zero_variance_groups_stay_in_the_denominator(ckpt: Path) -> None:
+    informative = _groups(2, 1, rewards=[[1.0, 0.0, 0.0, 1.0]])
+    flat = _groups(3, 1, rewards=[[1.0, 1.0, 1.0, 1.0]])
+    alone = PivotRLTrainer(ckpt, group_size=4, dtype="float32", lr=1e-4, beta=0.0, grad_clip=0.0).train_step(informative)
+    mixed = PivotRLTrainer(ckpt, group_size=4, dtype="float32", lr=1e-4, beta=0.0, grad_clip=0.0).train_step(
+        informative + flat
+    )
+    assert mixed["zero_variance_frac"] == 0.5 and mixed["groups_trained"] == 1.0
+    assert alone["groups_trained"] == 1.0 and alone["zero_variance_frac"] == 0.0
+    # the flat group is skipped (no forward pass) but counts in the loss denominator: half the gradient
+    assert mixed["tokens"] == alone["tokens"]
+    assert mixed["grad_norm"] == pytest.approx(alone["grad_norm"] / 2, rel=1e-5)
+    assert mixed["reward_mean"] == pytest.approx((0.5 + 1.0) / 2)
+
+
+def test_first_step_metrics(ckpt: Path) -> None:
+    trainer = PivotRLTrainer(ckpt, group_size=4, dtype="float32", lr=1e-4, beta=0.1, shared_prefix=True)
+    groups = _groups(4, 2)
+    m = trainer.train_step(groups)
+    assert m["step"] == 1.0 and m["actions"] == 8.0 and m["groups"] == 2.0
+    # π_θ = π_ref at the first step: k3 KL and its estimator are 0, ratios are 1
+    assert m["kl"] == pytest.approx(0.0, abs=1e-9) and m["kl_term"] == pytest.approx(0.0, abs=1e-9)
+    assert m["ratio_mean"] == 1.0
+    lens = [len(a) for g in groups for a in g.actions]
+    assert m["action_tokens"] == float(sum(lens))
+    # shared prefix: per group P + K·(T_max − 1) tokens
+    expected = sum(len(g.prompt_ids) + 4 * (max(map(len, g.actions)) - 1) for g in groups)
+    assert m["tokens"] == float(expected) and m["ref_tokens"] == float(expected)
+    assert 0.0 < m["entropy"] < math.log(512) + 1e-6
+    assert m["grad_norm"] > 0
+    assert m["zero_variance_frac"] == 0.0
+
+
+def test_old_policy_logprobs_match_exported_checkpoint(ckpt: Path, tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from pivotrl.training.logprobs import group_logprobs
+
+    trainer = PivotRLTrainer(ckpt, group_size=4, dtype="float32", lr=1e-3, beta=0.0)
+    groups = _groups(5, 2)
+    trainer.train_step(groups)
+    out = trainer.export_hf(tmp_path / "export")
+    names = {p.name for p in out.iterdir()}
+    assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= names
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary left behind
+    reloaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    g = groups[0]
+    mine = trainer.old_policy_logprobs(g.prompt_ids, g.actions[1])
+    theirs, _ = group_logprobs(reloaded, g.prompt_ids, [g.actions[1]])
+    assert len(mine) == len(g.actions[1])
+    assert max(abs(a - b) for a, b in zip(mine, theirs[0].tolist())) < 1e-5
+    # and the trained weights differ from the initial ones
+    initial = trainer.ref_model
+    assert any(not torch.equal(p, q) for p, q in zip(reloaded.parameters(), initial.parameters()))
+
+
+def test_resume_reproduces_the_uninterrupted_run(ckpt: Path, tmp_path: Path) -> None:
+    batches = [_groups(10 + s, 2) for s in range(4)]
+    kw = dict(group_size=4, dtype="float32", lr=1e-2, updates_per_batch=2, beta=0.05, seed=7)
+
+    full = PivotRLTrainer(ckpt, **kw)
+    ref_metrics = []
+    for i, batch in enumerate(batches):
+        ref_metrics.append(full.train_step(batch))
+        full.data_position = i + 1
+        if i == 1:
+            full.extra_state = {"note": "after two"}
+            full.save_checkpoint(tmp_path / "ckpt")
+            rng_after_save = torch.rand(3)
+
+    resumed = PivotRLTrainer(ckpt, **kw)
+    state = resumed.load_checkpoint(tmp_path / "ckpt")
+    assert torch.equal(torch.rand(3), rng_after_save)  # RNG restored
+    assert state["step"] == 2 and resumed.step == 2 and resumed.data_position == 2
+    assert resumed.extra_state == {"note": "after two"}
+    assert {p.name for p in (tmp_path / "ckpt").iterdir()} == {"deepspeed", "hf", "rng_rank0.pt", "trainer_state.json"}
+    assert not (tmp_path / "ckpt.partial").exists()
+    got = [resumed.train_step(b) for b in batches[resumed.data_position :]]
+    for want, have in zip(ref_metrics[2:], got):
+        for key in set(want) - TIMING_KEYS:
+            assert have[key] == pytest.approx(want[key], rel=1e-6, abs=1e-9), key
+
+
+def test_bad_groups_and_settings(ckpt: Path) -> None:
+    with pytest.raises(ConfigError, match="unknown trainer setting"):
+        PivotRLTrainer(ckpt, group_size=4, clip=0.2)
+    with pytest.raises(ConfigError, match="group_size"):
+        PivotRLTrainer(ckpt, group_size=1)
+    with pytest.raises(ConfigError, match="zero_stage"):
+        PivotRLTrainer(ckpt, group_size=4, zero_stage=4)
+    trainer = PivotRLTrainer(ckpt, group_size=4, dtype="float32")
+    with pytest.raises(DataError, match="expected group_size=4"):
+        trainer.train_step([Group("x", [3, 4], [[5]] * 3, [0.0, 1.0, 0.0])])
+    with pytest.raises(DataError, match="action 2 has no tokens"):
+        trainer.train_step([Group("x", [3, 4], [[5], [6], [], [7]], [0.0, 1.0, 0.0, 1.0])])
+    with pytest.raises(DataError, match="at least one group"):
+        trainer.train_step([])
+
+
+def test_sft_loss_falls_and_exports(ckpt: Path, tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from pivotrl.data.schema import Message, Trajectory
+    from pivotrl.prompts import build_sft_example
+    from pivotrl.training.sft import run_sft
+
+    tok = tiny_tokenizer()
+    trajs = [
+        Trajectory(
+            id=f"t{i}",
+            messages=(
+                Message(role="user", content=q),
+                Message(role="assistant", content=a),
+            ),
+        )
+        for i, (q, a) in enumerate(
+            [
+                ("What is the factorial of five?", "[math.factorial(number=5)]"),
+                ("Please move the final report into the temp folder.", "[mv(source='final_report.pdf', destination='temp')]"),
+                ("List the files.", "[ls(a=True)]"),
+            ]
+        )
+    ]
+    examples = [build_sft_example(t, tok, max_len=512) for t in trajs]
+
+    # the first step's loss is the masked mean NLL of the initial model over the whole (single) batch
+    model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
+    nll, count = 0.0, 0
+    with torch.no_grad():
+        for ids, mask in examples:
+            logp = torch.log_softmax(model(input_ids=torch.tensor([ids])).logits[0, :-1], -1)
+            for t in range(1, len(ids)):
+                if mask[t]:
+                    nll -= logp[t - 1, ids[t]].item()
+                    count += 1
+
+    metrics = run_sft(
+        ckpt, examples, tmp_path / "sft", epochs=8, lr=3e-3, batch_size=3, micro_batch_size=2, dtype="float32", seed=0
+    )
+    assert metrics["steps"] == 8
+    assert metrics["first_loss"] == pytest.approx(nll / count, rel=1e-5)
+    assert metrics["final_loss"] < 0.5 * metrics["first_loss"]
+    assert metrics["loss_tokens"] == count
+    out = tmp_path / "sft"
+    assert (out / "model.safetensors").is_file() and (out / "tokenizer.json").is_file()
+    tuned = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    assert any(not torch.equal(p, q) for p, q in zip(tuned.parameters(), model.parameters()))
+
+
+def test_sft_rejects_bad_examples(ckpt: Path, tmp_path: Path) -> None:
+    from pivotrl.training.sft import run_sft
+
+    with pytest.raises(DataError, match="example 0: input_ids has 3 tokens but loss_mask has 2"):
+        run_sft(ckpt, [([1, 2, 3], [0, 1])], tmp_path / "x", dtype="float32")
+    with pytest.raises(DataError, match="no predictable token"):
+        run_sft(ckpt, [([1, 2, 3], [1, 0, 0])], tmp_path / "x", dtype="float32")
+
+
+# ---------------------------------------------------------------------- launch commands
+def test_render_torchrun_multi_node() -> None:
+    cmd = render_launch_command(
+        {"launcher": "torchrun", "nnodes": 2, "nproc_per_node": 4, "node_rank": 1, "master_addr": "10.0.0.1", "master_port": 29600},
+        entry="pivotrl",
+        spec_path="/runs/a/spec.json",
+        python="py",
+    )
+    assert cmd == [
+        "py", "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=4", "--node-rank=1",
+        "--master-addr=10.0.0.1", "--master-port=29600", "-m", "pivotrl.training.pivotrl", "--spec", "/runs/a/spec.json",
+    ]  # fmt: skip
+
+
+def test_render_deepspeed_with_hostfile_and_inprocess() -> None:
+    cmd = render_launch_command(
+        {"launcher": "deepspeed", "nnodes": 2, "nproc_per_node": 2, "hostfile": "hosts", "no_ssh": True, "node_rank": 0},
+        entry="sft",
+        spec_path="s.json",
+        python="py",
+    )
+    assert cmd == [
+        "py", "-m", "deepspeed.launcher.runner", "--hostfile=hosts", "--num_nodes=2", "--no_ssh", "--node_rank=0",
+        "--num_gpus=2", "--master_addr=127.0.0.1", "--master_port=29500", "--module", "pivotrl.training.sft",
+        "--spec", "s.json",
+    ]  # fmt: skip
+    assert render_launch_command({}, entry="sft", spec_path="s.json", python="py") == [
+        "py", "-m", "pivotrl.training.sft", "--spec", "s.json",
+    ]  # fmt: skip
+    assert LaunchConfig({"nproc_per_node": 2}).launcher == "torchrun"
+
+
+def test_launch_config_errors(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="unknown launch key"):
+        LaunchConfig({"nodes": 2})
+    with pytest.raises(ConfigError, match="inprocess"):
+        LaunchConfig({"launcher": "inprocess", "nproc_per_node": 2})
+    with pytest.raises(ConfigError, match="node_rank=2 must be < nnodes=2"):
+        LaunchConfig({"nnodes": 2, "node_rank": 2})
+    with pytest.raises(ConfigError, match="unknown trainer entry"):
+        render_launch_command({}, entry="ppo", spec_path="s.json")
+    spec = tmp_path / "spec.json"
+    spec.write_text(json.dumps({"model_dir": "m", "batches_path": "b", "out_dir": "o", "lr": 1}))
+    with pytest.raises(ConfigError, match=r"unknown key\(s\) \['lr'\]"):
+        read_spec(["--spec", str(spec)], OfflineSpec)
