@@ -45,8 +45,11 @@ def test_registry_and_result():
     assert VERIFIERS.names() == ["arguments", "auto", "execution", "tool_name"]
     with pytest.raises(ConfigError, match="valid names: arguments, auto, execution, tool_name"):
         get_verifier("exact_text")
-    with pytest.raises(ConfigError, match="bad options"):
-        get_verifier("tool_name", pool=None)
+    with pytest.raises(ConfigError, match="unknown option.s. threshold; valid: .none."):
+        get_verifier("tool_name", threshold=0.5)
+    # Options a run configuration passes to any verifier are ignored where they mean nothing.
+    assert type(get_verifier("tool_name", timeout_s=5, retries=1)).__name__ == "ToolNameVerifier"
+    assert get_verifier("execution", timeout_s=5, retries=1).retries == 1
     r = VerifierResult(1.0, True, "match")
     with pytest.raises(dataclasses.FrozenInstanceError):
         r.reward = 0.0  # type: ignore[misc]
@@ -161,8 +164,10 @@ def test_auto_dispatches_on_the_default_verifier():
     assert [r.reward for r in auto.score(state, ["[cd(folder='x')]"])] == [0.0]
     with pytest.raises(DataError, match="default_verifier='nope'"):
         auto.score(_state(CD_DOCS, default_verifier="nope"), ["x"])
-    with pytest.raises(ConfigError, match="not a verifier name"):
+    with pytest.raises(ConfigError, match="neither a shared option"):
         get_verifier("auto", exact={})
+    auto = get_verifier("auto", timeout_s=7.0, retries=4, execution={"retries": 1})
+    assert auto.verifier_for(_state(CD_DOCS, default_verifier="execution")).retries == 1
 
 
 def test_execution_needs_an_environment():
@@ -298,7 +303,7 @@ def test_simple_python_alternative_acceptable_value(bfcl):
 
 def test_auto_uses_execution_for_multi_turn_calls_and_tool_name_for_text(bfcl):
     root, states = bfcl
-    auto = get_verifier("auto", execution={"bfcl_root": root})
+    auto = get_verifier("auto", bfcl_root=str(root), timeout_s=30.0, retries=1)
     try:
         state = states["multi_turn_base_0#0"]
         assert state.verifier_context["default_verifier"] == "execution"

@@ -182,9 +182,11 @@ class VLLMEngine:
         Uses the workers' ``reload_weights`` and then clears the prefix cache (cached KV blocks
         were computed with the old weights). ≈ 0.3–0.4 s for a 135M model on CPU.
 
-        With tied embeddings, vLLM's in-place reload refills ``embed_tokens`` but leaves
-        ``lm_head`` on its previous tensor (the checkpoint has no ``lm_head.weight``), so the
-        output layer would keep the *old* weights; the tie is restored on every worker afterwards.
+        With tied embeddings, vLLM's in-place reload refills ``embed_tokens`` but skips
+        ``lm_head`` (the checkpoint has no ``lm_head.weight``); on CPU the head then keeps its
+        packed copy of the *old* embedding, so outputs change but are wrong. The head is
+        refreshed from the new embedding on every worker afterwards (checked against a
+        transformers forward in the tests).
 
         Raises:
             ModelError: the directory has no ``*.safetensors`` file.
@@ -193,7 +195,7 @@ class VLLMEngine:
             raise ModelError(f"load_weights: {checkpoint_dir} has no *.safetensors file")
         self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(checkpoint_dir)})
         if self.tied_embeddings:
-            self.llm.apply_model(_retie_embeddings)
+            self.llm.apply_model(_refresh_tied_head)
         self.llm.reset_prefix_cache()
 
     def close(self) -> None:
@@ -209,13 +211,23 @@ class VLLMEngine:
         gc.collect()
 
 
-def _retie_embeddings(model: Any) -> bool:
-    """Point the output layer at the input embedding again (runs inside a vLLM worker)."""
+def _refresh_tied_head(model: Any) -> bool:
+    """Make the output layer use the (reloaded) input embedding again; runs inside a vLLM worker.
+
+    Re-points ``lm_head.weight`` at the embedding if the tie was broken and re-runs the head's
+    post-load processing (on CPU this rebuilds the packed GEMM copy of the weight, which an
+    in-place reload does not touch when the checkpoint has no ``lm_head.weight``).
+    Returns True if a head was refreshed.
+    """
     head = getattr(model, "lm_head", None)
     embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     if embed is None:
         embed = getattr(getattr(model, "model", None), "embed_tokens", None)
-    if head is None or embed is None or head.weight is embed.weight:
+    if head is None or embed is None:
         return False
-    head.weight = embed.weight
+    if head.weight is not embed.weight:
+        head.weight = embed.weight
+    method = getattr(head, "quant_method", None)
+    if method is not None and hasattr(method, "process_weights_after_loading"):
+        method.process_weights_after_loading(head)
     return True

@@ -258,20 +258,39 @@ def copy_tokenizer_files(src_dir: str | os.PathLike[str], dst_dir: str | os.Path
     return copied
 
 
+def _tied_duplicates(module: torch.nn.Module) -> list[str]:
+    """Names of parameters that are the same tensor as an earlier one (e.g. a tied ``lm_head.weight``)."""
+    seen: set[int] = set()
+    dups = []
+    for name, p in module.named_parameters(remove_duplicate=False):
+        if id(p) in seen:
+            dups.append(name)
+        seen.add(id(p))
+    return dups
+
+
 def _full_state_dict(engine: Any) -> dict[str, torch.Tensor] | None:
-    """The complete module state dict on rank 0 (None on other ranks), detached CPU clones."""
+    """The complete module state dict on rank 0 (None on other ranks), detached CPU clones.
+
+    Tied duplicates are left out (the config's ``tie_word_embeddings`` restores them on load).
+    """
     rank, _ = rank_and_world()
     module = engine.module
+    drop = set(_tied_duplicates(module))
+
+    def _clone(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {k: v.detach().cpu().clone() for k, v in sd.items() if k not in drop}
+
     if engine.zero_optimization_stage() == 3:
         import deepspeed
 
         # Gather every partitioned parameter on all ranks (fine for ≤ ~1B params per host).
         with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
-            sd = {k: v.detach().cpu().clone() for k, v in module.state_dict().items()} if rank == 0 else None
+            sd = _clone(module.state_dict()) if rank == 0 else None
         return sd
     if rank != 0:
         return None
-    return {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}
+    return _clone(module.state_dict())
 
 
 def _replace_dir(tmp: Path, target: Path) -> None:

@@ -12,6 +12,7 @@ similarity. Every verifier accepts a text action when the demonstration's action
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import Any, Protocol, Sequence, runtime_checkable
 
@@ -21,6 +22,7 @@ from pivotrl.errors import ActionParseError, ConfigError, DataError
 from pivotrl.registry import Registry
 
 __all__ = [
+    "SHARED_OPTIONS",
     "VERIFIERS",
     "AutoVerifier",
     "ParsedAction",
@@ -59,18 +61,39 @@ class Verifier(Protocol):
 
 VERIFIERS: Registry[type] = Registry("verifier")
 
+#: Options a run configuration may pass to any verifier: a verifier that has no use for one of
+#: them (e.g. ``tool_name`` and ``timeout_s``) ignores it. Any other unknown option is an error.
+SHARED_OPTIONS: frozenset[str] = frozenset(
+    {"pool", "bfcl_root", "cache_dir", "num_workers", "timeout_s", "memory_mb", "retries", "backoff_s"}
+)
+
+
+def _accepted_options(cls: type) -> set[str] | None:
+    """Keyword parameters of ``cls.__init__``; None if it takes ``**kwargs``."""
+    if cls.__init__ is object.__init__:
+        return set()
+    params = inspect.signature(cls.__init__).parameters.values()
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return None
+    return {p.name for p in params if p.name != "self"}
+
 
 def get_verifier(name: str, **opts: Any) -> Verifier:
     """Instantiate the verifier registered as ``name`` with keyword options ``opts``.
 
-    Names: "tool_name", "arguments", "execution", "auto". Raises ConfigError for an unknown name
-    (listing the valid ones) or options the verifier does not take.
+    Names: "tool_name", "arguments", "execution", "auto". Options in :data:`SHARED_OPTIONS` that
+    the verifier does not use are ignored. Raises ConfigError for an unknown name (listing the
+    valid ones) or any other option the verifier does not take.
     """
     cls = VERIFIERS.get(name)
-    try:
-        return cls(**opts)
-    except TypeError as e:
-        raise ConfigError(f"verifier {name!r}: bad options {sorted(opts)}: {e}") from None
+    accepted = _accepted_options(cls)
+    if accepted is not None:
+        unknown = sorted(k for k in opts if k not in accepted and k not in SHARED_OPTIONS)
+        if unknown:
+            valid = ", ".join(sorted(accepted)) or "(none)"
+            raise ConfigError(f"verifier {name!r}: unknown option(s) {', '.join(unknown)}; valid: {valid}")
+        opts = {k: v for k, v in opts.items() if k in accepted}
+    return cls(**opts)
 
 
 @dataclass(frozen=True)
@@ -131,16 +154,26 @@ def kind_check(demo: Sequence[ToolCall], parsed: ParsedAction) -> VerifierResult
 class AutoVerifier:
     """Dispatch on ``state.verifier_context["default_verifier"]`` (set by the data source).
 
-    Options are passed to each underlying verifier when it is first needed, keyed by name:
-    ``AutoVerifier(execution={"pool": pool}, arguments={})``; a name without options gets none.
+    Options: shared ones (:data:`SHARED_OPTIONS`, e.g. ``timeout_s=30, bfcl_root=root``) go to every
+    underlying verifier that takes them; options for one verifier go under its name
+    (``AutoVerifier(execution={"pool": pool})``) and win over shared ones. Underlying verifiers are
+    built on first use. Raises ConfigError for any other option.
     """
 
-    def __init__(self, **per_verifier_opts: dict[str, Any]) -> None:
-        for name in per_verifier_opts:
-            if name not in VERIFIERS or name == "auto":
-                raise ConfigError(f"auto verifier: option {name!r} is not a verifier name; valid: "
-                                  f"{', '.join(n for n in VERIFIERS if n != 'auto')}")
-        self._opts = per_verifier_opts
+    def __init__(self, **opts: Any) -> None:
+        names = [n for n in VERIFIERS if n != "auto"]
+        self._shared: dict[str, Any] = {}
+        self._per: dict[str, dict[str, Any]] = {}
+        for key, value in opts.items():
+            if key in SHARED_OPTIONS:
+                self._shared[key] = value
+            elif key in names and isinstance(value, dict):
+                self._per[key] = value
+            else:
+                raise ConfigError(
+                    f"auto verifier: option {key!r} is neither a shared option ({', '.join(sorted(SHARED_OPTIONS))}) "
+                    f"nor a verifier name with a dict of options ({', '.join(names)})"
+                )
         self._verifiers: dict[str, Verifier] = {}
 
     def verifier_for(self, state: TurnState) -> Verifier:
@@ -151,7 +184,7 @@ class AutoVerifier:
                 f"{', '.join(n for n in VERIFIERS if n != 'auto')}"
             )
         if name not in self._verifiers:
-            self._verifiers[name] = get_verifier(name, **self._opts.get(name, {}))
+            self._verifiers[name] = get_verifier(name, **{**self._shared, **self._per.get(name, {})})
         return self._verifiers[name]
 
     def score(self, state: TurnState, actions: Sequence[str]) -> list[VerifierResult]:
