@@ -296,6 +296,7 @@ def _write_atomically(target: Path, fill: Any) -> None:
 
 
 def _publish(tmp: Path, target: Path) -> None:
+    os.chmod(tmp, 0o755)  # mkdtemp creates 0700; cache entries are shared read-only data
     try:
         os.rename(tmp, target)
     except OSError:

@@ -198,6 +198,7 @@ def save_tiny_checkpoint(directory: str | os.PathLike[str], seed: int = 0, **ove
     try:
         model.save_pretrained(tmp, safe_serialization=True)
         tok.save_pretrained(tmp)
+        os.chmod(tmp, 0o755)  # mkdtemp creates 0700
         if target.exists():
             target.rmdir()
         os.replace(tmp, target)

@@ -204,7 +204,9 @@ def test_load_weights_changes_and_restores(tmp_path, tok, prompts) -> None:
     assert eng.score([prompts[0]], action)[0] == before
     with pytest.raises(ModelError, match="no \\*.safetensors"):
         eng.load_weights(str(tmp_path))
-    wrong = save_tiny_checkpoint(tmp_path / "wide", seed=0, hidden_size=256, intermediate_size=512, num_attention_heads=4)
+    wrong = save_tiny_checkpoint(
+        tmp_path / "wide", seed=0, hidden_size=256, intermediate_size=512, num_attention_heads=4
+    )
     with pytest.raises(ModelError, match="does not match"):
         eng.load_weights(str(wrong))
 
@@ -268,3 +270,24 @@ def test_vllm_load_weights_changes_and_restores(vllm_setup, tok, prompts) -> Non
     assert max_abs_diff(changed, oracle_logprobs(tiny_llama(tok, seed=1), prompts[0], action[0])) <= 1e-4
     eng.load_weights(str(ckpt0))
     assert eng.score([prompts[0]], action)[0] == before
+
+
+def test_decode_attention_matches_sdpa(tok, prompts) -> None:
+    sampling = SamplingConfig(n=3, max_tokens=12, seed=8)
+    plain = TransformersEngine(tiny_llama(tok, seed=0, num_key_value_heads=1), tok, decode_attention=False)
+    fast = TransformersEngine(tiny_llama(tok, seed=0, num_key_value_heads=1), tok, decode_attention=True)
+    assert fast.model.config._attn_implementation == "pivotrl_decode"
+    for a, b in zip(plain.generate(prompts, sampling), fast.generate(prompts, sampling)):
+        for x, y in zip(a, b):
+            assert x.token_ids == y.token_ids
+            assert max_abs_diff(x.rollout_logprobs, y.rollout_logprobs) <= 1e-5
+    # grouped-query layout: 2 query heads sharing 1 KV head vs 2 KV heads (no grouping)
+    for kv in (1, 2):
+        m_plain = tiny_llama(tok, seed=3, num_key_value_heads=kv)
+        m_fast = tiny_llama(tok, seed=3, num_key_value_heads=kv)
+        e_plain = TransformersEngine(m_plain, tok, decode_attention=False)
+        e_fast = TransformersEngine(m_fast, tok, decode_attention=True)
+        # a 3-token prompt + 5-token action runs entirely on the short-query path (causal, no mask)
+        ps, actions = [prompts[0], prompts[1], [0, 5, 6]], [[40, 41, 42], [7], [8, 9, 10, 11, 12]]
+        for x, y in zip(e_plain.score(ps, actions), e_fast.score(ps, actions)):
+            assert max_abs_diff(x, y) <= 1e-5

@@ -101,6 +101,15 @@ def test_zero_variance_groups_stay_in_the_denominator(ckpt: Path) -> None:
     assert mixed["reward_mean"] == pytest.approx((0.5 + 1.0) / 2)
 
 
+def test_batch_without_signal_and_beta_zero_changes_nothing(ckpt: Path) -> None:
+    trainer = PivotRLTrainer(ckpt, group_size=4, dtype="float32", lr=1e-2, beta=0.0)
+    before = [p.detach().clone() for p in trainer.engine.module.parameters()]
+    m = trainer.train_step(_groups(6, 2, rewards=[[0.0] * 4, [1.0] * 4]))
+    assert m["groups_trained"] == 0.0 and m["updates"] == 0.0 and m["tokens"] == 0.0
+    assert m["zero_variance_frac"] == 1.0 and m["step"] == 1.0
+    assert all(torch.equal(p, q) for p, q in zip(before, trainer.engine.module.parameters()))
+
+
 def test_first_step_metrics(ckpt: Path) -> None:
     trainer = PivotRLTrainer(ckpt, group_size=4, dtype="float32", lr=1e-4, beta=0.1, shared_prefix=True)
     groups = _groups(4, 2)
@@ -235,6 +244,28 @@ def test_sft_loss_falls_and_exports(ckpt: Path, tmp_path: Path) -> None:
     assert any(not torch.equal(p, q) for p, q in zip(tuned.parameters(), model.parameters()))
 
 
+def test_sft_entry_point_in_process(ckpt: Path, tmp_path: Path) -> None:
+    from pivotrl.training.launch import launch
+
+    examples = tmp_path / "examples.jsonl"
+    examples.write_text(
+        json.dumps({"input_ids": [0, 5, 6, 7, 8, 1], "loss_mask": [0, 0, 0, 1, 1, 1]}) + "\n"
+        + json.dumps({"input_ids": [0, 9, 10, 11, 1], "loss_mask": [0, 0, 1, 1, 1]}) + "\n"
+    )
+    spec = {
+        "model_dir": str(ckpt),
+        "examples_path": str(examples),
+        "out_dir": str(tmp_path / "out"),
+        "metrics_path": str(tmp_path / "metrics.json"),
+        "options": {"epochs": 2, "batch_size": 2, "dtype": "float32", "lr": 1e-3},
+    }
+    assert launch({}, entry="sft", spec=spec, workdir=tmp_path / "work") == 0
+    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    assert metrics["steps"] == 2 and metrics["loss_tokens"] == 6 and metrics["tokens"] == 2 * 11
+    assert (tmp_path / "out" / "model.safetensors").is_file()
+    assert json.loads((tmp_path / "work" / "sft-spec.json").read_text()) == spec
+
+
 def test_sft_rejects_bad_examples(ckpt: Path, tmp_path: Path) -> None:
     from pivotrl.training.sft import run_sft
 
@@ -289,3 +320,32 @@ def test_launch_config_errors(tmp_path: Path) -> None:
     spec.write_text(json.dumps({"model_dir": "m", "batches_path": "b", "out_dir": "o", "lr": 1}))
     with pytest.raises(ConfigError, match=r"unknown key\(s\) \['lr'\]"):
         read_spec(["--spec", str(spec)], OfflineSpec)
+
+
+def test_deepspeed_config_modes_and_extra() -> None:
+    from pivotrl.training.deepspeed_utils import deepspeed_config
+
+    cfg = deepspeed_config(zero_stage=1, dtype="bfloat16", grad_clip=None)
+    assert cfg["bf16"] == {"enabled": True} and cfg["gradient_clipping"] == 0.0
+    assert cfg["data_types"] == {"grad_accum_dtype": "fp32"}  # DeepSpeed's BF16 optimizer: fp32 accumulation
+    assert cfg["managed_gradient_accumulation"] is False and "optimizer" not in cfg
+    # stage 0 fp32: the client optimizer clips (DeepSpeed would not record the norm)
+    assert deepspeed_config(zero_stage=0, dtype="float32", grad_clip=1.0)["gradient_clipping"] == 0.0
+    merged = deepspeed_config(
+        zero_stage=3, dtype="float32", grad_clip=1.0, extra={"zero_optimization": {"reduce_bucket_size": 1000}}
+    )
+    assert merged["zero_optimization"] == {
+        "stage": 3,
+        "stage3_gather_16bit_weights_on_model_save": True,
+        "reduce_bucket_size": 1000,
+    }
+    with pytest.raises(ConfigError, match="may not set \\['optimizer'\\]"):
+        deepspeed_config(zero_stage=0, dtype="float32", grad_clip=1.0, extra={"optimizer": {"type": "Adam"}})
+    with pytest.raises(ConfigError, match="contradicts zero_stage=0"):
+        deepspeed_config(zero_stage=0, dtype="float32", grad_clip=1.0, extra={"zero_optimization": {"stage": 2}})
+    with pytest.raises(ConfigError, match="dtype must be one of"):
+        deepspeed_config(zero_stage=0, dtype="fp16", grad_clip=1.0)
+    with pytest.raises(ConfigError, match="grad_clip"):
+        deepspeed_config(zero_stage=0, dtype="float32", grad_clip=-1.0)
+    with pytest.raises(ConfigError, match="world_size=3 must equal"):
+        LaunchConfig({"world_size": 3, "nproc_per_node": 2})

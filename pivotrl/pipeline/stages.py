@@ -203,10 +203,22 @@ def stage_train(cfg: RunConfig, store: ArtifactStore, probe: dict[str, Any], ref
 
     cache = cache_dir(cfg)
     pivots = frame_to_states(store.read_parquet(f"{probe['pivots_key']}/pivots.parquet"))
-    if not pivots:
-        raise TrainingError(f"the pivot set {probe['pivots']} is empty: nothing to train on "
-                            "(lower probing.lambda_diff's strictness, probe more states, or warm-start the reference)")
     rdir = reference_dir(cfg, store, ref)
+    if not pivots:
+        # Nothing to train on tonight: the policy stays π_ref, and the report says so.
+        log.warning("the pivot set %s is empty: no PivotRL update; the policy is the reference. Probe more "
+                    "states (probing.max_states), raise probing.lambda_diff, or warm-start the reference.", probe["pivots"])
+        store.put_dir(str(rdir), final_key)
+        empty = pd.DataFrame({"step": pd.Series([], dtype="int64"), "reward_mean": pd.Series([], dtype="float64")})
+        summary = {"steps": 0, "pivots": 0, "final_reward_mean": None, "policy": store.url(final_key),
+                   "note": "empty pivot set: policy = reference"}
+        inputs = {"pivots": probe["pivots"]}
+        store.write_artifact(f"{tkey}/metrics.parquet", empty, kind="training_metrics", inputs=inputs,
+                             config={"training": tr.model_dump(mode="json")})
+        store.write_artifact(f"{tkey}/summary.json", summary, kind="policy_checkpoint", inputs=inputs,
+                             config={"training": tr.model_dump(mode="json")})
+        return {"train_key": tkey, "policy_key": final_key, "metrics": store.url(f"{tkey}/metrics.parquet"),
+                "summary": summary}
     tok = load_tokenizer(rdir)
     prompts = [encode_state(s, tok, max_len=cfg.model.max_context - cfg.rollout.max_tokens, **prompt_kwargs(cfg))
                for s in pivots]

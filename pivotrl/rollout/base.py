@@ -116,7 +116,9 @@ ROLLOUT_ENGINES.register("transformers")("pivotrl.rollout.hf:TransformersEngine"
 ROLLOUT_ENGINES.register("vllm")("pivotrl.rollout.vllm:VLLMEngine")
 
 
-def make_engine(name: str, model_dir: str, *, dtype: str = "bf16", max_model_len: int = 8192, **kwargs: Any) -> RolloutEngine:
+def make_engine(
+    name: str, model_dir: str, *, dtype: str = "bf16", max_model_len: int = 8192, **kwargs: Any
+) -> RolloutEngine:
     """Build the rollout engine registered as ``name`` ("transformers" or "vllm").
 
     ``model_dir`` is an HF checkpoint directory (see ``pivotrl.models.resolve_model``);
@@ -132,11 +134,11 @@ def make_engine(name: str, model_dir: str, *, dtype: str = "bf16", max_model_len
     return factory(model_dir, dtype=dtype, max_model_len=max_model_len, **kwargs)
 
 
-def check_prompts(prompts: Sequence[list[int]], vocab_size: int, max_model_len: int, max_tokens: int = 0) -> None:
-    """Raise ConfigError for an empty prompt, an out-of-vocabulary id or a prompt too long.
+def check_prompts(prompts: Sequence[list[int]], vocab_size: int, max_model_len: int) -> None:
+    """Raise ConfigError for an empty prompt, an out-of-vocabulary id or P >= ``max_model_len``.
 
-    A prompt of P tokens needs ``P + max_tokens <= max_model_len`` only for ``max_tokens > 0``
-    at P itself; generation is cut at ``max_model_len`` with finish_reason "length".
+    Prompts need not leave room for ``max_tokens``: generation stops at ``max_model_len`` total
+    tokens with finish_reason "length".
     """
     for i, prompt in enumerate(prompts):
         if len(prompt) == 0:

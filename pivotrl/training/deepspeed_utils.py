@@ -30,7 +30,7 @@ import shutil
 import socket
 import tempfile
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Mapping
 
 import torch
 
@@ -50,6 +50,7 @@ __all__ = [
     "init_distributed",
     "load_causal_lm",
     "rank_and_world",
+    "replace_directory",
     "resolve_dtype",
     "set_num_threads",
 ]
@@ -183,17 +184,35 @@ class ClippingAdamW(torch.optim.AdamW):
         return super().step(closure)
 
 
-def deepspeed_config(*, zero_stage: int, dtype: str, grad_clip: float) -> dict[str, Any]:
+def _merge(base: dict[str, Any], extra: Mapping[str, Any]) -> dict[str, Any]:
+    """Recursive dict merge: values of ``extra`` win; nested mappings are merged key by key."""
+    out = dict(base)
+    for k, v in extra.items():
+        out[k] = _merge(out[k], v) if isinstance(v, Mapping) and isinstance(out.get(k), dict) else v
+    return out
+
+
+_FIXED_KEYS = ("optimizer", "managed_gradient_accumulation", "gradient_accumulation_steps", "train_micro_batch_size_per_gpu", "train_batch_size")
+
+
+def deepspeed_config(
+    *, zero_stage: int, dtype: str, grad_clip: float | None, extra: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
     """The DeepSpeed JSON config used for every pivotrl engine.
 
-    ``zero_stage`` ∈ {0, 1, 2, 3}; ``dtype`` ∈ :data:`DTYPES`; ``grad_clip`` ≥ 0 (0 = no clipping).
-    One micro-batch per backward, caller-owned gradient accumulation; no optimizer entry (the
-    client AdamW is passed in). Raises ConfigError naming the bad key.
+    ``zero_stage`` ∈ {0, 1, 2, 3}; ``dtype`` ∈ :data:`DTYPES`; ``grad_clip`` ≥ 0 (0 or None = no
+    clipping). One micro-batch per backward, caller-owned gradient accumulation; no optimizer entry
+    (the client AdamW is passed in). ``extra`` is merged over the result (e.g.
+    ``{"zero_optimization": {"stage3_gather_16bit_weights_on_model_save": true}}``), except the
+    keys the trainer owns (``optimizer``, batch sizes, gradient accumulation).
+    Raises ConfigError naming the bad key.
     """
-    if zero_stage not in (0, 1, 2, 3):
+    if grad_clip is None:
+        grad_clip = 0.0
+    if isinstance(zero_stage, bool) or zero_stage not in (0, 1, 2, 3):
         raise ConfigError(f"zero_stage must be 0, 1, 2 or 3, got {zero_stage!r}")
     resolve_dtype(dtype)
-    if not grad_clip >= 0:
+    if isinstance(grad_clip, bool) or not isinstance(grad_clip, (int, float)) or not grad_clip >= 0:
         raise ConfigError(f"grad_clip must be >= 0 (0 disables clipping), got {grad_clip!r}")
     bf16 = dtype == "bfloat16"
     cfg: dict[str, Any] = {
@@ -211,6 +230,14 @@ def deepspeed_config(*, zero_stage: int, dtype: str, grad_clip: float) -> dict[s
         cfg["data_types"] = {"grad_accum_dtype": "fp32"}
     if zero_stage == 3:
         cfg["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = True
+    if extra:
+        owned = sorted(set(extra) & set(_FIXED_KEYS))
+        if owned:
+            raise ConfigError(f"deepspeed extra config may not set {owned}: the trainer owns these keys")
+        stage = extra.get("zero_optimization", {}).get("stage", zero_stage)
+        if stage != zero_stage:
+            raise ConfigError(f"deepspeed extra zero_optimization.stage={stage} contradicts zero_stage={zero_stage}")
+        cfg = _merge(cfg, extra)
     return cfg
 
 
@@ -220,21 +247,24 @@ def build_engine(
     lr: float,
     zero_stage: int = 0,
     dtype: str = "bfloat16",
-    grad_clip: float = 1.0,
+    grad_clip: float | None = 1.0,
     weight_decay: float = 0.0,
     betas: tuple[float, float] = (0.9, 0.999),
+    extra_config: Mapping[str, Any] | None = None,
 ) -> Any:
     """Wrap ``model`` (fp32 weights) in a DeepSpeed engine with a client AdamW; returns the engine.
 
     Initialises the process group if needed (:func:`init_distributed`). The engine casts the model
     to ``dtype`` and keeps fp32 master weights for bf16 (see the module docstring).
-    Raises ConfigError for a bad ``lr``, ``zero_stage``, ``dtype`` or ``grad_clip``.
+    ``extra_config`` is merged over the generated DeepSpeed config (see :func:`deepspeed_config`).
+    Raises ConfigError for a bad ``lr``, ``zero_stage``, ``dtype``, ``grad_clip`` or extra key.
     """
     import deepspeed
 
     if not (isinstance(lr, (int, float)) and lr > 0):
         raise ConfigError(f"lr must be a number > 0, got {lr!r}")
-    cfg = deepspeed_config(zero_stage=zero_stage, dtype=dtype, grad_clip=grad_clip)
+    cfg = deepspeed_config(zero_stage=zero_stage, dtype=dtype, grad_clip=grad_clip, extra=extra_config)
+    grad_clip = float(grad_clip or 0.0)
     init_distributed()
     params = [p for p in model.parameters() if p.requires_grad]
     if zero_stage == 0 and dtype == "float32":
@@ -293,7 +323,7 @@ def _full_state_dict(engine: Any) -> dict[str, torch.Tensor] | None:
     return _clone(module.state_dict())
 
 
-def _replace_dir(tmp: Path, target: Path) -> None:
+def replace_directory(tmp: Path, target: Path) -> None:
     """Atomically put directory ``tmp`` at ``target`` (an existing target is replaced)."""
     if target.exists():
         old = target.with_name(f".{target.name}.old-{os.getpid()}")
@@ -329,7 +359,7 @@ def export_hf_checkpoint(
                 module.save_pretrained(tmp, state_dict=sd, safe_serialization=True)
                 if tokenizer_dir is not None:
                     copy_tokenizer_files(tokenizer_dir, tmp)
-                _replace_dir(tmp, target)
+                replace_directory(tmp, target)
             except BaseException:
                 shutil.rmtree(tmp, ignore_errors=True)
                 raise

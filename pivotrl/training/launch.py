@@ -15,6 +15,7 @@ Launch config keys (a mapping, e.g. the ``launch`` section of a run config)::
 
     launcher: inprocess | torchrun | deepspeed   (default: inprocess when world size is 1, else torchrun)
     nnodes: 1            nproc_per_node: 1        node_rank: 0
+    world_size: (optional; must equal nnodes × nproc_per_node)
     master_addr: 127.0.0.1                        master_port: 29500
     hostfile: null       no_ssh: false            omp_num_threads: 1
 
@@ -48,7 +49,7 @@ __all__ = [
 
 LAUNCHERS = ("inprocess", "torchrun", "deepspeed")
 ENTRIES = ("sft", "pivotrl")
-_KEYS = ("launcher", "nnodes", "nproc_per_node", "node_rank", "master_addr", "master_port", "hostfile", "no_ssh", "omp_num_threads")
+_KEYS = ("launcher", "world_size", "nnodes", "nproc_per_node", "node_rank", "master_addr", "master_port", "hostfile", "no_ssh", "omp_num_threads")
 
 S = TypeVar("S")
 
@@ -70,6 +71,11 @@ class LaunchConfig:
         self.hostfile = cfg.get("hostfile")
         self.no_ssh = bool(cfg.get("no_ssh", False))
         self.omp_num_threads = self._int(cfg, "omp_num_threads", 1, 1)
+        if "world_size" in cfg and cfg["world_size"] != self.world_size:
+            raise ConfigError(
+                f"launch.world_size={cfg['world_size']!r} must equal nnodes × nproc_per_node = "
+                f"{self.nnodes} × {self.nproc_per_node} = {self.world_size}"
+            )
         default = "inprocess" if self.world_size == 1 else "torchrun"
         self.launcher = str(cfg.get("launcher", default))
         if self.launcher not in LAUNCHERS:

@@ -48,14 +48,15 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from pivotrl.errors import ConfigError, DataError, TrainingError
+from pivotrl.objective import ADVANTAGE_ESTIMATORS, compute_advantages, pivotrl_loss, validate_loss_settings
 from pivotrl.training.deepspeed_utils import (
-    _replace_dir,
     build_engine,
     data_parallel_loss_scale,
     deepspeed_config,
     export_hf_checkpoint,
     load_causal_lm,
     rank_and_world,
+    replace_directory,
     resolve_dtype,
 )
 from pivotrl.training.logprobs import compute_group_logprobs
@@ -75,6 +76,7 @@ class Group:
     rewards: list[float]  # (K,) R(s, a_i) from the verifier
 
     def to_dict(self) -> dict[str, Any]:
+        """JSON-able dict with the four fields (the record format of a batches file)."""
         return asdict(self)
 
     @classmethod
@@ -101,8 +103,10 @@ class PivotRLSettings:
     ``log_ratio_clamp`` bounds whole-turn log-ratios before ``exp``.
     Optimisation: ``lr`` (AdamW), ``weight_decay``, ``updates_per_batch`` ≥ 1 optimiser updates
     per rollout batch, ``micro_batch_groups`` ≥ 1 groups per backward pass, ``grad_clip`` ≥ 0.
+    ``grad_clip`` None means 0 (no clipping).
     Execution: ``shared_prefix`` (one state pass per group), ``dtype`` (``"bfloat16"`` = bf16
-    compute with fp32 master weights, or ``"float32"``), ``zero_stage`` 0–3, ``seed``.
+    compute with fp32 master weights, or ``"float32"``), ``zero_stage`` 0–3, ``seed``,
+    ``deepspeed_extra`` (merged over the generated DeepSpeed config).
     """
 
     group_size: int = 8
@@ -117,15 +121,16 @@ class PivotRLSettings:
     weight_decay: float = 0.0
     updates_per_batch: int = 1
     micro_batch_groups: int = 1
-    grad_clip: float = 1.0
+    grad_clip: float | None = 1.0
     shared_prefix: bool = True
     dtype: str = "bfloat16"
     zero_stage: int = 0
     seed: int = 0
+    deepspeed_extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        from pivotrl.objective import ADVANTAGE_ESTIMATORS, validate_loss_settings
-
+        if self.grad_clip is None:
+            object.__setattr__(self, "grad_clip", 0.0)
         def _int(name: str, lo: int) -> None:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
@@ -150,7 +155,9 @@ class PivotRLSettings:
         if not self.weight_decay >= 0:
             raise ConfigError(f"weight_decay must be >= 0, got {self.weight_decay!r}")
         resolve_dtype(self.dtype)
-        deepspeed_config(zero_stage=self.zero_stage, dtype=self.dtype, grad_clip=self.grad_clip)
+        deepspeed_config(
+            zero_stage=self.zero_stage, dtype=self.dtype, grad_clip=self.grad_clip, extra=self.deepspeed_extra
+        )
 
 
 def _pad_cat(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -234,7 +241,8 @@ class PivotRLTrainer:
         tokenizer_dir: where tokenizer files are copied from on export (default: ``model_dir``).
         **settings: fields of :class:`PivotRLSettings` (group_size, epsilon, beta, delta,
             kl_estimator, advantage_estimator, ratio_type, log_ratio_clamp, lr, weight_decay,
-            updates_per_batch, micro_batch_groups, grad_clip, shared_prefix, dtype, zero_stage, seed).
+            updates_per_batch, micro_batch_groups, grad_clip, shared_prefix, dtype, zero_stage, seed,
+            deepspeed_extra).
 
     Every rank of a data-parallel job constructs the trainer and calls every method with the same
     arguments (the process group is created here if no launcher did). π_ref is replicated on every
@@ -271,10 +279,12 @@ class PivotRLTrainer:
             dtype=s.dtype,
             grad_clip=s.grad_clip,
             weight_decay=s.weight_decay,
+            extra_config=s.deepspeed_extra,
         )
         self.engine.eval()  # no dropout: log-probs must be deterministic functions of the weights
         self.ref_model = load_causal_lm(self.ref_model_dir, self.compute_dtype).eval()
         self.ref_model.requires_grad_(False)
+        self.ref_model.to(self.engine.device)
         self.step = 0
         self.data_position = 0  # position in the caller's pivot order; saved with checkpoints
         self.extra_state: dict[str, Any] = {}
@@ -300,8 +310,7 @@ class PivotRLTrainer:
 
     def _dummy_backward(self) -> None:
         """A zero-loss backward through the model, keeping collectives matched across ranks."""
-        device = next(self.engine.module.parameters()).device
-        out = self.engine(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device), use_cache=False)
+        out = self.engine(input_ids=torch.zeros(1, 1, dtype=torch.long, device=self.engine.device), use_cache=False)
         self.engine.backward(out.logits.float().sum() * 0.0, scale_wrt_gas=False)
 
     # ------------------------------------------------------------------ training
@@ -326,8 +335,6 @@ class PivotRLTrainer:
         Raises:
             DataError: malformed groups. TrainingError: non-finite loss or gradient norm.
         """
-        from pivotrl.objective import compute_advantages, pivotrl_loss
-
         s = self.settings
         t_start = time.perf_counter()
         self._check_groups(groups)
@@ -514,7 +521,7 @@ class PivotRLTrainer:
         if world > 1:
             torch.distributed.barrier()
         if rank == 0:
-            _replace_dir(partial, target)
+            replace_directory(partial, target)
         if world > 1:
             torch.distributed.barrier()
         return target

@@ -100,9 +100,10 @@ def run_sft(
     dtype: str = "bfloat16",
     zero_stage: int = 0,
     seed: int = 0,
-    grad_clip: float = 1.0,
+    grad_clip: float | None = 1.0,
     weight_decay: float = 0.0,
     tokenizer_dir: str | os.PathLike[str] | None = None,
+    deepspeed_extra: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Fine-tune ``model_dir`` on ``examples`` and export an HF checkpoint (+ tokenizer) to ``out_dir``.
 
@@ -114,7 +115,8 @@ def run_sft(
         epochs, lr, batch_size (global examples per optimiser step; the last batch of an epoch
             may be smaller), micro_batch_size (examples per backward pass on one rank), dtype
             (``"bfloat16"``: bf16 compute, fp32 master weights; or ``"float32"``), zero_stage
-            (0–3), seed (shuffle order and torch seed), grad_clip (≥ 0), weight_decay.
+            (0–3), seed (shuffle order and torch seed), grad_clip (≥ 0; None = off), weight_decay,
+            deepspeed_extra (merged over the generated DeepSpeed config).
 
     Returns:
         metrics: ``losses`` (per step, mean NLL per loss token, nats), ``first_loss``,
@@ -131,7 +133,15 @@ def run_sft(
     random.seed(seed)
     torch.manual_seed(seed)
     model = load_causal_lm(model_dir, torch.float32)
-    engine = build_engine(model, lr=lr, zero_stage=zero_stage, dtype=dtype, grad_clip=grad_clip, weight_decay=weight_decay)
+    engine = build_engine(
+        model,
+        lr=lr,
+        zero_stage=zero_stage,
+        dtype=dtype,
+        grad_clip=grad_clip,
+        weight_decay=weight_decay,
+        extra_config=deepspeed_extra,
+    )
     engine.eval()  # no dropout: deterministic, and the same forward as the RL trainer
     rank, world = rank_and_world()
     scale = data_parallel_loss_scale()
@@ -158,7 +168,7 @@ def run_sft(
                     tokens += sum(len(ids) for ids, _ in mb)
                     nll_sum += nll
                 else:  # keep the number of backward passes equal on every rank
-                    out = engine(input_ids=torch.zeros(1, 1, dtype=torch.long), use_cache=False)
+                    out = engine(input_ids=torch.zeros(1, 1, dtype=torch.long, device=engine.device), use_cache=False)
                     loss = out.logits.float().sum() * 0.0
                 engine.backward(loss * scale, scale_wrt_gas=False)
             engine.step()
@@ -192,7 +202,7 @@ class SFTSpec:
     ``examples_path``: JSON Lines of ``{"input_ids": [...], "loss_mask": [...]}``;
     ``metrics_path``: where rank 0 writes the returned metrics (JSON); ``options``: keyword
     arguments of :func:`run_sft` (epochs, lr, batch_size, micro_batch_size, dtype, zero_stage,
-    seed, grad_clip, weight_decay, tokenizer_dir).
+    seed, grad_clip, weight_decay, tokenizer_dir, deepspeed_extra).
     """
 
     model_dir: str

