@@ -29,6 +29,9 @@ from pivotrl.storage import ArtifactStore
 
 log = logging.getLogger("pivotrl.pipeline")
 
+#: config dtype names → the trainer's names
+TRAINER_DTYPE = {"bf16": "bfloat16", "fp32": "float32"}
+
 
 # --------------------------------------------------------------------------------------------
 # Reference policy: resolve the base model, optional supervised warm start.
@@ -73,7 +76,7 @@ def stage_reference(cfg: RunConfig, store: ArtifactStore, demos: dict[str, Any])
         ckpt = Path(tmp) / "ckpt"
         metrics = run_sft(
             str(base_dir), examples, str(ckpt), epochs=cfg.warm_start.epochs, lr=cfg.warm_start.lr,
-            batch_size=cfg.warm_start.batch_size, dtype=cfg.model.dtype,
+            batch_size=cfg.warm_start.batch_size, dtype=TRAINER_DTYPE[cfg.model.dtype],
             zero_stage=cfg.training.deepspeed.zero_stage, seed=cfg.run.seed,
         )
         ref_hash = checkpoint_hash(ckpt)
@@ -225,11 +228,11 @@ def stage_train(cfg: RunConfig, store: ArtifactStore, probe: dict[str, Any], ref
     schedule = pivot_schedule(len(pivots), tr.pivots_per_batch, tr.epochs, cfg.run.seed, tr.max_steps)
     work = Path(tempfile.mkdtemp(prefix="pivotrl-train-", dir=cache))
     trainer = PivotRLTrainer(
-        str(rdir), str(rdir), group_size=tr.group_size, epsilon=tr.epsilon, beta=tr.beta, delta=tr.delta,
+        str(rdir), str(rdir), tokenizer_dir=str(rdir), group_size=tr.group_size, epsilon=tr.epsilon, beta=tr.beta, delta=tr.delta,
         kl_estimator=tr.kl_estimator, advantage_estimator=tr.advantage_estimator, ratio_type=tr.ratio_type,
         lr=tr.lr, updates_per_batch=tr.updates_per_batch, micro_batch_groups=tr.micro_batch_groups,
-        shared_prefix=tr.shared_prefix, dtype=cfg.model.dtype, zero_stage=tr.deepspeed.zero_stage,
-        grad_clip=tr.grad_clip, seed=cfg.run.seed,
+        shared_prefix=tr.shared_prefix, dtype=TRAINER_DTYPE[cfg.model.dtype], zero_stage=tr.deepspeed.zero_stage,
+        grad_clip=tr.grad_clip, seed=cfg.run.seed, deepspeed_extra=tr.deepspeed.extra or None,
     )
     start, rows = 0, []
     latest = _latest_checkpoint(store, f"{tkey}/checkpoints")
@@ -270,7 +273,6 @@ def stage_train(cfg: RunConfig, store: ArtifactStore, probe: dict[str, Any], ref
             # fixed action must match the trainer's.
             export = work / f"policy-{step}"
             trainer.export_hf(str(export))
-            _copy_tokenizer(rdir, export)
             engine.load_weights(str(export))
             d_max, d_mean = _refresh_delta(engine, trainer, prompts[idx[0]], groups[0].actions[0] if groups else None)
             shutil.rmtree(work / f"policy-{step - 1}", ignore_errors=True)
@@ -311,20 +313,18 @@ def _refresh_delta(engine: Any, trainer: Any, prompt: list[int], action: list[in
     if not action:
         return 0.0, 0.0
     eng = engine.score([prompt], [action])[0]
-    ref = [float(x) for x in trainer.policy_logprobs(prompt, action)]
+    ref = [float(x) for x in trainer.old_policy_logprobs(prompt, action)]
     deltas = [abs(a - b) for a, b in zip(eng, ref)]
     return (max(deltas), sum(deltas) / len(deltas)) if deltas else (0.0, 0.0)
 
 
 def _save_checkpoint(store: ArtifactStore, trainer: Any, key: str, step: int, rows: list[dict], work: Path,
                      tok_dir: Path) -> None:
+    """Trainer checkpoint (DeepSpeed state, HF export, RNG, step) + metrics so far, published to
+    ``key`` with a completion marker written last."""
     d = work / f"ckpt-{step}"
     trainer.save_checkpoint(str(d))
-    (d / "trainer_state.json").write_text(json.dumps({"step": step}))
     pd.DataFrame(rows).to_parquet(d / "metrics.parquet")
-    if not (d / "hf").exists():
-        trainer.export_hf(str(d / "hf"))
-    _copy_tokenizer(tok_dir, d / "hf")
     store.put_dir(str(d), key)
     shutil.rmtree(d, ignore_errors=True)
 
@@ -336,13 +336,6 @@ def _latest_checkpoint(store: ArtifactStore, prefix: str) -> str | None:
         return None
     steps = sorted({k.split("/step-")[1].split("/")[0] for k in keys if "/step-" in k and k.endswith("_COMPLETE")})
     return f"{prefix}/step-{steps[-1]}" if steps else None
-
-
-def _copy_tokenizer(src: Path, dst: Path) -> None:
-    for f in Path(src).iterdir():
-        if f.name.startswith(("tokenizer", "special_tokens", "chat_template", "generation_config")) and f.is_file():
-            if not (Path(dst) / f.name).exists():
-                shutil.copy2(f, Path(dst) / f.name)
 
 
 def _maybe_kill(cfg: RunConfig, store: ArtifactStore, tkey: str, step: int) -> None:
