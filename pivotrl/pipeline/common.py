@@ -12,7 +12,8 @@ from pivotrl.storage import ArtifactStore
 
 
 def is_local(store: ArtifactStore) -> bool:
-    return str(store.url("")).startswith(("/", "file://")) or "://" not in str(store.url(""))
+    root = str(store.root_url)
+    return root.startswith(("/", "file://")) or "://" not in root
 
 
 def local_path(store: ArtifactStore, key: str) -> Path:

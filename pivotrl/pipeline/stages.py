@@ -200,9 +200,10 @@ def stage_train(cfg: RunConfig, store: ArtifactStore, probe: dict[str, Any], ref
                                     "prompt": cfg.prompt.model_dump(mode="json"), "dtype": cfg.model.dtype,
                                     "seed": cfg.run.seed})[:16]
     final_key = f"{tkey}/policy"
-    if store.exists(f"{final_key}/_COMPLETE") and store.exists(f"{tkey}/metrics.parquet"):
-        return {"train_key": tkey, "policy_key": final_key, "metrics": store.url(f"{tkey}/metrics.parquet"),
-                "summary": store.read_json(f"{tkey}/summary.json")}
+    if store.exists(f"{tkey}/summary.json") and store.exists(f"{tkey}/metrics.parquet"):
+        summary = store.read_json(f"{tkey}/summary.json")
+        return {"train_key": tkey, "policy_key": final_key if summary["steps"] else None, "metrics": store.url(f"{tkey}/metrics.parquet"),
+                "summary": summary}
 
     cache = cache_dir(cfg)
     pivots = frame_to_states(store.read_parquet(f"{probe['pivots_key']}/pivots.parquet"))
@@ -211,16 +212,15 @@ def stage_train(cfg: RunConfig, store: ArtifactStore, probe: dict[str, Any], ref
         # Nothing to train on tonight: the policy stays π_ref, and the report says so.
         log.warning("the pivot set %s is empty: no PivotRL update; the policy is the reference. Probe more "
                     "states (probing.max_states), raise probing.lambda_diff, or warm-start the reference.", probe["pivots"])
-        store.put_dir(str(rdir), final_key)
         empty = pd.DataFrame({"step": pd.Series([], dtype="int64"), "reward_mean": pd.Series([], dtype="float64")})
-        summary = {"steps": 0, "pivots": 0, "final_reward_mean": None, "policy": store.url(final_key),
+        summary = {"steps": 0, "pivots": 0, "final_reward_mean": None, "policy": "reference",
                    "note": "empty pivot set: policy = reference"}
         inputs = {"pivots": probe["pivots"]}
         store.write_artifact(f"{tkey}/metrics.parquet", empty, kind="training_metrics", inputs=inputs,
                              config={"training": tr.model_dump(mode="json")})
         store.write_artifact(f"{tkey}/summary.json", summary, kind="policy_checkpoint", inputs=inputs,
                              config={"training": tr.model_dump(mode="json")})
-        return {"train_key": tkey, "policy_key": final_key, "metrics": store.url(f"{tkey}/metrics.parquet"),
+        return {"train_key": tkey, "policy_key": None, "metrics": store.url(f"{tkey}/metrics.parquet"),
                 "summary": summary}
     tok = load_tokenizer(rdir)
     prompts = [encode_state(s, tok, max_len=cfg.model.max_context - cfg.rollout.max_tokens, **prompt_kwargs(cfg))
@@ -388,7 +388,8 @@ def stage_evaluate(cfg: RunConfig, store: ArtifactStore, demos: dict[str, Any], 
     pivots = frame_to_states(store.read_parquet(f"{probe['pivots_key']}/pivots.parquet"))
     policies = {"base": Path(ref["base_dir"]),
                 "reference": reference_dir(cfg, store, ref),
-                "pivotrl": local_checkpoint(store, train["policy_key"], cache)}
+                "pivotrl": local_checkpoint(store, train["policy_key"], cache) if train["policy_key"]
+                else reference_dir(cfg, store, ref)}
     tok = load_tokenizer(policies["reference"])
     verifier = make_verifier(cfg, bfcl_root)
     engine = make_rollout_engine(cfg, policies["base"])
@@ -397,20 +398,22 @@ def stage_evaluate(cfg: RunConfig, store: ArtifactStore, demos: dict[str, Any], 
     try:
         for name, mdir in policies.items():
             if name != "base":
-                engine.load_weights(str(mdir))
+                engine.load_weights(str(mdir))  # same architecture: swap weights, keep the engine
             res: dict[str, Any] = {}
             for seed in ev.seeds:
                 samp = sampling_for(cfg, n=1, temperature=ev.temperature, seed=seed)
                 df, summ = evaluate_full_tasks(engine, tok, heldout, bfcl_root=str(bfcl_root),
                                                max_steps_per_turn=ev.max_steps_per_turn, sampling=samp, seed=seed,
-                                               max_context=cfg.model.max_context, **prompt_kwargs(cfg))
+                                               max_context=cfg.model.max_context - cfg.rollout.max_tokens,
+                                               **prompt_kwargs(cfg))
                 df["policy"], df["seed"] = name, seed
                 per_task.append(df)
                 res.setdefault("full_task_runs", []).append(summ)
-                _, lsum = evaluate_local(engine, tok, local_states, verifier, sampling=samp)
+                lkw = {"max_context": cfg.model.max_context - cfg.rollout.max_tokens, **prompt_kwargs(cfg)}
+                _, lsum = evaluate_local(engine, tok, local_states, verifier, sampling=samp, **lkw)
                 res.setdefault("local_heldout_runs", []).append(lsum)
                 if ev.local_pivots:
-                    _, psum = evaluate_local(engine, tok, pivots, verifier, sampling=samp)
+                    _, psum = evaluate_local(engine, tok, pivots, verifier, sampling=samp, **lkw)
                     res.setdefault("local_pivot_runs", []).append(psum)
             res["full_task"] = res["full_task_runs"][0] if len(ev.seeds) == 1 else _mean_summ(res["full_task_runs"])
             res["local"] = res["local_heldout_runs"][0] if len(ev.seeds) == 1 else _mean_summ(res["local_heldout_runs"])
@@ -435,7 +438,7 @@ def stage_evaluate(cfg: RunConfig, store: ArtifactStore, demos: dict[str, Any], 
             if f.name != "report.json":
                 store.write_bytes(f"{ekey}/{f.name}", f.read_bytes())
         store.write_artifact(f"{ekey}/report.json", json.loads(Path(rj).read_text()), kind="report",
-                             inputs={"policy": store.url(train["policy_key"]), "pivots": probe["pivots"],
+                             inputs={"policy": store.url(train["policy_key"]) if train["policy_key"] else "reference", "pivots": probe["pivots"],
                                      "metrics": train["metrics"], "trajectories": demos["trajectories"]},
                              config={"evaluation": ev.model_dump(mode="json")}, extra={"seeds": ev.seeds})
     return {"eval_key": ekey, "report_json": store.url(f"{ekey}/report.json"),
