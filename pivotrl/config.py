@@ -170,8 +170,8 @@ class SplitSection(Section):
 class DataSection(Section):
     sources: list[Source] = Field(
         default_factory=lambda: [
-            BFCLSource(categories=["multi_turn_base"], limit_per_category=20),
-            BFCLSource(categories=["simple_python", "multiple"], limit_per_category=40),
+            BFCLSource(categories=["multi_turn_base"], limit_per_category=50),
+            BFCLSource(categories=["simple_python", "multiple"], limit_per_category=70),
         ],
         min_length=1,
         description="Where demonstrations come from; each item has a kind (bfcl | chat).",
@@ -231,7 +231,7 @@ class RolloutSection(Section):
     engine: Literal["vllm", "transformers"] = Field(
         "vllm", description="Sampling engine for probes, GRPO groups and evaluation."
     )
-    max_tokens: Int = Field(128, ge=1, description="Maximum tokens generated for one action.")
+    max_tokens: Int = Field(96, ge=1, description="Maximum tokens generated for one action.")
     kv_cache_gib: Float = Field(2.0, gt=0, description="KV cache size in GiB (vLLM on CPU: VLLM_CPU_KVCACHE_SPACE).")
     num_threads: Int = Field(2, ge=1, description="CPU threads of the engine (OMP_NUM_THREADS of its process).")
     enable_prefix_caching: bool = Field(
@@ -245,8 +245,8 @@ class WarmStartSection(Section):
         True,
         description="Run supervised fine-tuning on the warm_start split before probing (π_ref = its result).",
     )
-    epochs: Int = Field(1, ge=1, description="Passes over the warm-start trajectories.")
-    lr: Float = Field(2e-5, gt=0, description="AdamW learning rate of the warm start.")
+    epochs: Int = Field(2, ge=1, description="Passes over the warm-start trajectories.")
+    lr: Float = Field(1e-4, gt=0, description="AdamW learning rate of the warm start.")
     batch_size: Int = Field(4, ge=1, description="Sequences per optimiser step.")
     max_len: Int = Field(
         8192, ge=16, description="Longest training sequence in tokens; longer trajectories are skipped and counted."
@@ -276,7 +276,7 @@ class ProbingSection(Section):
     top_k: Int = Field(0, ge=0, description="Top-k sampling of the probes (0 = off).")
     seed: Int = Field(0, ge=0, description="Seed of the probe sampling.")
     max_states: Int | None = Field(
-        None, ge=1, description="Probe at most this many candidate states (null = all)."
+        160, ge=1, description="Probe at most this many candidate states (null = all)."
     )
 
 
@@ -341,13 +341,13 @@ class TrainingSection(Section):
         1, ge=1, description="Groups per micro-batch on one rank (gradient accumulation covers the rest)."
     )
     max_steps: Int | None = Field(
-        None, ge=1, description="Stop after this many rollout batches (null = epochs decide)."
+        10, ge=1, description="Stop after this many rollout batches (null = epochs decide)."
     )
     grad_clip: Float | None = Field(1.0, gt=0, description="Clip the global gradient norm to this value (null = off).")
     shared_prefix: bool = Field(
         True, description="Run the state once and its K actions on the cached prefix (same gradients, less compute)."
     )
-    checkpoint_every: Int = Field(10, ge=1, description="Save a checkpoint every N rollout batches.")
+    checkpoint_every: Int = Field(5, ge=1, description="Save a checkpoint every N rollout batches.")
     refresh_tolerance: Float | None = Field(
         None,
         gt=0,
@@ -393,9 +393,9 @@ class TrainingSection(Section):
 
 # ---------------------------------------------------------------------------------- evaluation
 class EvaluationSection(Section):
-    num_tasks: Int = Field(20, ge=1, description="Held-out tasks run from the start (full multi-turn task).")
+    num_tasks: Int = Field(10, ge=1, description="Held-out tasks run from the start (full multi-turn task).")
     max_steps_per_turn: Int = Field(
-        8, ge=1, description="Model calls allowed per user turn before the turn is cut off."
+        4, ge=1, description="Model calls allowed per user turn before the turn is cut off."
     )
     temperature: Float = Field(0.0, ge=0, description="Sampling temperature at evaluation (0 = greedy).")
     seeds: list[Int] = Field(default_factory=lambda: [0], min_length=1, description="One evaluation pass per seed.")

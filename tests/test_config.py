@@ -227,7 +227,7 @@ def test_overrides_are_yaml_scalars_applied_in_order():
     assert cfg.training.lr == 1e-6
     assert cfg.evaluation.seeds == [3, 4]
     assert cfg.probing.max_states == 32
-    assert cfg.data.sources[1].limit_per_category == 5 and cfg.data.sources[0].limit_per_category == 20
+    assert cfg.data.sources[1].limit_per_category == 5 and cfg.data.sources[0].limit_per_category == 50
     assert cfg.training.deepspeed.extra == {
         "zero_optimization": {"stage3_gather_16bit_weights_on_model_save": True}
     }
