@@ -234,47 +234,60 @@ def stage_train(cfg: RunConfig, store: ArtifactStore, probe: dict[str, Any], ref
         shared_prefix=tr.shared_prefix, dtype=TRAINER_DTYPE[cfg.model.dtype], zero_stage=tr.deepspeed.zero_stage,
         grad_clip=tr.grad_clip, seed=cfg.run.seed, deepspeed_extra=tr.deepspeed.extra or None,
     )
+    # Data parallel: every rank trains; rank 0 alone owns the rollout engine and the verifier,
+    # and broadcasts each batch's groups, so all ranks step on the same global batch.
+    rank, world = _rank_and_world()
+    lead = rank == 0
     start, rows = 0, []
     latest = _latest_checkpoint(store, f"{tkey}/checkpoints")
     policy_dir = rdir
     if latest is not None:
-        step_dir = local_checkpoint(store, latest, cache)
-        trainer.load_checkpoint(str(step_dir))
-        start = int(json.loads((step_dir / "trainer_state.json").read_text())["step"])
-        rows = pd.read_parquet(step_dir / "metrics.parquet").to_dict("records") if (step_dir / "metrics.parquet").exists() else []
+        step_dir = _fetch_checkpoint(store, latest, cache, rank)
+        state = trainer.load_checkpoint(str(step_dir))
+        start = int(state["step"])
+        rows = pd.read_parquet(step_dir / "metrics.parquet").to_dict("records")
         policy_dir = step_dir / "hf"
         log.info("resuming PivotRL training from %s (step %d)", latest, start)
-    verifier = make_verifier(cfg, ensure_bfcl(cache))
-    engine = make_rollout_engine(cfg, policy_dir)
+    verifier = make_verifier(cfg, ensure_bfcl(cache)) if lead else None
+    engine = make_rollout_engine(cfg, policy_dir) if lead else None
     tol_max = tr.refresh_tolerance if tr.refresh_tolerance is not None else (1e-4 if cfg.model.dtype == "fp32" else 0.3)
     try:
         from tqdm.auto import tqdm
 
-        bar = tqdm(total=len(schedule), initial=start, desc="pivotrl", unit="step")
+        bar = tqdm(total=len(schedule), initial=start, desc="pivotrl", unit="step", disable=not lead)
         for step in range(start, len(schedule)):
             t0 = time.time()
-            _maybe_kill(cfg, store, tkey, step)
+            if lead:
+                _maybe_kill(cfg, store, tkey, step)
             idx = schedule[step]
-            gens = engine.generate([prompts[i] for i in idx],
-                                   sampling_for(cfg, n=tr.group_size, temperature=1.0, seed=cfg.run.seed * 100_003 + step))
             groups, dropped = [], 0
-            for i, samples in zip(idx, gens):
-                try:
-                    res = verifier.score(pivots[i], [g.text for g in samples])
-                except VerifierError as e:
-                    dropped += 1
-                    log.warning("dropping pivot %s at step %d: %s", pivots[i].state_id, step, e)
-                    continue
-                groups.append(Group(state_id=pivots[i].state_id, prompt_ids=prompts[i],
-                                    actions=[list(g.token_ids) for g in samples], rewards=[r.reward for r in res]))
+            if lead:
+                gens = engine.generate([prompts[i] for i in idx],
+                                       sampling_for(cfg, n=tr.group_size, temperature=1.0, seed=cfg.run.seed * 100_003 + step))
+                for i, samples in zip(idx, gens):
+                    try:
+                        res = verifier.score(pivots[i], [g.text for g in samples])
+                    except VerifierError as e:
+                        # The whole group is dropped and counted: never advantages from a partial group.
+                        dropped += 1
+                        log.warning("dropping pivot %s at step %d: %s", pivots[i].state_id, step, e)
+                        continue
+                    groups.append(Group(state_id=pivots[i].state_id, prompt_ids=prompts[i],
+                                        actions=[list(g.token_ids) for g in samples], rewards=[r.reward for r in res]))
+            groups, dropped = _broadcast((groups, dropped), world)
             t_roll = time.time() - t0
             metrics = trainer.train_step(groups) if groups else {}
-            # Refresh π_old inside the running engine, then check it took: engine log-probs of a
-            # fixed action must match the trainer's.
+            # Refresh π_old inside the running engine (no restart), then check that it took: the
+            # engine's log-probs of a fixed action must match the trainer's.
             export = work / f"policy-{step}"
             trainer.export_hf(str(export))
-            engine.load_weights(str(export))
-            d_max, d_mean = _refresh_delta(engine, trainer, prompts[idx[0]], groups[0].actions[0] if groups else None)
+            action = groups[0].actions[0] if groups else None
+            trainer_lp = trainer.old_policy_logprobs(prompts[idx[0]], action) if action else []
+            d_max = d_mean = 0.0
+            if lead:
+                engine.load_weights(str(export))
+                d_max, d_mean = _refresh_delta(engine, prompts[idx[0]], action, trainer_lp)
+            d_max, d_mean = _broadcast((d_max, d_mean), world)
             shutil.rmtree(work / f"policy-{step - 1}", ignore_errors=True)
             row = {"step": step + 1, "pivots": len(idx), "groups": len(groups), "dropped_groups": dropped,
                    **{k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))},
@@ -288,14 +301,19 @@ def stage_train(cfg: RunConfig, store: ArtifactStore, probe: dict[str, Any], ref
                     f"policy refresh check failed at step {step + 1}: engine vs trainer log-probs differ by "
                     f"{d_max:.3g} per token (tolerance {tol_max:g}); the rollout engine is not sampling from π_old")
             if (step + 1) % tr.checkpoint_every == 0 or step + 1 == len(schedule):
-                _save_checkpoint(store, trainer, f"{tkey}/checkpoints/step-{step + 1:06d}", step + 1, rows, work, rdir)
+                _save_checkpoint(store, trainer, f"{tkey}/checkpoints/step-{step + 1:06d}", rows, work, rank, world)
         bar.close()
     finally:
-        engine.close()
+        if engine is not None:
+            engine.close()
         _close(verifier)
+    if not lead:
+        shutil.rmtree(work, ignore_errors=True)
+        return {"train_key": tkey, "policy_key": final_key, "metrics": store.url(f"{tkey}/metrics.parquet"),
+                "summary": None}
     metrics_df = pd.DataFrame(rows)
     last = _latest_checkpoint(store, f"{tkey}/checkpoints")
-    final = local_checkpoint(store, last, cache) / "hf"
+    final = _fetch_checkpoint(store, last, cache, 0) / "hf"
     store.put_dir(str(final), final_key)
     inputs = {"pivots": probe["pivots"], "reference": store.url(ref["ref_key"]) if ref["ref_key"] else ref["base_dir"]}
     store.write_artifact(f"{tkey}/metrics.parquet", metrics_df, kind="training_metrics", inputs=inputs,
@@ -309,33 +327,73 @@ def stage_train(cfg: RunConfig, store: ArtifactStore, probe: dict[str, Any], ref
     return {"train_key": tkey, "policy_key": final_key, "metrics": store.url(f"{tkey}/metrics.parquet"), "summary": summary}
 
 
-def _refresh_delta(engine: Any, trainer: Any, prompt: list[int], action: list[int] | None) -> tuple[float, float]:
+def _rank_and_world() -> tuple[int, int]:
+    from pivotrl.training.deepspeed_utils import rank_and_world
+
+    return rank_and_world()
+
+
+def _broadcast(obj: Any, world: int) -> Any:
+    """Rank 0's ``obj`` on every rank (pickled by torch.distributed; small Python objects only)."""
+    if world == 1:
+        return obj
+    import torch.distributed as dist
+
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _refresh_delta(engine: Any, prompt: list[int], action: list[int] | None,
+                   trainer_lp: list[float]) -> tuple[float, float]:
+    """Max and mean |Δ| per token between the engine's and the trainer's log-probs of ``action``."""
     if not action:
         return 0.0, 0.0
     eng = engine.score([prompt], [action])[0]
-    ref = [float(x) for x in trainer.old_policy_logprobs(prompt, action)]
-    deltas = [abs(a - b) for a, b in zip(eng, ref)]
+    deltas = [abs(a - float(b)) for a, b in zip(eng, trainer_lp)]
     return (max(deltas), sum(deltas) / len(deltas)) if deltas else (0.0, 0.0)
 
 
-def _save_checkpoint(store: ArtifactStore, trainer: Any, key: str, step: int, rows: list[dict], work: Path,
-                     tok_dir: Path) -> None:
-    """Trainer checkpoint (DeepSpeed state, HF export, RNG, step) + metrics so far, published to
-    ``key`` with a completion marker written last."""
-    d = work / f"ckpt-{step}"
-    trainer.save_checkpoint(str(d))
-    pd.DataFrame(rows).to_parquet(d / "metrics.parquet")
-    store.put_dir(str(d), key)
-    shutil.rmtree(d, ignore_errors=True)
+def _save_checkpoint(store: ArtifactStore, trainer: Any, key: str, rows: list[dict], work: Path,
+                     rank: int, world: int) -> None:
+    """Publish a resumable checkpoint under ``key``: every rank uploads its own files to
+    ``key/rank-<r>`` (DeepSpeed state incl. its optimizer partition; rank 0 adds the HF export and
+    the metrics so far), then rank 0 writes ``key/ranks.json`` last. Storage is the only medium
+    shared between ranks, so this works across machines without a shared filesystem."""
+    d = work / f"ckpt-{Path(key).name}-rank{rank}"
+    out = trainer.save_checkpoint(str(d))
+    src = Path(out) if Path(out).exists() else d.with_name(d.name + ".partial")
+    if rank == 0:
+        pd.DataFrame(rows).to_parquet(src / "metrics.parquet")
+    store.put_dir(str(src), f"{key}/rank-{rank}")
+    shutil.rmtree(src, ignore_errors=True)
+    _broadcast(None, world)  # barrier: every rank has published
+    if rank == 0:
+        store.write_json(f"{key}/ranks.json", {"world_size": world})
 
 
 def _latest_checkpoint(store: ArtifactStore, prefix: str) -> str | None:
+    """Key of the newest checkpoint whose every rank published (``ranks.json`` exists), or None."""
     try:
         keys = store.list(prefix)
     except Exception:
         return None
-    steps = sorted({k.split("/step-")[1].split("/")[0] for k in keys if "/step-" in k and k.endswith("_COMPLETE")})
+    steps = sorted({k.split("/step-")[1].split("/")[0] for k in keys if "/step-" in k and k.endswith("/ranks.json")})
     return f"{prefix}/step-{steps[-1]}" if steps else None
+
+
+def _fetch_checkpoint(store: ArtifactStore, key: str, cache: Path, rank: int) -> Path:
+    """A local directory with rank 0's files (model states, HF export, metrics) and, for rank > 0,
+    this rank's own files (its optimizer partition) merged in."""
+    base = local_checkpoint(store, f"{key}/rank-0", cache)
+    if rank == 0:
+        return base
+    own = local_checkpoint(store, f"{key}/rank-{rank}", cache)
+    merged = cache / "checkpoints" / f"{key.replace('/', '_')}-merged-rank{rank}"
+    if not merged.exists():
+        shutil.copytree(base, merged)
+        shutil.copytree(own, merged, dirs_exist_ok=True)
+    return merged
 
 
 def _maybe_kill(cfg: RunConfig, store: ArtifactStore, tkey: str, step: int) -> None:

@@ -150,6 +150,9 @@ def run_sft(
     tokens = 0
     t0 = time.perf_counter()
     loss_tokens_epoch = sum(int(sum(m[1:])) for _, m in examples)
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=epochs * math.ceil(len(examples) / batch_size), desc="warm start", unit="step", disable=rank != 0)
     for _epoch in range(epochs):
         order = list(range(len(examples)))
         order_rng.shuffle(order)
@@ -176,6 +179,9 @@ def run_sft(
             if world > 1:
                 torch.distributed.all_reduce(total)
             losses.append(float(total) / num_tokens)
+            bar.update(1)
+            bar.set_postfix(loss=f"{losses[-1]:.3f}")
+    bar.close()
     elapsed = time.perf_counter() - t0
     tok_total = torch.tensor([float(tokens)], dtype=torch.float64)
     if world > 1:
