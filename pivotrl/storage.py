@@ -11,6 +11,11 @@ recording its content hash, its inputs (URI + content hash), the config and its 
 library versions, seeds, Prefect run ids and a timestamp; :func:`lineage` walks these records.
 Manifests never contain storage options or credentials.
 
+Remote stores retry transient failures (timeouts, refused or reset connections, 5xx answers) with
+exponential backoff (:class:`RetryPolicy`); every retried write starts again from a fresh temporary
+key, and temporary keys a failed attempt could not remove are removed once the store answers again,
+so an outage leaves neither a half artifact nor a stray temporary key.
+
 This module never imports prefect, vllm, deepspeed or torch; pandas is imported only for Parquet.
 """
 
@@ -18,8 +23,10 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import errno
 import io
 import json
+import logging
 import os
 import platform
 import random
@@ -27,13 +34,14 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 import uuid
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from importlib import metadata
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping
+from typing import IO, TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping, TypeVar
 
 from pivotrl.config import is_credential_key
 from pivotrl.data.schema import content_hash
@@ -44,7 +52,13 @@ if TYPE_CHECKING:
 
     from pivotrl.config import RunConfig
 
-__all__ = ["ArtifactStore", "Manifest", "lineage", "code_version", "package_versions", "COMPLETE_MARKER"]
+__all__ = [
+    "ArtifactStore", "Manifest", "RetryPolicy", "lineage", "code_version", "package_versions", "is_transient",
+    "COMPLETE_MARKER",
+]
+
+log = logging.getLogger("pivotrl.storage")
+_T = TypeVar("_T")
 
 COMPLETE_MARKER = "_COMPLETE"
 MANIFEST_SUFFIX = ".manifest.json"
@@ -159,6 +173,72 @@ def _find_seeds(obj: Any, prefix: str = "") -> dict[str, Any]:
     return found
 
 
+# ------------------------------------------------------------------------------------ retries
+@dataclass(frozen=True)
+class RetryPolicy:
+    """How a remote store retries an operation that failed for a transient reason.
+
+    ``attempts`` tries in all (1 = no retry); the wait before retry i (0-based) is
+    ``min(base_delay_s · 2^i, max_delay_s)`` seconds. The default rides out about a minute of outage
+    on top of the driver's own retries. Local directories never retry (their errors are not transient).
+    """
+
+    attempts: int = 6
+    base_delay_s: float = 1.0
+    max_delay_s: float = 16.0
+
+    def __post_init__(self) -> None:
+        if self.attempts < 1 or self.base_delay_s < 0 or self.max_delay_s < 0:
+            raise StorageError(
+                f"RetryPolicy(attempts={self.attempts}, base_delay_s={self.base_delay_s}, "
+                f"max_delay_s={self.max_delay_s}): attempts must be ≥ 1 and delays ≥ 0"
+            )
+
+    def delays(self) -> list[float]:
+        """The waits in seconds before each retry (length ``attempts - 1``)."""
+        return [min(self.base_delay_s * 2**i, self.max_delay_s) for i in range(self.attempts - 1)]
+
+
+#: Exception class names (anywhere in an exception's chain) that mean "try again later": connection
+#: and timeout errors of botocore, aiohttp and fsspec.
+_TRANSIENT_NAMES = frozenset({
+    "HTTPClientError", "ConnectTimeoutError", "ReadTimeoutError", "EndpointConnectionError",
+    "ConnectionClosedError", "ProxyConnectionError", "FSTimeoutError", "ClientConnectorError",
+    "ServerDisconnectedError", "ClientOSError", "ServerTimeoutError", "ClientPayloadError",
+    "IncompleteRead", "ResponseParserError",
+})
+_TRANSIENT_ERRNOS = frozenset({
+    errno.ECONNRESET, errno.ECONNREFUSED, errno.ECONNABORTED, errno.ETIMEDOUT, errno.EPIPE,
+    errno.EHOSTUNREACH, errno.ENETUNREACH, errno.EAGAIN,
+})
+_TRANSIENT_CODES = ("ServiceUnavailable", "SlowDown", "InternalError", "RequestTimeout", "503 ", "500 ")
+
+
+def is_transient(exc: BaseException) -> bool:
+    """True if ``exc`` (or an exception in its ``__cause__``/``__context__`` chain) is a storage failure
+    worth retrying: a timeout, a refused/reset/closed connection, or a 5xx/SlowDown answer.
+
+    Missing keys, permissions, bad payloads and injected faults are not transient.
+    """
+    seen: set[int] = set()
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError,
+                          FileExistsError)):
+            return False
+        if isinstance(e, (TimeoutError, ConnectionError)):
+            return True
+        if any(c.__name__ in _TRANSIENT_NAMES for c in type(e).__mro__):
+            return True
+        if isinstance(e, OSError) and e.errno in _TRANSIENT_ERRNOS:
+            return True
+        if isinstance(e, OSError) and any(code in str(e) for code in _TRANSIENT_CODES):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
 # ---------------------------------------------------------------------------------- manifest
 @dataclass(frozen=True)
 class Manifest:
@@ -264,6 +344,8 @@ class ArtifactStore:
         failure_rate: probability that a write fails (StorageError) after uploading its temporary
             copy and before publishing it: fault injection for tests (``faults.storage_failure_rate``).
         seed: seed of the fault-injection draws (None = unpredictable).
+        retry: retry policy for transient failures of a remote store (default :class:`RetryPolicy`);
+            ignored for local directories. Injected faults are never retried.
 
     Raises:
         StorageError: the root cannot be opened (unknown protocol, missing driver, bad options).
@@ -276,6 +358,7 @@ class ArtifactStore:
         *,
         failure_rate: float = 0.0,
         seed: int | None = None,
+        retry: RetryPolicy | None = None,
     ) -> None:
         import fsspec
 
@@ -296,6 +379,8 @@ class ArtifactStore:
         self.root_url = fs.unstrip_protocol(self._root).rstrip("/")
         self._failure_rate = failure_rate
         self._rng = random.Random(seed)
+        self._retry_delays = [] if self._local else (retry or RetryPolicy()).delays()
+        self._orphans: set[str] = set()  # temporary paths a failed attempt could not remove
         if self._local:
             with self._errors("create", self.root_url):
                 fs.makedirs(self._root, exist_ok=True)
@@ -352,10 +437,49 @@ class ArtifactStore:
             self.fs.invalidate_cache(path)
 
     def _discard(self, path: str) -> None:
+        """Remove a temporary path; if the store is unreachable, remember it for :meth:`_sweep`."""
         try:
             self.fs.rm(path, recursive=True)
-        except Exception:  # best effort: a temporary key is invisible to readers anyway
-            pass
+            self._orphans.discard(path)
+        except FileNotFoundError:
+            self._orphans.discard(path)
+        except Exception as e:  # invisible to readers anyway; retried after the next success
+            if is_transient(e):
+                self._orphans.add(path)
+
+    def _sweep(self) -> None:
+        """Remove the temporary paths earlier failed attempts left behind (the store answers again)."""
+        for path in sorted(self._orphans):
+            self._discard(path)
+            if path in self._orphans:
+                return  # still unreachable: keep them for later
+
+    def _retrying(self, what: str, op: Callable[[], _T]) -> _T:
+        """Run ``op``; on a transient failure of a remote store wait and run it again (RetryPolicy).
+
+        Non-transient errors propagate at once and unchanged. When every attempt failed, a
+        StorageError naming ``what`` and the number of attempts is raised from the last error.
+        """
+        for attempt in range(len(self._retry_delays) + 1):
+            try:
+                result = op()
+            except Exception as e:
+                if not self._retry_delays or not is_transient(e):
+                    raise
+                if attempt == len(self._retry_delays):
+                    raise StorageError(
+                        f"cannot {what}: storage unreachable after {attempt + 1} attempts "
+                        f"({type(e).__name__}: {e})") from e
+                wait = self._retry_delays[attempt]
+                log.warning("cannot %s (%s: %s); retry %d of %d in %.1f s", what, type(e).__name__, e,
+                            attempt + 1, len(self._retry_delays), wait)
+                self.fs.invalidate_cache()
+                time.sleep(wait)
+                continue
+            if self._orphans:
+                self._sweep()
+            return result
+        raise AssertionError("unreachable")  # the loop returns or raises
 
     def _maybe_fail(self, url: str) -> None:
         if self._failure_rate and self._rng.random() < self._failure_rate:
@@ -374,8 +498,12 @@ class ArtifactStore:
         """Write through ``fill`` to a temporary key, then move it to ``key``. Returns (sha256, size).
 
         An exception raised by ``fill`` (a payload that cannot be serialised) propagates unchanged;
-        filesystem failures become StorageError. Either way nothing is visible at ``key``.
+        filesystem failures become StorageError. Either way nothing is visible at ``key``. A transient
+        failure repeats the whole write from a fresh temporary key (``fill`` is called again).
         """
+        return self._retrying(f"write {self.url(key)}", lambda: self._publish_once(key, fill))
+
+    def _publish_once(self, key: str, fill: Callable[[IO[bytes]], None]) -> tuple[str, int]:
         url = self.url(key)
         tmp = self._tmp_path()
         try:
@@ -447,14 +575,21 @@ class ArtifactStore:
     def exists(self, key: str) -> bool:
         """True if ``key`` is a file or a non-empty prefix."""
         path = self._path(key)
-        with self._errors("check", self.url(key)):
-            self._fresh(path)
-            return bool(self.fs.exists(path))
+
+        def op() -> bool:
+            with self._errors("check", self.url(key)):
+                self._fresh(path)
+                return bool(self.fs.exists(path))
+
+        return self._retrying(f"check {self.url(key)}", op)
 
     def read_bytes(self, key: str) -> bytes:
         """The bytes at ``key``; StorageError naming the URL if missing or unreadable."""
-        with self._errors("read", self.url(key)):
-            return bytes(self.fs.cat_file(self._path(key)))
+        def op() -> bytes:
+            with self._errors("read", self.url(key)):
+                return bytes(self.fs.cat_file(self._path(key)))
+
+        return self._retrying(f"read {self.url(key)}", op)
 
     def read_text(self, key: str) -> str:
         """UTF-8 text at ``key``."""
@@ -480,22 +615,27 @@ class ArtifactStore:
 
     def sha256(self, key: str) -> str:
         """sha256 hex digest of the bytes at ``key`` (streamed in 1 MiB chunks)."""
-        digest = hashlib.sha256()
-        with self._errors("read", self.url(key)):
-            with self.fs.open(self._path(key), "rb") as f:
-                for block in iter(lambda: f.read(_CHUNK), b""):
-                    digest.update(block)
-        return digest.hexdigest()
+        def op() -> str:
+            digest = hashlib.sha256()
+            with self._errors("read", self.url(key)):
+                with self.fs.open(self._path(key), "rb") as f:
+                    for block in iter(lambda: f.read(_CHUNK), b""):
+                        digest.update(block)
+            return digest.hexdigest()
+
+        return self._retrying(f"read {self.url(key)}", op)
 
     def list(self, prefix: str = "") -> list[str]:
         """Sorted keys of every file under ``prefix`` ("" = the whole store), temporary keys excluded."""
         base = self._path(prefix.rstrip("/")) if prefix else self._root
         url = self.url(prefix.rstrip("/")) if prefix else self.root_url
-        with self._errors("list", url):
-            self._fresh(base)
-            if not self.fs.exists(base):
-                return []
-            found = self.fs.find(base)
+
+        def op() -> list[str]:
+            with self._errors("list", url):
+                self._fresh(base)
+                return list(self.fs.find(base)) if self.fs.exists(base) else []
+
+        found = self._retrying(f"list {url}", op)
         root = self._root.rstrip("/") + "/"
         keys = []
         for p in found:
@@ -508,11 +648,15 @@ class ArtifactStore:
     def delete(self, key: str) -> None:
         """Remove ``key`` (a file, or a prefix with everything under it); missing keys are ignored."""
         path = self._path(key)
-        with self._errors("delete", self.url(key)):
-            self._fresh(path)
-            if self.fs.exists(path):
-                self.fs.rm(path, recursive=True)
-            self._fresh(path)
+
+        def op() -> None:
+            with self._errors("delete", self.url(key)):
+                self._fresh(path)
+                if self.fs.exists(path):
+                    self.fs.rm(path, recursive=True)
+                self._fresh(path)
+
+        self._retrying(f"delete {self.url(key)}", op)
 
     # --------------------------------------------------------------------------- directories
     def put_dir(self, local_dir: str | os.PathLike[str], key: str) -> str:
@@ -521,6 +665,8 @@ class ArtifactStore:
         Files go to a temporary prefix first, then replace whatever was under ``key``; the
         ``_COMPLETE`` marker (JSON: relative path → size and sha256, plus ``tree_sha256``) is written
         last, so :meth:`get_dir` never sees a half-published directory.
+
+        A transient failure repeats the upload from a fresh temporary prefix (RetryPolicy).
 
         Raises:
             StorageError: ``local_dir`` is not a directory or contains a top-level ``_COMPLETE``;
@@ -536,6 +682,13 @@ class ArtifactStore:
         listing: dict[str, dict[str, Any]] = {}
         for rel in files:
             listing[rel] = {"size": (src / rel).stat().st_size, "sha256": _file_sha256(src / rel)}
+        self._retrying(f"write {url}", lambda: self._put_dir_once(src, files, key))
+        marker_doc = {"files": listing, "tree_sha256": _tree_hash(listing), "created_at": _now()}
+        self.write_json(f"{key}/{COMPLETE_MARKER}", marker_doc)
+        return url
+
+    def _put_dir_once(self, src: Path, files: list[str], key: str) -> None:
+        url = self.url(key)
         tmp = self._tmp_path()
         final = self._path(key)
         try:
@@ -566,9 +719,6 @@ class ArtifactStore:
             self._discard(tmp)
             raise
         self._discard(tmp)
-        marker_doc = {"files": listing, "tree_sha256": _tree_hash(listing), "created_at": _now()}
-        self.write_json(f"{key}/{COMPLETE_MARKER}", marker_doc)
-        return url
 
     def dir_listing(self, key: str) -> dict[str, Any]:
         """The ``_COMPLETE`` marker of a published directory (``files``, ``tree_sha256``, ``created_at``).
@@ -609,8 +759,8 @@ class ArtifactStore:
             for rel, info in sorted(doc["files"].items()):
                 target = tmp / rel
                 target.parent.mkdir(parents=True, exist_ok=True)
-                with self._errors("read", self.url(f"{key}/{rel}")):
-                    self.fs.get_file(self._path(f"{key}/{rel}"), str(target))
+                self._retrying(f"read {self.url(f'{key}/{rel}')}",
+                               functools.partial(self._get_file, f"{key}/{rel}", target))
                 if verify:
                     size = target.stat().st_size
                     if size != info.get("size") or _file_sha256(target) != info.get("sha256"):
@@ -625,6 +775,10 @@ class ArtifactStore:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
         return dst
+
+    def _get_file(self, key: str, target: Path) -> None:
+        with self._errors("read", self.url(key)):
+            self.fs.get_file(self._path(key), str(target))
 
     # ----------------------------------------------------------------------------- manifests
     def write_artifact(

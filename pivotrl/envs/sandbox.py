@@ -17,6 +17,11 @@ Inside a worker:
   This is a guard against accidents, not a kernel sandbox: code that reaches the C-level
   ``_socket`` module or spawns programs is not stopped. Run untrusted code in a container.
 
+With a :class:`~pivotrl.faults.FaultInjector` (``faults=``), the pool draws one fault per request
+(in its own process, from the injector's private RNG); the worker sleeps the drawn latency and, for
+a failure, exits with :data:`~pivotrl.faults.FAULT_EXIT_CODE` before running the function, which
+the pool reports as reason ``"crash"`` (retryable) and replaces the worker.
+
 In the pool, a request that gets no reply within ``timeout_s`` wall-clock seconds is killed (the
 worker is replaced) and raises :class:`SandboxError` with reason ``"timeout"``; a worker that dies
 mid-request (segfault, ``os._exit``) gives reason ``"crash"``; an exception raised by the function
@@ -43,6 +48,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, TypeVar
 
 from pivotrl.errors import ConfigError, ToolExecutionError
+from pivotrl.faults import FAULT_EXIT_CODE, FaultInjector, ToolFault
 
 __all__ = ["BUILTIN_FUNCTIONS", "RetryStats", "SandboxError", "SandboxPool", "call_with_retries"]
 
@@ -92,14 +98,16 @@ def call_with_retries(
     backoff_s: float,
     retry_on: tuple[type[BaseException], ...] = (ToolExecutionError,),
     stats: RetryStats | None = None,
+    max_backoff_s: float | None = None,
 ) -> R:
     """Call ``fn()``; on an exception in ``retry_on`` try again up to ``retries`` more times.
 
-    Waits ``backoff_s * 2**k`` seconds before the k-th retry (k = 0, 1, ...). Records the number of
-    retries (and a final failure) in ``stats`` if given. Re-raises the last exception when every
-    attempt failed; exceptions not in ``retry_on`` propagate at once.
+    Waits ``min(backoff_s * 2**k, max_backoff_s)`` seconds before the k-th retry (k = 0, 1, ...;
+    ``max_backoff_s=None``: no cap). Records the number of retries (and a final failure) in
+    ``stats`` if given. Re-raises the last exception when every attempt failed; exceptions not in
+    ``retry_on`` propagate at once.
     """
-    if retries < 0 or backoff_s < 0:
+    if retries < 0 or backoff_s < 0 or (max_backoff_s is not None and max_backoff_s < 0):
         raise ConfigError(f"call_with_retries: retries={retries}, backoff_s={backoff_s}: both must be >= 0")
     if stats is not None:
         stats.calls += 1
@@ -116,7 +124,8 @@ def call_with_retries(
                 raise
             if stats is not None:
                 stats.retries += 1
-            time.sleep(backoff_s * (2**attempt))
+            delay = backoff_s * (2**attempt)
+            time.sleep(delay if max_backoff_s is None else min(delay, max_backoff_s))
             attempt += 1
 
 
@@ -153,9 +162,12 @@ class _Worker:
             start_new_session=True,
         )
 
-    def request(self, fn: str, payload: Any, timeout_s: float) -> Any:
+    def request(self, fn: str, payload: Any, timeout_s: float, fault: ToolFault | None = None) -> Any:
+        msg: dict[str, Any] = {"fn": fn, "payload": payload}
+        if fault is not None:
+            msg["fault"] = fault.to_dict()
         try:
-            _write_msg(self.proc.stdin, {"fn": fn, "payload": payload})
+            _write_msg(self.proc.stdin, msg)
         except (BrokenPipeError, OSError):
             raise self._died(fn) from None
         deadline = time.monotonic() + timeout_s
@@ -197,6 +209,8 @@ class _Worker:
         tail = self._stderr.read()[-800:].decode("utf-8", "replace").strip()
         if code is not None and code < 0 and -code == getattr(signal, "SIGXCPU", -1):
             reason, what = "timeout", "exceeded its CPU-time limit"
+        elif code == FAULT_EXIT_CODE:
+            reason, what = "crash", f"died of an injected tool fault (exit code {code}, faults.tool_failure_rate)"
         else:
             reason, what = "crash", f"died (exit code {code})"
         detail = f"; stderr: {tail}" if tail else ""
@@ -244,6 +258,8 @@ class SandboxPool:
             ``settings["bfcl_root"]``), or None.
         functions: extra allow-listed functions, ``name → "module:function"`` (the module must be
             importable in a fresh interpreter); added to :data:`BUILTIN_FUNCTIONS`.
+        faults: a :class:`~pivotrl.faults.FaultInjector` deciding injected failures and latency per
+            request (None = no injection).
 
     Use as a context manager or call :meth:`close`. Workers start lazily, on first use.
     """
@@ -256,6 +272,7 @@ class SandboxPool:
         cpu_s: float | None = None,
         bfcl_root: str | os.PathLike[str] | None = None,
         functions: Mapping[str, str] | None = None,
+        faults: FaultInjector | None = None,
     ) -> None:
         if num_workers < 1:
             raise ConfigError(f"SandboxPool: num_workers={num_workers}: must be >= 1")
@@ -285,6 +302,7 @@ class SandboxPool:
         self._lock = threading.Lock()
         self._closed = False
         self.replaced = 0  # workers killed and replaced (timeouts, crashes, memory errors)
+        self.faults = faults if faults is not None and faults.enabled else None
 
     def call(self, fn: str, payload: Any = None) -> Any:
         """Run allow-listed function ``fn`` on the JSON ``payload`` in a worker; its JSON result.
@@ -300,8 +318,9 @@ class SandboxPool:
         try:
             if worker is None or not worker.alive():
                 worker = self._start(worker)
+            fault = self.faults.draw() if self.faults is not None else None
             try:
-                return worker.request(fn, payload, self.timeout_s)
+                return worker.request(fn, payload, self.timeout_s, fault)
             except Exception as e:
                 if isinstance(e, SandboxError) and e.reason == "error":
                     raise  # the function raised; the worker itself is fine
@@ -457,6 +476,12 @@ def _worker_main(settings: Mapping[str, Any]) -> None:
         (n,) = _HEADER.unpack(header)
         request = json.loads(proto_in.read(n).decode("utf-8"))
         fn_name = request.get("fn")
+        if request.get("fault"):
+            fault = ToolFault.from_dict(request["fault"])
+            if fault.latency_s:
+                time.sleep(fault.latency_s)
+            if fault.fail:
+                os._exit(FAULT_EXIT_CODE)  # an injected crash: the pool replaces this worker
         workdir = tempfile.mkdtemp(dir=base_dir)
         try:
             os.chdir(workdir)

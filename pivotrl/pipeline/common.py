@@ -1,14 +1,121 @@
-"""Helpers shared by the pipeline stages: local paths of checkpoints, tokenizers, engines."""
+"""Helpers shared by the pipeline stages: the run's artifact store, local paths of checkpoints,
+checkpoint integrity, engines and verifiers (with the run's retry policy and fault injection)."""
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 import shutil
+import struct
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Mapping
 
 from pivotrl.config import RunConfig
+from pivotrl.errors import ModelError, StorageError
+from pivotrl.faults import FaultInjector, fault_seed
 from pivotrl.storage import ArtifactStore
+
+log = logging.getLogger("pivotrl.pipeline")
+
+#: Attempts of one atomic artifact write in a pipeline store (1 + retries) and the first backoff.
+STORE_WRITE_RETRIES = 4
+STORE_BACKOFF_S = 0.05
+
+
+class RetryingArtifactStore(ArtifactStore):
+    """An :class:`ArtifactStore` that retries a failed atomic write (``StorageError``).
+
+    Each write (one file: temporary key, then move; or a whole :meth:`put_dir`) is attempted up to
+    ``1 + retries`` times with exponential backoff; a failed attempt publishes nothing (the store's
+    own guarantee), so a retry can never leave a mix. ``write_retries`` counts the retries made.
+    Reads are not retried. Used for transient object-store errors and for
+    ``faults.storage_failure_rate``.
+    """
+
+    def __init__(self, root_url: str, storage_options: Mapping[str, Any] | None = None, *,
+                 failure_rate: float = 0.0, seed: int | None = None, retries: int = STORE_WRITE_RETRIES,
+                 backoff_s: float = STORE_BACKOFF_S) -> None:
+        super().__init__(root_url, storage_options, failure_rate=failure_rate, seed=seed)
+        self.retries = int(retries)
+        self.backoff_s = float(backoff_s)
+        self.write_retries = 0
+
+    def _retrying(self, what: str, fn: Callable[[], Any]) -> Any:
+        from pivotrl.envs.sandbox import RetryStats, call_with_retries
+
+        stats = RetryStats()
+        try:
+            return call_with_retries(fn, self.retries, self.backoff_s, retry_on=(StorageError,), stats=stats,
+                                     max_backoff_s=2.0)
+        finally:
+            if stats.retries:
+                self.write_retries += stats.retries
+                log.warning("%s: %d write retr%s (%s)", what, stats.retries, "y" if stats.retries == 1 else "ies",
+                            stats.last_errors[-1] if stats.last_errors else "")
+
+    def _write_bytes(self, key: str, data: Any) -> tuple[str, str, int]:
+        parent = super()._write_bytes
+        if isinstance(data, (bytes, bytearray, memoryview, list, tuple)):
+            return self._retrying(self.url(key), lambda: parent(key, data))
+        return parent(key, data)  # a one-shot stream of chunks cannot be replayed: one attempt
+
+    def _write_parquet(self, key: str, df: Any) -> tuple[str, str, int]:
+        parent = super()._write_parquet
+        return self._retrying(self.url(key), lambda: parent(key, df))
+
+    def put_dir(self, local_dir: str | os.PathLike[str], key: str) -> str:
+        parent = super().put_dir
+        return self._retrying(self.url(key), lambda: parent(local_dir, key))
+
+
+def make_store(cfg: RunConfig, *, attempt: int = 0) -> RetryingArtifactStore:
+    """The artifact store of a run: ``run.storage_root`` + ``run.storage_options``, failing writes
+    with probability ``faults.storage_failure_rate`` (seeded by ``run.seed`` and ``attempt``, the
+    retry number of the calling stage, so a re-run stage does not fail at the same writes), each
+    write retried :data:`STORE_WRITE_RETRIES` times."""
+    return RetryingArtifactStore(
+        cfg.run.storage_root, cfg.run.storage_options or None, failure_rate=cfg.faults.storage_failure_rate,
+        seed=fault_seed(cfg.run.seed, "storage", attempt),
+    )
+
+
+def verify_checkpoint(directory: str | os.PathLike[str]) -> Path:
+    """Check that every ``*.safetensors`` file of a checkpoint directory is complete.
+
+    A safetensors file is an 8-byte little-endian header length N, an N-byte JSON header giving
+    each tensor's ``data_offsets`` [begin, end) into the data section, then the data section; a
+    complete file is exactly ``8 + N + max(end)`` bytes long. Returns the directory.
+
+    Raises:
+        ModelError: naming the file, when the directory has no ``config.json`` or no weights, or a
+            weights file is truncated, has a malformed header or trailing bytes.
+    """
+    root = Path(directory)
+    if not (root / "config.json").is_file():
+        raise ModelError(f"checkpoint {root} has no config.json")
+    files = sorted(root.glob("*.safetensors"))
+    if not files:
+        raise ModelError(f"checkpoint {root} has no *.safetensors file")
+    for f in files:
+        size = f.stat().st_size
+        with open(f, "rb") as fh:
+            head = fh.read(8)
+            if len(head) < 8:
+                raise ModelError(f"{f}: truncated safetensors file ({size} bytes, no header)")
+            (n,) = struct.unpack("<Q", head)
+            if n > size - 8:
+                raise ModelError(f"{f}: truncated safetensors file (header of {n} bytes, file of {size})")
+            try:
+                header = json.loads(fh.read(n).decode("utf-8"))
+                end = max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"), default=0)
+            except (ValueError, KeyError, TypeError, IndexError, AttributeError) as e:
+                raise ModelError(f"{f}: malformed safetensors header ({type(e).__name__}: {e})") from None
+        expected = 8 + n + end
+        if size != expected:
+            what = "truncated" if size < expected else "has trailing bytes"
+            raise ModelError(f"{f}: {what}: safetensors file of {size} bytes, its header needs {expected}")
+    return root
 
 
 def is_local(store: ArtifactStore) -> bool:
@@ -22,7 +129,11 @@ def local_path(store: ArtifactStore, key: str) -> Path:
 
 
 def local_checkpoint(store: ArtifactStore, key: str, cache: Path) -> Path:
-    """A local directory holding the checkpoint published at ``key`` (downloaded if remote)."""
+    """A local directory holding the checkpoint published at ``key`` (downloaded if remote).
+
+    Raises StorageError when ``key`` has no completion marker (never published, or its upload was
+    interrupted) or a downloaded file does not match it.
+    """
     if is_local(store):
         p = local_path(store, key)
         if (p / "_COMPLETE").exists():
@@ -48,6 +159,8 @@ def make_rollout_engine(cfg: RunConfig, model_dir: Path | str, *, engine: str | 
     """The configured rollout engine on ``model_dir`` (vLLM by default, transformers fallback)."""
     from pivotrl.rollout import make_engine
 
+    if Path(model_dir).is_dir():
+        verify_checkpoint(model_dir)
     name = engine or cfg.rollout.engine
     kwargs: dict[str, Any] = {"dtype": cfg.model.dtype, "max_model_len": cfg.model.max_context}
     if name == "vllm":
@@ -60,11 +173,27 @@ def prompt_kwargs(cfg: RunConfig) -> dict[str, Any]:
     return {"tool_style": cfg.prompt.tool_style, "max_tool_output_chars": cfg.prompt.max_tool_output_chars}
 
 
-def make_verifier(cfg: RunConfig, bfcl_root: Path) -> Any:
+def make_verifier(cfg: RunConfig, bfcl_root: Path | str, *, backoff_s: float | None = None,
+                  pool: Any = None) -> Any:
+    """The configured verifier (``verifier.name``) with the run's time limit (``verifier.timeout_s``),
+    retry policy (``verifier.retries``; ``backoff_s`` overrides the verifier's default first wait)
+    and tool-fault injection (``faults.tool_failure_rate``/``tool_latency_s``, seeded by ``run.seed``).
+
+    ``pool``: a SandboxPool to execute in (its own faults apply); default: the verifier starts one.
+    Its ``stats`` (RetryStats) count sandbox requests, retries and final failures.
+    """
     from pivotrl.verifiers import get_verifier
 
-    return get_verifier("auto" if cfg.verifier.name == "auto" else cfg.verifier.name,
-                        timeout_s=cfg.verifier.timeout_s, retries=cfg.verifier.retries, bfcl_root=str(bfcl_root))
+    opts: dict[str, Any] = {"timeout_s": cfg.verifier.timeout_s, "retries": cfg.verifier.retries,
+                            "bfcl_root": str(bfcl_root)}
+    faults = FaultInjector.from_config(cfg)
+    if faults is not None:
+        opts["faults"] = faults
+    if backoff_s is not None:
+        opts["backoff_s"] = backoff_s
+    if pool is not None:
+        opts["pool"] = pool
+    return get_verifier(cfg.verifier.name, **opts)
 
 
 def set_threads(n: int) -> None:

@@ -1,7 +1,9 @@
 """Process entry point of a pipeline stage: ``python -m pivotrl.pipeline.entry STAGE --spec FILE``.
 
-The spec is a JSON file ``{"config": <RunConfig as JSON>, "inputs": {...}, "output": <path>}``;
-the stage's result dict is written as JSON to ``output`` (atomically). Heavy stages run in their
+The spec is a JSON file ``{"config": <RunConfig as JSON>, "inputs": {...}, "output": <path>,
+"attempt": <int, optional>}``; the stage's result dict is written as JSON to ``output`` (atomically).
+``attempt`` (0 for the first run of a stage, 1 for its first retry...) seeds the injected storage
+faults (``faults.storage_failure_rate``) so that a retried stage does not fail at the same writes. Heavy stages run in their
 own process so that the rollout engine, the trainer and their memory live and die with the stage.
 """
 
@@ -20,14 +22,22 @@ from typing import Any
 STAGES = ("reference", "probe", "train", "evaluate")
 
 
-def run_stage(stage: str, config: dict[str, Any], inputs: dict[str, Any]) -> dict[str, Any]:
-    """Run ``stage`` in this process and return its result dict."""
-    from pivotrl.config import RunConfig
-    from pivotrl.pipeline import stages
-    from pivotrl.storage import ArtifactStore
+def run_stage(stage: str, config: dict[str, Any], inputs: dict[str, Any], *, attempt: int = 0) -> dict[str, Any]:
+    """Run ``stage`` in this process and return its result dict.
 
-    cfg = RunConfig.model_validate(config)
-    store = ArtifactStore(cfg.run.storage_root, cfg.run.storage_options or None)
+    The store is the run's (``pivotrl.pipeline.common.make_store``: storage faults of
+    ``faults.storage_failure_rate`` seeded by ``run.seed`` and ``attempt``, writes retried).
+    Raises ConfigError for an invalid config (naming the key) or an unknown stage.
+    """
+    from pivotrl.config import parse_config
+    from pivotrl.errors import ConfigError
+    from pivotrl.pipeline import stages
+    from pivotrl.pipeline.common import make_store
+
+    if stage not in STAGES:
+        raise ConfigError(f"unknown stage {stage!r}; valid: {', '.join(STAGES)}")
+    cfg = parse_config(config, source=f"the {stage} stage spec")
+    store = make_store(cfg, attempt=attempt)
     if stage == "reference":
         return stages.stage_reference(cfg, store, inputs["demos"])
     if stage == "probe":
@@ -36,17 +46,18 @@ def run_stage(stage: str, config: dict[str, Any], inputs: dict[str, Any]) -> dic
         return stages.stage_train(cfg, store, inputs["probe"], inputs["reference"])
     if stage == "evaluate":
         return stages.stage_evaluate(cfg, store, inputs["demos"], inputs["reference"], inputs["probe"], inputs["train"])
-    raise ValueError(f"unknown stage {stage!r}; valid: {', '.join(STAGES)}")
+    raise ConfigError(f"unknown stage {stage!r}; valid: {', '.join(STAGES)}")
 
 
 def run_stage_process(stage: str, config: dict[str, Any], inputs: dict[str, Any], *, threads: int = 2,
-                      env: dict[str, str] | None = None) -> dict[str, Any]:
+                      env: dict[str, str] | None = None, attempt: int = 0) -> dict[str, Any]:
     """Run ``stage`` in a child process (same interpreter); raise RuntimeError with the exit code
-    and the last lines of its output if it fails. Output is streamed to this process's stdout."""
+    (negative: the signal that killed it) and the last lines of its output if it fails. Output is
+    streamed to this process's stdout. ``attempt``: see :func:`run_stage`."""
     with tempfile.TemporaryDirectory(prefix=f"pivotrl-{stage}-") as tmp:
         spec = Path(tmp) / "spec.json"
         out = Path(tmp) / "result.json"
-        spec.write_text(json.dumps({"config": config, "inputs": inputs, "output": str(out)}))
+        spec.write_text(json.dumps({"config": config, "inputs": inputs, "output": str(out), "attempt": attempt}))
         child_env = {**os.environ, "OMP_NUM_THREADS": str(threads), **(env or {})}
         proc = subprocess.Popen([sys.executable, "-m", "pivotrl.pipeline.entry", stage, "--spec", str(spec)],
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=child_env, text=True)
@@ -68,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     spec = json.loads(Path(a.spec).read_text())
-    result = run_stage(a.stage, spec["config"], spec["inputs"])
+    result = run_stage(a.stage, spec["config"], spec["inputs"], attempt=int(spec.get("attempt", 0)))
     tmp = Path(spec["output"] + ".tmp")
     tmp.write_text(json.dumps(result, default=str))
     tmp.replace(spec["output"])

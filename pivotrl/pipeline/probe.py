@@ -8,8 +8,10 @@ Outputs:
 - ``probes/<key>/probes.parquet``: one row per probed state — ``state_id``, ``category``,
   ``turn_index``, ``prompt_tokens``, ``rewards`` (m floats, JSON), ``mu``, ``var``,
   ``action_tokens_mean``, ``samples`` (the m texts, JSON), ``reasons`` (verifier reasons, JSON),
-  ``status`` ("ok" | "too_long" | "verifier_error") and ``decision`` (see
-  ``pivotrl.filtering.pivot_decision``; empty unless status is "ok").
+  ``status`` ("ok" | "too_long" | "verifier_error"), ``reason`` (why a state was skipped),
+  ``decision`` (see ``pivotrl.filtering.pivot_decision``; empty unless status is "ok") and
+  ``verifier_retries`` (tool requests the verifier had to retry for this state: crashes, timeouts,
+  injected faults; retries never change a verdict, a state whose retries run out is "verifier_error").
 - ``pivots/<key>/pivots.parquet``: the kept candidate rows (state + verifier context) with μ̂, σ̂²;
   ``pivots/<key>/stats.json`` and ``summary.md``.
 """
@@ -54,8 +56,10 @@ def probe_states(
     """Sample ``num_probes`` actions per state from ``engine`` and score them.
 
     States longer than ``max_context - max_tokens`` are skipped with status "too_long" (never
-    truncated). A verifier that cannot decide for a state (``VerifierError``) drops the whole
-    state with status "verifier_error": μ̂ is never computed from a partial group.
+    truncated). A verifier that cannot decide for a state (``VerifierError``, raised once its
+    retries are spent) drops the whole state with status "verifier_error": μ̂ is never computed
+    from a partial group and no reward is read as 0. The retries spent on each state are read from
+    ``verifier.stats.retries`` (a ``RetryStats``; 0 for verifiers without one).
     Returns the probe table described in the module docstring (one row per state, input order).
     """
     from pivotrl.filtering import probe_stats
@@ -82,10 +86,15 @@ def probe_states(
         gens = engine.generate([ids for _, ids in chunk], sampling)
         for (s, ids), samples in zip(chunk, gens):
             texts = [g.text for g in samples]
+            before = verifier_retries(verifier)
             try:
                 results = verifier.score(s, texts)
+                if len(results) != len(texts):  # a partial group is never scored
+                    raise VerifierError(f"turn state {s.state_id!r}: the verifier returned {len(results)} "
+                                        f"results for {len(texts)} actions")
             except VerifierError as e:
-                rows.append(_row(s, prompt_tokens=len(ids), status="verifier_error", reason=str(e), samples=texts))
+                rows.append(_row(s, prompt_tokens=len(ids), status="verifier_error", reason=str(e), samples=texts,
+                                 verifier_retries=verifier_retries(verifier) - before))
                 continue
             rewards = [float(r.reward) for r in results]
             mu, var = probe_stats(rewards)
@@ -100,6 +109,7 @@ def probe_states(
                     samples=texts,
                     reasons=[r.reason for r in results],
                     status="ok",
+                    verifier_retries=verifier_retries(verifier) - before,
                 )
             )
     order = {s.state_id: i for i, s in enumerate(states)}
@@ -109,8 +119,14 @@ def probe_states(
 
 PROBE_COLUMNS = [
     "state_id", "trajectory_id", "category", "turn_index", "prompt_tokens", "rewards", "mu", "var",
-    "action_tokens_mean", "samples", "reasons", "status", "reason", "decision",
+    "action_tokens_mean", "samples", "reasons", "status", "reason", "decision", "verifier_retries",
 ]
+
+
+def verifier_retries(verifier: Any) -> int:
+    """Retries made so far by ``verifier`` (``verifier.stats.retries``; 0 if it keeps no stats)."""
+    stats = getattr(verifier, "stats", None)
+    return int(getattr(stats, "retries", 0) or 0)
 
 
 def _row(s: TurnState, **kw: Any) -> dict[str, Any]:
@@ -129,6 +145,7 @@ def _row(s: TurnState, **kw: Any) -> dict[str, Any]:
         "status": kw["status"],
         "reason": kw.get("reason", ""),
         "decision": kw.get("decision", ""),
+        "verifier_retries": int(kw.get("verifier_retries", 0)),
     }
     return row
 
@@ -167,6 +184,8 @@ def pivot_stats(probe_df: pd.DataFrame, lambda_diff: float) -> dict[str, Any]:
         }
 
     m = max((len(json.loads(r)) for r in ok["rewards"]), default=1)
+    # Tables written before the column existed count no retries.
+    retries = int(d["verifier_retries"].sum()) if "verifier_retries" in d else 0
     hist, edges = np.histogram(ok["mu"].to_numpy(dtype=float), bins=m + 1, range=(-0.5 / m, 1 + 0.5 / m))
     return {
         "lambda_diff": lambda_diff,
@@ -176,6 +195,7 @@ def pivot_stats(probe_df: pd.DataFrame, lambda_diff: float) -> dict[str, Any]:
         "mu_histogram": {"bin_centers": [round(float(x), 4) for x in (edges[:-1] + edges[1:]) / 2],
                          "counts": [int(x) for x in hist]},
         "mu_mean": float(ok["mu"].mean()) if len(ok) else float("nan"),
+        "verifier_retries": retries,
     }
 
 
@@ -193,6 +213,9 @@ def stats_markdown(stats: dict[str, Any]) -> str:
     h = stats["mu_histogram"]
     lines += ["", "μ̂ histogram (probes that succeeded / m): " +
               ", ".join(f"{c:.2f}: {n}" for c, n in zip(h["bin_centers"], h["counts"]))]
+    lines += ["", f"Verifier retries (tool requests repeated after a crash or timeout): "
+              f"{stats.get('verifier_retries', 0)}; states dropped after their retries ran out: "
+              f"{stats['total']['skipped_verifier_error']}"]
     return "\n".join(lines) + "\n"
 
 

@@ -48,7 +48,7 @@ __all__ = [
 ]
 
 LAUNCHERS = ("inprocess", "torchrun", "deepspeed")
-ENTRIES = ("sft", "pivotrl")
+ENTRIES = ("sft", "pivotrl", "rl_stage")
 _KEYS = ("launcher", "world_size", "nnodes", "nproc_per_node", "node_rank", "master_addr", "master_port", "hostfile", "no_ssh", "omp_num_threads")
 
 S = TypeVar("S")
@@ -222,3 +222,8 @@ def read_spec(argv: Sequence[str] | None, spec_cls: type[S]) -> S:
         return spec_cls(**raw)
     except TypeError as err:
         raise ConfigError(f"spec {path}: {err}") from None
+
+
+def launch_settings(training: Mapping[str, Any]) -> dict[str, Any]:
+    """The launch keys of a run config's ``training`` section (a dict), for :class:`LaunchConfig`."""
+    return {k: training[k] for k in _KEYS if k in training}

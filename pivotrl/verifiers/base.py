@@ -64,7 +64,8 @@ VERIFIERS: Registry[type] = Registry("verifier")
 #: Options a run configuration may pass to any verifier: a verifier that has no use for one of
 #: them (e.g. ``tool_name`` and ``timeout_s``) ignores it. Any other unknown option is an error.
 SHARED_OPTIONS: frozenset[str] = frozenset(
-    {"pool", "bfcl_root", "cache_dir", "num_workers", "timeout_s", "memory_mb", "retries", "backoff_s"}
+    {"pool", "bfcl_root", "cache_dir", "num_workers", "timeout_s", "memory_mb", "retries", "backoff_s",
+     "max_backoff_s", "faults"}
 )
 
 
@@ -186,6 +187,21 @@ class AutoVerifier:
         if name not in self._verifiers:
             self._verifiers[name] = get_verifier(name, **{**self._shared, **self._per.get(name, {})})
         return self._verifiers[name]
+
+    @property
+    def stats(self) -> Any:
+        """Retry statistics (``RetryStats``) summed over the underlying verifiers built so far."""
+        from pivotrl.envs.sandbox import RetryStats
+
+        total = RetryStats()
+        for v in self._verifiers.values():
+            s = getattr(v, "stats", None)
+            if s is not None:
+                total.calls += s.calls
+                total.retries += s.retries
+                total.failures += s.failures
+                total.last_errors = (total.last_errors + list(s.last_errors))[-10:]
+        return total
 
     def score(self, state: TurnState, actions: Sequence[str]) -> list[VerifierResult]:
         """Score with the state's default verifier (see :class:`Verifier`)."""

@@ -28,6 +28,7 @@ from typing import Any, Mapping, Sequence
 from pivotrl.data.schema import ToolCall, TurnState, canonical_json
 from pivotrl.envs.sandbox import RetryStats, SandboxError, SandboxPool, call_with_retries
 from pivotrl.errors import DataError, ToolExecutionError, VerifierError
+from pivotrl.faults import FaultInjector
 from pivotrl.verifiers.base import VERIFIERS, VerifierResult, demo_calls, kind_check, parse_actions
 
 __all__ = ["ExecutionVerifier", "execute_candidates"]
@@ -52,7 +53,9 @@ class ExecutionVerifier:
             (``num_workers``, ``timeout_s``, ``memory_mb``) on first use and closes it in :meth:`close`.
         bfcl_root: directory containing ``bfcl_eval/`` for an own pool; default
             ``ensure_bfcl(cache_dir)`` (cache_dir default: ``$PIVOTRL_CACHE_DIR`` or ``~/.cache/pivotrl``).
-        retries, backoff_s: retry policy of a failed sandbox request (``call_with_retries``).
+        retries, backoff_s, max_backoff_s: retry policy of a failed sandbox request
+            (``call_with_retries``: waits backoff_s · 2^k, at most max_backoff_s, before retry k).
+        faults: a :class:`~pivotrl.faults.FaultInjector` for an own pool (fault injection; None = off).
 
     ``stats`` (RetryStats) counts sandbox requests, retries and final failures.
     Reasons: "match", "text", "parse_error", "wrong_kind", "unknown_tool", "different_state",
@@ -70,14 +73,17 @@ class ExecutionVerifier:
         memory_mb: int = 1024,
         retries: int = 2,
         backoff_s: float = 0.5,
+        max_backoff_s: float = 8.0,
+        faults: FaultInjector | None = None,
     ) -> None:
         self._pool = pool
         self._own_pool = pool is None
-        self._pool_opts = dict(num_workers=num_workers, timeout_s=timeout_s, memory_mb=memory_mb)
+        self._pool_opts = dict(num_workers=num_workers, timeout_s=timeout_s, memory_mb=memory_mb, faults=faults)
         self._bfcl_root = bfcl_root
         self._cache_dir = cache_dir
         self.retries = retries
         self.backoff_s = backoff_s
+        self.max_backoff_s = max_backoff_s
         self.stats = RetryStats()
 
     @property
@@ -153,7 +159,8 @@ class ExecutionVerifier:
                 raise
 
         try:
-            reply = call_with_retries(once, self.retries, self.backoff_s, retry_on=(ToolExecutionError,), stats=self.stats)
+            reply = call_with_retries(once, self.retries, self.backoff_s, retry_on=(ToolExecutionError,),
+                                      stats=self.stats, max_backoff_s=self.max_backoff_s)
         except (ToolExecutionError, _NoRetry) as e:
             raise VerifierError(
                 f"execution verifier could not decide turn state {state.state_id!r} "

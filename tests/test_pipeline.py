@@ -1,0 +1,180 @@
+"""The pipeline stages end to end on the smoke config (tiny random model, real BFCL records), the
+training stage as a 2-rank process group, the Prefect flow and its cross-run cache, and the
+multi-node config's launch command."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+from safetensors.torch import load_file
+
+from pivotrl.config import load_config
+from pivotrl.pipeline import stages
+from pivotrl.pipeline.demos import build_demonstrations
+from pivotrl.storage import ArtifactStore
+from pivotrl.testing import save_tiny_checkpoint
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def smoke_config(root: Path, model: Path, *extra: str):
+    return load_config(str(REPO / "configs" / "smoke.yaml"),
+                       [f"run.storage_root={root}", f"model.source={model}", *extra])
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> Path:
+    return save_tiny_checkpoint(tmp_path_factory.mktemp("model") / "tiny")
+
+
+@pytest.fixture(scope="module")
+def smoke_run(tmp_path_factory, tiny_model):
+    root = tmp_path_factory.mktemp("root")
+    cfg = smoke_config(root, tiny_model)
+    store = ArtifactStore(cfg.run.storage_root)
+    demos = build_demonstrations(cfg, store)
+    ref = stages.stage_reference(cfg, store, demos)
+    probe = stages.stage_probe(cfg, store, demos, ref)
+    train = stages.stage_train(cfg, store, probe, ref)
+    ev = stages.stage_evaluate(cfg, store, demos, ref, probe, train)
+    return cfg, store, demos, ref, probe, train, ev
+
+
+@pytest.mark.integration
+def test_smoke_pipeline_end_to_end(smoke_run):
+    cfg, store, demos, ref, probe, train, ev = smoke_run
+    c = demos["counts"]
+    # 6 simple_python + 6 multiple + 2 multi_turn_base records; one candidate per assistant turn.
+    assert c["trajectories"] == 14
+    assert c["trajectories_per_category"] == {"simple_python": 6, "multiple": 6, "multi_turn_base": 2}
+    assert sum(c["candidates_per_split"].values()) == c["assistant_turns"]
+    # The warm start trained on the warm-start split only and changed the weights.
+    assert ref["sft"]["examples"] == c["trajectories_per_split"]["warm_start"]
+    assert ref["ref_hash"] != ref["base_hash"]
+    assert ref["sft"]["metrics"]["final_loss"] < ref["sft"]["metrics"]["first_loss"]
+    # Probing: one row per pivot-split candidate, m rewards each; the filter's counts add up.
+    probes = store.read_parquet(f"{probe['probes_key']}/probes.parquet")
+    assert len(probes) == c["candidates_per_split"]["pivot"]
+    ok = probes[probes["status"] == "ok"]
+    assert all(len(json.loads(r)) == cfg.probing.num_probes for r in ok["rewards"])
+    t = probe["stats"]["total"]
+    assert t["candidates"] == len(probes)
+    assert t["all_fail"] + t["all_pass"] + t["above_threshold"] + t["kept"] + t["skipped_too_long"] \
+        + t["skipped_verifier_error"] == t["candidates"]
+    pivots = store.read_parquet(f"{probe['pivots_key']}/pivots.parquet")
+    assert len(pivots) == t["kept"] > 0
+    # Kept states are exactly those with mixed outcomes (λ_diff = 1.0 in the smoke config).
+    mixed = {sid for sid, v in zip(ok["state_id"], ok["var"]) if v > 0}
+    assert set(pivots["state_id"]) == mixed
+    # Training: one metrics row per rollout batch; fp32 refresh is exact to 1e-4 per token.
+    m = store.read_parquet(f"{train['train_key']}/metrics.parquet")
+    assert list(m["step"]) == list(range(1, len(m) + 1))
+    assert len(m) == train["summary"]["steps"] > 0
+    assert (m["refresh_max_abs_delta"] <= 1e-4).all()
+    assert (m["groups"] + m["dropped_groups"] == m["pivots"]).all()
+    # The report states local and full-task numbers for all three policies.
+    report = ev["report"]
+    md = store.read_text(f"{ev['eval_key']}/report.md")
+    for name in ("base", "reference (SFT warm start)", "pivotrl"):
+        assert name in md
+    assert "full-task success" in md and "local pivot accuracy" in md
+    rows = {p["policy"]: p for p in report["policies"]}
+    assert set(rows) == {"base", "reference (SFT warm start)", "pivotrl"}
+    for p in rows.values():
+        assert 0.0 <= p["local_pivot_accuracy"] <= 1.0 and 0.0 <= p["full_task_success"] <= 1.0
+        assert p["tasks"] == len(report["meta"]["heldout_tasks"]) > 0
+
+
+@pytest.mark.integration
+def test_second_run_reuses_every_artifact(smoke_run):
+    cfg, store, demos, ref, probe, train, ev = smoke_run
+    before = {k: store.read_manifest(k).created_at for k in (
+        f"{demos['key']}/candidates.parquet", f"{probe['probes_key']}/probes.parquet",
+        f"{probe['pivots_key']}/pivots.parquet", f"{train['train_key']}/metrics.parquet",
+        f"{ev['eval_key']}/report.json")}
+    demos2 = build_demonstrations(cfg, store)
+    ref2 = stages.stage_reference(cfg, store, demos2)
+    probe2 = stages.stage_probe(cfg, store, demos2, ref2)
+    train2 = stages.stage_train(cfg, store, probe2, ref2)
+    ev2 = stages.stage_evaluate(cfg, store, demos2, ref2, probe2, train2)
+    assert (demos2["key"], ref2["ref_hash"], probe2["pivots_key"], train2["train_key"], ev2["eval_key"]) == \
+        (demos["key"], ref["ref_hash"], probe["pivots_key"], train["train_key"], ev["eval_key"])
+    after = {k: store.read_manifest(k).created_at for k in before}
+    assert after == before  # nothing was rewritten
+
+
+@pytest.mark.integration
+def test_lambda_change_refilters_without_reprobing(smoke_run):
+    cfg, store, demos, ref, probe, _, _ = smoke_run
+    cfg2 = cfg.model_copy(update={"probing": cfg.probing.model_copy(update={"lambda_diff": 0.3})})
+    probe2 = stages.stage_probe(cfg2, store, demos, ref)
+    assert probe2["probes_key"] == probe["probes_key"]  # same probe table
+    assert probe2["pivots_key"] != probe["pivots_key"]
+    probes = store.read_parquet(f"{probe['probes_key']}/probes.parquet")
+    ok = probes[probes["status"] == "ok"]
+    expected = {s for s, mu, v in zip(ok["state_id"], ok["mu"], ok["var"]) if v > 0 and mu < 0.3}
+    assert set(store.read_parquet(f"{probe2['pivots_key']}/pivots.parquet")["state_id"]) == expected
+
+
+@pytest.mark.integration
+def test_training_stage_two_ranks_matches_one_rank(smoke_run, tmp_path):
+    """The training stage as a 2-rank torchrun process group on the same pivots gives the same
+    policy as the 1-rank run (rank 0 samples and broadcasts the batch; gradients are averaged)."""
+    from pivotrl.training.launch import launch
+
+    cfg, store, demos, ref, probe, train, _ = smoke_run
+    root2 = tmp_path / "root2"
+    # Same artifacts up to the pivot set, in a fresh root, so the 2-rank run trains from scratch.
+    subprocess.run(["cp", "-r", str(Path(cfg.run.storage_root)), str(root2)], check=True)
+    import shutil
+
+    shutil.rmtree(root2 / "train")
+    tr = {"launcher": "torchrun", "world_size": 2, "nnodes": 1, "nproc_per_node": 2,
+          "master_port": 29500 + (hash(str(tmp_path)) % 1000), "omp_num_threads": 1}
+    cfg2 = cfg.model_copy(update={"run": cfg.run.model_copy(update={"storage_root": str(root2)})})
+    out = tmp_path / "result.json"
+    spec = {"config": cfg2.model_dump(mode="json"), "inputs": {"probe": probe, "reference": ref},
+            "output": str(out)}
+    launch(tr, entry="rl_stage", spec=spec, workdir=tmp_path, timeout_s=600)
+    res = json.loads(out.read_text())
+    assert res["train_key"] == train["train_key"]
+    m1 = store.read_parquet(f"{train['train_key']}/metrics.parquet")
+    m2 = pd.read_parquet(root2 / res["train_key"] / "metrics.parquet")
+    assert list(m2["reward_mean"]) == list(m1["reward_mean"])  # identical rollouts (rank 0's engine)
+    w1 = load_file(str(Path(cfg.run.storage_root) / train["policy_key"] / "model.safetensors"))
+    w2 = load_file(str(root2 / res["policy_key"] / "model.safetensors"))
+    assert w1.keys() == w2.keys()
+    for k in w1:
+        assert (w1[k] - w2[k]).abs().max().item() < 1e-5, k
+
+
+def test_multinode_gpu_config_validates_and_renders_its_launch_command():
+    from pivotrl.training.launch import launch_settings, render_launch_command
+
+    cfg = load_config(str(REPO / "configs" / "multinode-gpu.yaml"))
+    tr = cfg.training
+    assert (tr.nnodes, tr.nproc_per_node, tr.world_size) == (2, 8, 16)
+    cmd = render_launch_command(launch_settings(tr.model_dump(mode="json")), entry="rl_stage", spec_path="spec.json", python="python")
+    line = shlex.join(cmd)
+    assert line.startswith("python -m deepspeed.launcher.runner --hostfile=configs/hostfile --num_nodes=2")
+    assert line.endswith("-m pivotrl.training.rl_stage --spec spec.json") or "pivotrl/training/rl_stage" in line \
+        or "pivotrl.training.rl_stage" in line
+    tcmd = render_launch_command({**launch_settings(tr.model_dump(mode="json")), "launcher": "torchrun", "hostfile": None},
+                                 entry="rl_stage", spec_path="spec.json", python="python")
+    assert tcmd[:3] == ["python", "-m", "torch.distributed.run"]
+    assert "--nnodes=2" in tcmd and "--nproc-per-node=8" in tcmd and "--master-addr=node-0" in tcmd
+
+
+def test_pivot_schedule_is_deterministic_and_covers_each_epoch():
+    s1 = stages.pivot_schedule(10, 4, 2, seed=3, max_steps=None)
+    assert s1 == stages.pivot_schedule(10, 4, 2, seed=3, max_steps=None)
+    assert [len(b) for b in s1] == [4, 4, 2, 4, 4, 2]
+    assert sorted(sum(s1[:3], [])) == list(range(10)) and sorted(sum(s1[3:], [])) == list(range(10))
+    assert s1[:3] != s1[3:]  # a fresh permutation per epoch
+    assert stages.pivot_schedule(10, 4, 2, seed=3, max_steps=4) == s1[:4]
