@@ -107,6 +107,9 @@ def _iter_jsonl(url: str) -> Iterator[tuple[str, str, Any]]:
         except json.JSONDecodeError as e:
             yield loc, "", DataError(f"{url} {loc}: malformed JSON ({e.msg} at column {e.colno})")
             continue
+        except RecursionError:
+            yield loc, "", DataError(f"{url} {loc}: JSON nested too deeply to read")
+            continue
         rid = str(obj.get("id", "")) if isinstance(obj, dict) else ""
         yield loc, rid, obj
 
@@ -136,6 +139,9 @@ def _iter_parquet(url: str) -> Iterator[tuple[str, str, Any]]:
                     obj[col] = json.loads(v) if v.strip() else None
                 except json.JSONDecodeError as e:
                     bad = DataError(f"{url} {loc} {rid!r}.{col}: malformed JSON ({e.msg} at column {e.colno})")
+                    break
+                except RecursionError:
+                    bad = DataError(f"{url} {loc} {rid!r}.{col}: JSON nested too deeply to read")
                     break
         yield loc, rid, bad if bad is not None else obj
 
@@ -177,6 +183,14 @@ def load_trajectories(
                     f"{where} {traj.id!r}.id: duplicate trajectory id {traj.id!r} (first at {seen[traj.id]})"
                 )
             seen[traj.id] = loc
+        except RecursionError:
+            err = DataError(f"{where}{f' {rid!r}' if rid else ''}: record nested too deeply to read")
+            if on_invalid == "error":
+                raise err from None
+            n_bad += 1
+            if quarantine is not None:
+                quarantine.append({"source": url, "record": loc, "id": rid, "field": "record", "error": str(err)})
+            continue
         except DataError as e:
             if on_invalid == "error":
                 raise

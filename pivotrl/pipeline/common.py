@@ -29,8 +29,10 @@ class RetryingArtifactStore(ArtifactStore):
     Each write (one file: temporary key, then move; or a whole :meth:`put_dir`) is attempted up to
     ``1 + retries`` times with exponential backoff; a failed attempt publishes nothing (the store's
     own guarantee), so a retry can never leave a mix. ``write_retries`` counts the retries made.
-    Reads are not retried. Used for transient object-store errors and for
-    ``faults.storage_failure_rate``.
+    The base store already retries transient remote failures (its RetryPolicy) but never an
+    injected fault or a local error; this layer retries any StorageError of a write, so a stage
+    survives ``faults.storage_failure_rate`` and short outages. Reads are not retried here. A
+    write streamed from a one-shot iterator is attempted once (it cannot be replayed).
     """
 
     def __init__(self, root_url: str, storage_options: Mapping[str, Any] | None = None, *,
@@ -41,7 +43,7 @@ class RetryingArtifactStore(ArtifactStore):
         self.backoff_s = float(backoff_s)
         self.write_retries = 0
 
-    def _retrying(self, what: str, fn: Callable[[], Any]) -> Any:
+    def _retry_write(self, what: str, fn: Callable[[], Any]) -> Any:
         from pivotrl.envs.sandbox import RetryStats, call_with_retries
 
         stats = RetryStats()
@@ -57,16 +59,16 @@ class RetryingArtifactStore(ArtifactStore):
     def _write_bytes(self, key: str, data: Any) -> tuple[str, str, int]:
         parent = super()._write_bytes
         if isinstance(data, (bytes, bytearray, memoryview, list, tuple)):
-            return self._retrying(self.url(key), lambda: parent(key, data))
+            return self._retry_write(self.url(key), lambda: parent(key, data))
         return parent(key, data)  # a one-shot stream of chunks cannot be replayed: one attempt
 
     def _write_parquet(self, key: str, df: Any) -> tuple[str, str, int]:
         parent = super()._write_parquet
-        return self._retrying(self.url(key), lambda: parent(key, df))
+        return self._retry_write(self.url(key), lambda: parent(key, df))
 
     def put_dir(self, local_dir: str | os.PathLike[str], key: str) -> str:
         parent = super().put_dir
-        return self._retrying(self.url(key), lambda: parent(local_dir, key))
+        return self._retry_write(self.url(key), lambda: parent(local_dir, key))
 
 
 def make_store(cfg: RunConfig, *, attempt: int = 0) -> RetryingArtifactStore:

@@ -1,0 +1,434 @@
+"""Lineage of artifacts: the provenance tree of one artifact, and why two pivot sets differ.
+
+Everything here reads manifests (``<key>.manifest.json``, see :mod:`pivotrl.storage`) and small
+payloads through an :class:`~pivotrl.storage.ArtifactStore`; nothing is recomputed.
+
+* :func:`lineage_tree` walks an artifact's inputs back to the raw sources (demonstration files,
+  the base model) and carries, per node, the facts a reader needs to trust it: kind, content hash,
+  the reference model's hash and the verifier it was scored with (manifest ``extra``), the config
+  values that decide the artifact (``lambda_diff``, ``num_probes``, ``seed``) and staleness.
+* :func:`diff_pivots` compares two pivot sets (``pivots.parquet``) state by state and gives, for every
+  state that entered or left, each reason found (PivotRL §3.2: a state is a pivot iff σ̂² > 0 and
+  μ̂ < λ_diff):
+
+  ``new_demonstration``   the state is a candidate of one side only (different demonstrations);
+  ``reference_changed``   the two pivot sets were probed with different reference models;
+  ``verifier_changed``    the two pivot sets were scored by different verifiers;
+  ``mu_changed``          the state's probe rows differ, so μ̂ (and σ̂²) moved;
+  ``threshold_changed``   λ_diff differs and the state's μ̂ lies between the two thresholds.
+
+* :func:`asset_key` turns an artifact URI into a Prefect asset key (a URI with a lowercase scheme).
+
+This module never imports prefect, vllm, deepspeed or torch.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from pivotrl.data.schema import content_hash
+from pivotrl.errors import StorageError
+from pivotrl.storage import COMPLETE_MARKER, MANIFEST_SUFFIX, ArtifactStore, Manifest
+
+__all__ = [
+    "open_artifact", "lineage_tree", "render_tree", "diff_pivots", "render_diff", "PivotChange",
+    "PivotDiff", "asset_key",
+]
+
+#: Manifest ``extra`` keys shown in a lineage tree (the versions that decide an artifact).
+VERSION_KEYS = ("reference_hash", "verifier", "checkpoint_hash", "num_pivots", "seed")
+#: Config values shown in a lineage tree, by dotted path inside the manifest's ``config``.
+CONFIG_KEYS = ("lambda_diff", "probing.num_probes", "probing.lambda_diff", "probing.seed")
+
+_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
+_BARE_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*):(?!//)(.+)$")
+_ASSET_FORBIDDEN = set("\n\r\t\0 #?&%\"'<>[]{}|\\^`")
+
+
+# ----------------------------------------------------------------------------------- opening
+def open_artifact(uri: str, storage_options: Mapping[str, Any] | None = None) -> tuple[ArtifactStore, str]:
+    """The store holding ``uri`` (rooted at its parent directory) and the artifact's key in it.
+
+    ``uri``: any fsspec URL or local path of an artifact written by ``ArtifactStore.write_artifact``;
+    inputs recorded in its manifest are full URLs and resolve wherever they live.
+    Raises StorageError if ``uri`` has no manifest beside it (nothing is created on a local disk).
+    """
+    import fsspec
+
+    text = uri.rstrip("/")
+    parent, _, name = text.rpartition("/")
+    if not parent or not name:
+        raise StorageError(f"{uri}: not an artifact URI (expected <directory>/<name>)")
+    try:
+        fs, path = fsspec.core.url_to_fs(os.path.expanduser(text) + MANIFEST_SUFFIX, **dict(storage_options or {}))
+        found = fs.exists(path)
+    except Exception as e:  # unknown protocol, unreachable store
+        raise StorageError(f"cannot open {uri}: {type(e).__name__}: {e}") from e
+    if not found:
+        raise StorageError(f"{uri} has no manifest ({uri}{MANIFEST_SUFFIX} not found): not a pipeline artifact")
+    return ArtifactStore(os.path.expanduser(parent), storage_options), name
+
+
+# ----------------------------------------------------------------------------------- lineage
+def _dotted(obj: Any, path: str) -> Any:
+    for part in path.split("."):
+        if not isinstance(obj, Mapping) or part not in obj:
+            return None
+        obj = obj[part]
+    return obj
+
+
+def _verifier_label(name: Any, config: Mapping[str, Any] | None) -> str | None:
+    """``"<name>"`` or ``"<name>@<8 hex of its config>"`` when the verifier section was recorded."""
+    section = (config or {}).get("verifier")
+    if isinstance(section, Mapping):
+        return f"{name or section.get('name')}@{content_hash(dict(section))[:8]}"
+    return None if name is None else str(name)
+
+
+def _facts(m: Manifest) -> dict[str, Any]:
+    facts = {k: m.extra[k] for k in VERSION_KEYS if k in m.extra}
+    if "verifier" in facts or isinstance((m.config or {}).get("verifier"), Mapping):
+        facts["verifier"] = _verifier_label(facts.get("verifier"), m.config)
+    for path in CONFIG_KEYS:
+        value = _dotted(m.config or {}, path)
+        name = path.rsplit(".", 1)[-1]
+        if value is not None and name not in facts:
+            facts[name] = value
+    return facts
+
+
+def lineage_tree(store: ArtifactStore, key: str) -> dict[str, Any]:
+    """The provenance tree of ``key``, back to the raw sources.
+
+    Each node: ``{"uri", "kind", "sha256", "created_at", "code_version", "facts", "stale", "inputs":
+    {name: node}}`` where ``facts`` holds the reference hash, verifier, λ_diff, m (num_probes) and
+    seeds recorded for the artifact. A published checkpoint directory (``_COMPLETE`` marker, no
+    manifest of its own) is described by the manifest beside it whose ``extra.checkpoint`` names it;
+    its ``sha256`` is the marker's tree hash. An input without a manifest (a demonstration source,
+    the base model) is a leaf ``{"uri", "kind": "source", "sha256": <recorded, or the hex after '#'>,
+    "source": True}``; ``stale`` is True when an input's current hash differs from the hash recorded
+    when the artifact was made; a cycle ends in ``{"uri", "cycle": True}``.
+
+    Raises StorageError if ``key`` has no manifest.
+    """
+    root = store.read_manifest(key)
+
+    def node(m: Manifest, stack: tuple[str, ...], recorded: str | None, uri: str | None = None,
+             sha256: str | None = None) -> dict[str, Any]:
+        sha = sha256 or m.sha256
+        out: dict[str, Any] = {
+            "uri": uri or m.uri, "kind": m.kind, "sha256": sha, "created_at": m.created_at,
+            "code_version": m.code_version, "facts": _facts(m),
+            "stale": recorded is not None and recorded != sha, "inputs": {},
+        }
+        for name, rec in sorted(m.inputs.items()):
+            child_uri = str(rec.get("uri", ""))
+            if child_uri in stack:
+                out["inputs"][name] = {"uri": child_uri, "cycle": True}
+                continue
+            child = store.read_manifest_url(child_uri)
+            if child is not None:
+                out["inputs"][name] = node(child, stack + (child_uri,), rec.get("sha256"))
+                continue
+            described = _checkpoint_manifest(store, child_uri)
+            if described is not None:
+                producer, tree_sha = described
+                out["inputs"][name] = node(producer, stack + (child_uri, producer.uri), rec.get("sha256"),
+                                           child_uri, tree_sha)
+                continue
+            out["inputs"][name] = {"uri": child_uri, "kind": "source", "source": True,
+                                   "sha256": rec.get("sha256") or _fragment_hash(child_uri)}
+        return out
+
+    return node(root, (root.uri,), None)
+
+
+def _fragment_hash(uri: str) -> str | None:
+    frag = uri.rpartition("#")[2] if "#" in uri else ""
+    return frag if re.fullmatch(r"[0-9a-f]{64}", frag) else None
+
+
+def _checkpoint_manifest(store: ArtifactStore, uri: str) -> tuple[Manifest, str] | None:
+    """(manifest describing the checkpoint directory at ``uri``, its tree hash), or None.
+
+    The describing manifest sits in the directory's parent and names ``uri`` in ``extra.checkpoint``
+    (``models/warm_start/<k>.sft.json`` for π_ref, ``train/<k>/summary.json`` for the policy).
+    """
+    import fsspec
+
+    if "://" not in uri:
+        return None
+    options = store._options if uri.startswith(store.root_url.split("://")[0] + "://") else {}
+    parent, _, name = uri.rstrip("/").rpartition("/")
+    try:
+        fs, marker = fsspec.core.url_to_fs(f"{uri}/{COMPLETE_MARKER}", **options)
+        if not fs.exists(marker):
+            return None
+        where = ArtifactStore(parent, options)
+        tree_sha = where.dir_listing(name).get("tree_sha256")
+        parent_path = marker[: -len(f"/{name}/{COMPLETE_MARKER}")]
+        siblings = sorted(str(p).rpartition("/")[2] for p in fs.ls(parent_path, detail=False))
+    except Exception:  # unreadable or unknown location: the input stays a plain source
+        return None
+    for sibling in siblings:
+        if not sibling.endswith(MANIFEST_SUFFIX):
+            continue
+        sibling = sibling[: -len(MANIFEST_SUFFIX)]
+        try:
+            m = where.read_manifest(sibling)
+        except StorageError:
+            continue
+        if m.extra.get("checkpoint") == uri:
+            return m, str(tree_sha)
+    return None
+
+
+def render_tree(tree: Mapping[str, Any]) -> list[str]:
+    """Text lines of a :func:`lineage_tree`: one artifact per line, inputs indented below it.
+
+    A line reads ``name: [kind] uri  sha256:<12 hex>  key=value ...`` with the node's facts, and
+    ``STALE`` when its recorded hash no longer matches.
+    """
+    lines: list[str] = []
+    shown: set[str] = set()
+
+    def walk(n: Mapping[str, Any], name: str, prefix: str, last: bool, depth: int) -> None:
+        branch = "" if depth == 0 else ("└── " if last else "├── ")
+        label = f"{name}: " if name else ""
+        if n.get("cycle"):
+            lines.append(f"{prefix}{branch}{label}(cycle) {n['uri']}")
+            return
+        sha = (n.get("sha256") or "")[:12] or "unknown"
+        facts = "  ".join(f"{k}={_short(v)}" for k, v in (n.get("facts") or {}).items())
+        stale = "  STALE (changed since used)" if n.get("stale") else ""
+        text = f"{prefix}{branch}{label}[{n.get('kind')}] {n['uri']}  sha256:{sha}"
+        children = list((n.get("inputs") or {}).items())
+        if n["uri"] in shown and children:
+            lines.append(text + "  (inputs shown above)" + stale)
+            return
+        shown.add(n["uri"])
+        lines.append(text + (f"  {facts}" if facts else "") + stale)
+        child_prefix = prefix + ("" if depth == 0 else ("    " if last else "│   "))
+        for i, (child_name, child) in enumerate(children):
+            walk(child, child_name, child_prefix, i == len(children) - 1, depth + 1)
+
+    walk(tree, "", "", True, 0)
+    return lines
+
+
+def _short(v: Any) -> str:
+    if isinstance(v, str) and re.fullmatch(r"[0-9a-f]{40,}", v):
+        return v[:12]
+    return str(v)
+
+
+# -------------------------------------------------------------------------------- pivot diff
+@dataclass(frozen=True)
+class PivotChange:
+    """One state that entered (``"+"``) or left (``"-"``) the pivot set, with every reason found.
+
+    ``mu_a``/``mu_b``: μ̂ of the state in the probes of A and B (None when not probed there).
+    """
+
+    state_id: str
+    change: str
+    reasons: tuple[str, ...]
+    mu_a: float | None = None
+    mu_b: float | None = None
+    detail: str = ""
+
+
+@dataclass(frozen=True)
+class PivotDiff:
+    """Result of :func:`diff_pivots`: the two sets' facts and the per-state changes (sorted by id)."""
+
+    a: dict[str, Any]
+    b: dict[str, Any]
+    kept: int
+    changes: list[PivotChange] = field(default_factory=list)
+
+    @property
+    def entered(self) -> list[PivotChange]:
+        return [c for c in self.changes if c.change == "+"]
+
+    @property
+    def left(self) -> list[PivotChange]:
+        return [c for c in self.changes if c.change == "-"]
+
+
+def _side(store: ArtifactStore, key: str) -> dict[str, Any]:
+    """Facts and tables of one pivot set: its manifest, its probes and candidates (by state id)."""
+    m = store.read_manifest(key)
+    if m.kind != "pivots":
+        raise StorageError(f"{m.uri} is a {m.kind!r} artifact, not a pivot set (kind 'pivots')")
+    pivots = store.read_parquet(key)
+    if "state_id" not in pivots.columns:
+        raise StorageError(f"{m.uri}: no state_id column (columns: {', '.join(map(str, pivots.columns))})")
+    lam = (m.config or {}).get("lambda_diff", _dotted(m.config or {}, "probing.lambda_diff"))
+    side: dict[str, Any] = {
+        "uri": m.uri, "sha256": m.sha256, "lambda_diff": lam,
+        "reference_hash": m.extra.get("reference_hash"), "verifier": m.extra.get("verifier"),
+        "pivots": set(map(str, pivots["state_id"])), "probes": None, "candidates": None,
+    }
+    for name in ("probes", "candidates"):
+        uri = (m.inputs.get(name) or {}).get("uri")
+        df = _read_input(store, uri) if uri else None
+        if df is not None and "state_id" in df.columns:
+            side[name] = df
+    probes = side["probes"]
+    side["probe_rows"] = _probe_rows(probes) if probes is not None else {}
+    side["mu"] = _mu(probes) if probes is not None else {}
+    pm = store.read_manifest_url(m.inputs["probes"]["uri"]) if "probes" in m.inputs else None
+    if pm is not None:  # the probes record the reference and the whole verifier section
+        side["reference_hash"] = side["reference_hash"] or pm.extra.get("reference_hash")
+        side["verifier"] = _verifier_label(side["verifier"] or pm.extra.get("verifier"), pm.config)
+    cand = side["candidates"]
+    side["candidate_ids"] = set(map(str, cand["state_id"])) if cand is not None else None
+    side["candidate_hash"] = (m.inputs.get("candidates") or {}).get("sha256")
+    return side
+
+
+def _read_input(store: ArtifactStore, uri: str) -> Any:
+    """The Parquet table at an input URI (in ``store`` or elsewhere); None if it cannot be read."""
+    prefix = store.root_url + "/"
+    try:
+        if uri.startswith(prefix):
+            return store.read_parquet(uri[len(prefix):])
+        other, key = open_artifact(uri)
+        return other.read_parquet(key)
+    except StorageError:
+        return None
+
+
+#: Probe-table columns that hold what the probes produced (the rest describe the state).
+_OUTCOME_COLS = ("rewards", "reward", "mu", "var", "samples", "status")
+
+
+def _probe_rows(df: Any) -> dict[str, str]:
+    """state id → canonical text of all its probe outcomes (rewards, μ̂, σ̂², samples; order-free)."""
+    from pivotrl.data.schema import canonical_json
+
+    cols = ["state_id"] + [c for c in _OUTCOME_COLS if c in df.columns]
+    out: dict[str, list[str]] = {}
+    for rec in df[cols].to_dict("records"):
+        sid = str(rec["state_id"])
+        out.setdefault(sid, []).append(canonical_json({k: _plain(v) for k, v in rec.items()}))
+    return {sid: "\n".join(sorted(rows)) for sid, rows in out.items()}
+
+
+def _plain(v: Any) -> Any:
+    if hasattr(v, "tolist"):
+        v = v.tolist()
+    if isinstance(v, float) and v != v:
+        return None
+    if isinstance(v, (list, tuple)):
+        return [_plain(x) for x in v]
+    if isinstance(v, dict):
+        return {str(k): _plain(x) for k, x in v.items()}
+    return v
+
+
+def _mu(df: Any) -> dict[str, float]:
+    """state id → μ̂: the ``mu`` column when the table has one, else the mean of ``reward``."""
+    if "mu" in df.columns:
+        return {str(s): float(m) for s, m in df.groupby("state_id")["mu"].first().items()}
+    if "reward" in df.columns:
+        return {str(s): float(m) for s, m in df.groupby("state_id")["reward"].mean().items()}
+    return {}
+
+
+def diff_pivots(store_a: ArtifactStore, key_a: str, store_b: ArtifactStore, key_b: str) -> PivotDiff:
+    """Which states entered or left between pivot set A and pivot set B, and why (see module doc).
+
+    Inputs: the two ``pivots.parquet`` artifacts (kind ``pivots``) with their manifests; the probe
+    and candidate tables are found through the manifests' ``inputs``. μ̂ comes from the probe table
+    (its ``mu`` column, else the mean ``reward`` over the m probes of the state).
+
+    Raises StorageError when either artifact is missing, has no manifest or is not a pivot set.
+    """
+    a, b = _side(store_a, key_a), _side(store_b, key_b)
+    changes: list[PivotChange] = []
+    for sid in sorted(a["pivots"] ^ b["pivots"]):
+        entered = sid in b["pivots"]
+        reasons: list[str] = []
+        details: list[str] = []
+        ca, cb = a["candidate_ids"], b["candidate_ids"]
+        if ca is not None and cb is not None and (sid in ca) != (sid in cb):
+            reasons.append("new_demonstration")
+            details.append(f"candidate in {'B' if sid in cb else 'A'} only")
+        if a["reference_hash"] != b["reference_hash"]:
+            reasons.append("reference_changed")
+            details.append(f"reference {_short(a['reference_hash'])} → {_short(b['reference_hash'])}")
+        if a["verifier"] != b["verifier"]:
+            reasons.append("verifier_changed")
+            details.append(f"verifier {a['verifier']} → {b['verifier']}")
+        ra, rb = a["probe_rows"].get(sid), b["probe_rows"].get(sid)
+        mu_a, mu_b = a["mu"].get(sid), b["mu"].get(sid)
+        if ra is not None and rb is not None and ra != rb:
+            reasons.append("mu_changed")
+            details.append(f"μ̂ {_fmt(mu_a)} → {_fmt(mu_b)} (probe rows differ)")
+        la, lb = a["lambda_diff"], b["lambda_diff"]
+        if la != lb and la is not None and lb is not None:
+            mus = [m for m in (mu_a, mu_b) if m is not None]
+            lo, hi = min(la, lb), max(la, lb)
+            if any(lo <= m < hi for m in mus):
+                reasons.append("threshold_changed")
+                details.append(f"λ_diff {la} → {lb} with μ̂ = {_fmt(mus[-1])}")
+        if not reasons:
+            reasons.append("unexplained")
+            details.append("same candidates, reference, verifier, probes and λ_diff")
+        changes.append(PivotChange(sid, "+" if entered else "-", tuple(reasons), mu_a, mu_b, "; ".join(details)))
+    facts = ("uri", "sha256", "lambda_diff", "reference_hash", "verifier", "candidate_hash")
+    return PivotDiff(
+        a={k: a[k] for k in facts} | {"pivots": len(a["pivots"])},
+        b={k: b[k] for k in facts} | {"pivots": len(b["pivots"])},
+        kept=len(a["pivots"] & b["pivots"]), changes=changes,
+    )
+
+
+def _fmt(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.3g}"
+
+
+def render_diff(diff: PivotDiff) -> list[str]:
+    """Text lines of a :class:`PivotDiff`: the two sets' facts, then one line per changed state."""
+    lines = []
+    for name, side in (("A", diff.a), ("B", diff.b)):
+        lines.append(
+            f"{name}: {side['uri']}  ({side['pivots']} pivots, λ_diff={side['lambda_diff']}, "
+            f"reference={_short(side['reference_hash'])}, verifier={side['verifier']}, "
+            f"candidates={_short(side['candidate_hash'])})"
+        )
+    lines.append(f"unchanged: {diff.kept}   entered: {len(diff.entered)}   left: {len(diff.left)}")
+    for c in diff.changes:
+        lines.append(f"{c.change} {c.state_id}  [{', '.join(c.reasons)}]  {c.detail}")
+    return lines
+
+
+# ------------------------------------------------------------------------------------ assets
+def asset_key(uri: str) -> str | None:
+    """A Prefect asset key for an artifact or source URI, or None if none can be formed.
+
+    ``s3://b/p/x.parquet`` and ``file:///r/x`` stay as they are (a ``#fragment`` is dropped);
+    ``pypi:bfcl-eval==1.0#cats`` becomes ``pypi://bfcl-eval==1.0``; a local path becomes
+    ``file://<absolute path>``; a bare word (``"reference"``) has no key. Keys hold no character
+    Prefect forbids and are at most 512 characters.
+    """
+    if not isinstance(uri, str) or not uri.strip():
+        return None
+    text = uri.strip().split("#", 1)[0]
+    if m := _SCHEME.match(text):
+        key = m.group(1).lower() + text[len(m.group(1)):]
+    elif (m := _BARE_SCHEME.match(text)) and len(m.group(1)) > 1:
+        key = f"{m.group(1).lower()}://{m.group(2)}"
+    elif "/" in text or text.startswith("."):
+        key = "file://" + os.path.abspath(os.path.expanduser(text))
+    else:
+        return None
+    if any(ch in _ASSET_FORBIDDEN for ch in key) or len(key) > 512 or not re.match(r"^[a-z0-9]+://", key):
+        return None
+    return key
