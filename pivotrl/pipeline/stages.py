@@ -22,7 +22,7 @@ from pivotrl.config import RunConfig, config_hash
 from pivotrl.data.schema import TurnState, content_hash
 from pivotrl.errors import StateTooLongError, TrainingError, VerifierError
 from pivotrl.pipeline.common import (
-    local_checkpoint, make_rollout_engine, make_verifier, prompt_kwargs, sampling_for,
+    local_checkpoint, make_rollout_engine, make_verifier, prompt_kwargs, sampling_for, verify_checkpoint,
 )
 from pivotrl.pipeline.demos import cache_dir, read_trajectories
 from pivotrl.storage import ArtifactStore
@@ -47,6 +47,8 @@ def stage_reference(cfg: RunConfig, store: ArtifactStore, demos: dict[str, Any])
 
     cache = cache_dir(cfg)
     base_dir = Path(resolve_model(cfg.model.source, cache))
+    if base_dir.is_dir():
+        verify_checkpoint(base_dir)  # a truncated checkpoint fails here, naming the file
     base_hash = checkpoint_hash(base_dir)
     out: dict[str, Any] = {"base_dir": str(base_dir), "base_hash": base_hash, "ref_key": None,
                            "ref_hash": base_hash, "sft": None}
@@ -260,8 +262,9 @@ def stage_train(cfg: RunConfig, store: ArtifactStore, probe: dict[str, Any], ref
             if lead:
                 _maybe_kill(cfg, store, tkey, step)
             idx = schedule[step]
-            groups, dropped = [], 0
+            groups, dropped, retries = [], 0, 0
             if lead:
+                retries0 = _retries(verifier)
                 gens = engine.generate([prompts[i] for i in idx],
                                        sampling_for(cfg, n=tr.group_size, temperature=1.0, seed=cfg.run.seed * 100_003 + step))
                 for i, samples in zip(idx, gens):
@@ -274,7 +277,8 @@ def stage_train(cfg: RunConfig, store: ArtifactStore, probe: dict[str, Any], ref
                         continue
                     groups.append(Group(state_id=pivots[i].state_id, prompt_ids=prompts[i],
                                         actions=[list(g.token_ids) for g in samples], rewards=[r.reward for r in res]))
-            groups, dropped = _broadcast((groups, dropped), world)
+                retries = _retries(verifier) - retries0
+            groups, dropped, retries = _broadcast((groups, dropped, retries), world)
             t_roll = time.time() - t0
             metrics = trainer.train_step(groups) if groups else {}
             # Refresh π_old inside the running engine (no restart), then check that it took: the
@@ -290,6 +294,7 @@ def stage_train(cfg: RunConfig, store: ArtifactStore, probe: dict[str, Any], ref
             d_max, d_mean = _broadcast((d_max, d_mean), world)
             shutil.rmtree(work / f"policy-{step - 1}", ignore_errors=True)
             row = {"step": step + 1, "pivots": len(idx), "groups": len(groups), "dropped_groups": dropped,
+                   "verifier_retries": retries,
                    **{k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))},
                    "rollout_s": round(t_roll, 3), "step_time_s": round(time.time() - t0, 3),
                    "refresh_max_abs_delta": d_max, "refresh_mean_abs_delta": d_mean}
@@ -342,6 +347,11 @@ def _broadcast(obj: Any, world: int) -> Any:
     box = [obj]
     dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+def _retries(verifier: Any) -> int:
+    stats = getattr(verifier, "stats", None)
+    return int(getattr(stats, "retries", 0) or 0)
 
 
 def _refresh_delta(engine: Any, prompt: list[int], action: list[int] | None,

@@ -25,11 +25,11 @@ def main(argv: list[str] | None = None) -> int:
     spec = json.loads(Path(args.spec).read_text())
 
     from pivotrl.config import RunConfig
+    from pivotrl.pipeline.common import make_store
     from pivotrl.pipeline.stages import stage_train
-    from pivotrl.storage import ArtifactStore
 
     cfg = RunConfig.model_validate(spec["config"])
-    store = ArtifactStore(cfg.run.storage_root, cfg.run.storage_options or None)
+    store = make_store(cfg)
     result = stage_train(cfg, store, spec["inputs"]["probe"], spec["inputs"]["reference"])
     if int(os.environ.get("RANK", "0")) == 0 and spec.get("output"):
         tmp = Path(spec["output"] + ".tmp")
