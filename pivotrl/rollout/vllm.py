@@ -71,6 +71,11 @@ class VLLMEngine:
         os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
         from vllm import LLM
 
+        # Per-request seeds need whole-prompt prefills: with chunked prefill, vLLM rewinds the
+        # request's generator after a partial prefill, which CPU generators cannot do ("CPU
+        # Generator does not use offset") and the engine dies on the first prompt longer than the
+        # step's token budget. Prompts are prefilled whole instead (overridable).
+        llm_kwargs.setdefault("enable_chunked_prefill", False)
         self.model_dir = str(model_dir)
         self.max_model_len = int(max_model_len)
         try:
