@@ -5,12 +5,12 @@
     pivotrl demos   --config ... [--lengths] write demonstrations + candidates, print counts
     pivotrl config  --config ... [--set ...] validate and print the resolved config
     pivotrl lineage URI                     the tree of an artifact's inputs back to the raw sources
+    pivotrl pivots diff A B                 states that entered/left between two pivot sets, and why
 """
 
 from __future__ import annotations
 
 import json
-import sys
 import time
 from typing import Any, Optional
 
@@ -111,26 +111,47 @@ def show_config(config: str = ConfigOpt, overrides: Optional[list[str]] = SetOpt
 
 
 @app.command()
-def lineage(uri: str = typer.Argument(..., help="URI of an artifact (its manifest sits beside it).")) -> None:
-    """Print the lineage tree of an artifact back to the raw sources."""
-    from pivotrl.storage import ArtifactStore
-    from pivotrl.storage import lineage as lineage_tree
+def lineage(uri: str = typer.Argument(..., help="URI of an artifact (its manifest sits beside it)."),
+            as_json: bool = typer.Option(False, "--json", help="Print the tree as JSON.")) -> None:
+    """Print the lineage tree of an artifact back to the raw sources (with reference and verifier)."""
+    from pivotrl.errors import StorageError
+    from pivotrl.lineage import lineage_tree, open_artifact, render_tree
 
-    parent, _, name = uri.rstrip("/").rpartition("/")
-    tree = lineage_tree(ArtifactStore(parent), name)
-    typer.echo("\n".join(_render_tree(tree)))
+    try:
+        store, key = open_artifact(uri)
+        tree = lineage_tree(store, key)
+    except StorageError as e:
+        typer.echo(f"lineage: {e}", err=True)
+        raise typer.Exit(2)
+    typer.echo(json.dumps(tree, indent=2) if as_json else "\n".join(render_tree(tree)))
 
 
-def _render_tree(node: dict[str, Any], name: str = "", depth: int = 0) -> list[str]:
-    pad = "  " * depth + ("└─ " if depth else "")
-    label = f"{name}: " if name else ""
-    kind = node.get("kind") or ("source" if node.get("manifest") is False else "")
-    sha = (node.get("sha256") or "")[:12]
-    extra = " (stale)" if node.get("stale") else ""
-    lines = [f"{pad}{label}[{kind}] {node.get('uri')} sha256:{sha}{extra}"]
-    for child_name, child in (node.get("inputs") or {}).items():
-        lines += _render_tree(child, child_name, depth + 1)
-    return lines
+pivots_app = typer.Typer(add_completion=False, no_args_is_help=True, help="Inspect pivot sets.")
+app.add_typer(pivots_app, name="pivots")
+
+
+@pivots_app.command("diff")
+def pivots_diff(a: str = typer.Argument(..., help="URI of the first pivots.parquet (A)."),
+                b: str = typer.Argument(..., help="URI of the second pivots.parquet (B)."),
+                as_json: bool = typer.Option(False, "--json", help="Print the diff as JSON.")) -> None:
+    """Which states entered (+) or left (-) the pivot set from A to B, and why."""
+    import dataclasses
+
+    from pivotrl.errors import StorageError
+    from pivotrl.lineage import diff_pivots, open_artifact, render_diff
+
+    try:
+        store_a, key_a = open_artifact(a)
+        store_b, key_b = open_artifact(b)
+        diff = diff_pivots(store_a, key_a, store_b, key_b)
+    except StorageError as e:
+        typer.echo(f"pivots diff: {e}", err=True)
+        raise typer.Exit(2)
+    if as_json:
+        typer.echo(json.dumps({"a": diff.a, "b": diff.b, "unchanged": diff.kept,
+                               "changes": [dataclasses.asdict(c) for c in diff.changes]}, indent=2))
+    else:
+        typer.echo("\n".join(render_diff(diff)))
 
 
 def main() -> None:

@@ -18,10 +18,10 @@ def nightly(config_path: str = "configs/default.yaml", overrides: list[str] | No
     Returns the evaluation result: ``report_md``/``report_json`` URIs and the report dict.
     """
     from pivotrl.config import load_config
-    from pivotrl.tasks import stages as t
+    from pivotrl.tasks.stages import pipeline_tasks
 
-    cfg = load_config(config_path, overrides or [])
-    config = cfg.model_dump(mode="json")
+    config = load_config(config_path, overrides or []).model_dump(mode="json")
+    t = pipeline_tasks(config)
     demos = t.demonstrations(config)
     ref = t.reference(config, {"demos": demos})
     probe = t.probe(config, {"demos": demos, "reference": ref})
@@ -31,18 +31,18 @@ def nightly(config_path: str = "configs/default.yaml", overrides: list[str] | No
     return result
 
 
-if __name__ == "__main__":
-    nightly()
-
-
 @flow(name="pivotrl-probe", log_prints=True)
 def probe_only(config_path: str = "configs/default.yaml", overrides: list[str] | None = None) -> dict[str, Any]:
     """Demonstrations → warm start → probing → pivot set, without training (for inspecting pivots)."""
     from pivotrl.config import load_config
-    from pivotrl.tasks import stages as t
+    from pivotrl.tasks.stages import pipeline_tasks
 
-    cfg = load_config(config_path, overrides or [])
-    config = cfg.model_dump(mode="json")
+    config = load_config(config_path, overrides or []).model_dump(mode="json")
+    t = pipeline_tasks(config)
     demos = t.demonstrations(config)
     ref = t.reference(config, {"demos": demos})
     return t.probe(config, {"demos": demos, "reference": ref})
+
+
+if __name__ == "__main__":
+    nightly()

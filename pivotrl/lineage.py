@@ -96,6 +96,8 @@ def _facts(m: Manifest) -> dict[str, Any]:
     for path in CONFIG_KEYS:
         value = _dotted(m.config or {}, path)
         name = path.rsplit(".", 1)[-1]
+        if name == "lambda_diff" and m.kind != "pivots":
+            continue  # only the filter depends on λ_diff; probes are shared across thresholds
         if value is not None and name not in facts:
             facts[name] = value
     return facts

@@ -494,13 +494,16 @@ class ArtifactStore:
             self._fresh(dst)
 
     # -------------------------------------------------------------------------------- writes
-    def _publish(self, key: str, fill: Callable[[IO[bytes]], None]) -> tuple[str, int]:
+    def _publish(self, key: str, fill: Callable[[IO[bytes]], None], *, replayable: bool = True) -> tuple[str, int]:
         """Write through ``fill`` to a temporary key, then move it to ``key``. Returns (sha256, size).
 
         An exception raised by ``fill`` (a payload that cannot be serialised) propagates unchanged;
         filesystem failures become StorageError. Either way nothing is visible at ``key``. A transient
-        failure repeats the whole write from a fresh temporary key (``fill`` is called again).
+        failure repeats the whole write from a fresh temporary key (``fill`` is called again), unless
+        ``replayable`` is False (a one-shot stream: attempted once).
         """
+        if not replayable:
+            return self._publish_once(key, fill)
         return self._retrying(f"write {self.url(key)}", lambda: self._publish_once(key, fill))
 
     def _publish_once(self, key: str, fill: Callable[[IO[bytes]], None]) -> tuple[str, int]:
@@ -529,6 +532,9 @@ class ArtifactStore:
     def write_bytes(self, key: str, data: bytes | bytearray | memoryview | Iterable[bytes]) -> str:
         """Atomically write ``data`` (bytes, or an iterable of byte chunks streamed in order) to ``key``.
 
+        Bytes and lists/tuples of chunks are retried on transient remote failures; a one-shot
+        iterator cannot be replayed and is attempted once.
+
         Returns the URL. Raises StorageError (naming the URL) when the store fails; an exception
         from the chunk iterable propagates unchanged and leaves no visible key.
         """
@@ -542,7 +548,8 @@ class ArtifactStore:
                 for chunk in data:
                     f.write(chunk)
 
-        digest, size = self._publish(key, fill)
+        replayable = isinstance(data, (bytes, bytearray, memoryview, list, tuple))
+        digest, size = self._publish(key, fill, replayable=replayable)
         return self.url(key), digest, size
 
     def write_text(self, key: str, text: str) -> str:
