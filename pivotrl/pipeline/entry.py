@@ -58,7 +58,10 @@ def run_stage_process(stage: str, config: dict[str, Any], inputs: dict[str, Any]
         spec = Path(tmp) / "spec.json"
         out = Path(tmp) / "result.json"
         spec.write_text(json.dumps({"config": config, "inputs": inputs, "output": str(out), "attempt": attempt}))
-        child_env = {**os.environ, "OMP_NUM_THREADS": str(threads), **(env or {})}
+        # A process group of this process (if any) is not the child's: drop launcher variables.
+        launcher_vars = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+        child_env = {**{k: v for k, v in os.environ.items() if k not in launcher_vars},
+                     "OMP_NUM_THREADS": str(threads), **(env or {})}
         proc = subprocess.Popen([sys.executable, "-m", "pivotrl.pipeline.entry", stage, "--spec", str(spec)],
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=child_env, text=True)
         tail: list[str] = []

@@ -88,7 +88,7 @@ def stage_reference(cfg: RunConfig, store: ArtifactStore, demos: dict[str, Any])
     store.write_artifact(f"{key}.sft.json", sft, kind="reference_checkpoint",
                          inputs={"trajectories": demos["trajectories"], "base_model": f"{cfg.model.source}#{base_hash}"},
                          config={"warm_start": ws, "model": cfg.model.model_dump(mode="json")},
-                         extra={"seed": cfg.run.seed, "checkpoint": store.url(key)})
+                         extra={"seed": cfg.run.seed, "checkpoint": store.url(key), "checkpoint_hash": ref_hash})
     out["sft"], out["ref_hash"] = sft, ref_hash
     return out
 
@@ -138,7 +138,9 @@ def stage_probe(cfg: RunConfig, store: ArtifactStore, demos: dict[str, Any], ref
             f"{pkey}/probes.parquet", df, kind="probes",
             inputs={"candidates": store.url(f"{demos['key']}/candidates.parquet"),
                     "reference": store.url(ref["ref_key"]) if ref["ref_key"] else f"{cfg.model.source}#{ref['base_hash']}"},
-            config={k: getattr(cfg, k).model_dump(mode="json") for k in ("probing", "verifier", "prompt", "rollout", "model")},
+            # λ_diff is not part of the probe table's identity (changing it only re-filters).
+            config={**{k: getattr(cfg, k).model_dump(mode="json") for k in ("verifier", "prompt", "rollout", "model")},
+                    "probing": cfg.probing.model_dump(mode="json", exclude={"lambda_diff"})},
             extra={"seed": cfg.probing.seed, "reference_hash": ref["ref_hash"], "verifier": cfg.verifier.name,
                    "wall_s": round(time.time() - t0, 2)},
         )
