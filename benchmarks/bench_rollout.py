@@ -1,67 +1,62 @@
-"""Rollout throughput and log-prob agreement: vLLM vs the transformers engine.
+"""Rollout throughput and log-prob agreement: vLLM vs the transformers engine, interleaved.
 
 Usage::
 
     python benchmarks/bench_rollout.py [--model SOURCE] [--prompts 4] [--n 8] [--max-tokens 64]
-                                       [--engines vllm,transformers] [--dtypes bf16,fp32]
+                                       [--engines vllm,transformers] [--dtype bf16] [--repeats 3]
+                                       [--json OUT] [--quick]
 
 The model comes from ``pivotrl.models.resolve_model`` (default: SmolLM2-135M-Instruct dequantised
-from Q4_1). Prompts are real BFCL multi-turn states rendered with ``pivotrl.prompts.encode_state``
-whose length lies in ``--min-prompt``..``--max-prompt`` tokens; ``--synthetic`` (or BFCL being
-unavailable) uses random token ids of such lengths instead.
+from Q4_1). Prompts are drawn at random from all real BFCL ``multi_turn_base`` turn states rendered
+with ``pivotrl.prompts.encode_state`` with ``--min-prompt``..``--max-prompt`` tokens (so P follows
+the real distribution); ``--synthetic`` (or BFCL being unavailable) uses random token ids.
 
-For every (engine, dtype) the script samples ``--n`` actions per prompt (temperature
-``--temperature``, ``--max-tokens``), reports generated tokens per second of wall time (engine
-construction excluded), and compares each sampled token's ``rollout_logprobs`` with a plain
-transformers forward over prompt + action (the trainer's computation) in fp32 and in bf16:
-max and mean |Δ| per token, over the first ``--agree-samples`` samples of each prompt. Results
-are printed as a markdown table.
+Engines: ``vllm``, ``transformers`` (KV of the prompt shared by the n samples) and
+``transformers-noreuse`` (the prompt prefilled once per sample, the reference behaviour). All
+engines are built first (construction time reported, not counted); then each repeat runs every
+engine once on the same prompts and settings, in rotating order, and records generated tokens per
+second of wall time with the 1-minute load average. vLLM's prefix cache is reset before each of
+its runs, so no repeat reuses an earlier repeat's prompt KV (the n samples of one prompt share it,
+as in the transformers engine). Speed-ups are medians of per-repeat ratios against the last engine
+listed. With ``--agree-samples`` > 0 each engine's ``rollout_logprobs`` are compared with a plain
+transformers forward over prompt + action in the same dtype and in fp32.
 
-The transformers engine runs in this process with ``--threads`` torch threads; vLLM runs its
-engine in its own process (its CPU worker picks its threads) while this process waits.
+The transformers engine runs in this process with ``--threads`` torch threads; vLLM runs in its own
+engine process (its CPU worker picks its threads) while this process waits.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import random
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import (  # noqa: E402
+    DEFAULT_CACHE_DIR, bfcl_multi_turn_states, distribution, header, load1, md_table, median, synthetic_ids,
+    write_json,
+)
 
-def _prompts(tokenizer: Any, args: argparse.Namespace) -> tuple[list[list[int]], str]:
+
+def _prompts(tokenizer: Any, args: argparse.Namespace) -> tuple[list[list[int]], str, list[int]]:
     rng = random.Random(args.seed)
-    out: list[list[int]] = []
     if not args.synthetic:
         try:
-            from pivotrl.data.bfcl import load_bfcl
-            from pivotrl.data.states import extract_turn_states
-            from pivotrl.errors import StateTooLongError
-            from pivotrl.prompts import encode_state
-
-            trajs = load_bfcl(["multi_turn_base"], args.cache_dir, limit_per_category=args.bfcl_records)
-            for traj in trajs:
-                for state in extract_turn_states(traj):
-                    try:
-                        ids = encode_state(state, tokenizer, max_len=args.max_prompt)
-                    except StateTooLongError:
-                        continue
-                    if len(ids) >= args.min_prompt:
-                        out.append(ids)
-                        break  # one state per trajectory: different tasks
-                if len(out) == args.prompts:
-                    return out, f"BFCL multi_turn_base states ({len(trajs)} records scanned)"
-            print(f"only {len(out)} BFCL states in range; topping up with synthetic ones", file=sys.stderr)
+            states = [p for _, p, _ in bfcl_multi_turn_states(tokenizer, args.cache_dir, max_prompt=args.max_prompt,
+                                                                records=args.bfcl_records)
+                      if len(p) >= args.min_prompt]
+            if len(states) >= args.prompts:
+                return rng.sample(states, args.prompts), f"BFCL multi_turn_base turn states ({len(states)} in range)", [
+                    len(p) for p in states]
+            print(f"only {len(states)} BFCL states in range; using synthetic ids", file=sys.stderr)
         except Exception as err:  # noqa: BLE001 - any failure → synthetic prompts, reported
             print(f"BFCL states unavailable ({type(err).__name__}: {err}); using synthetic ids", file=sys.stderr)
-            out = []
     vocab = len(tokenizer)
-    while len(out) < args.prompts:
-        out.append([rng.randrange(vocab) for _ in range(rng.randint(args.min_prompt, args.max_prompt))])
-    return out, "synthetic token ids"
+    out = [synthetic_ids(rng, vocab, rng.randint(max(1, args.min_prompt), args.max_prompt)) for _ in range(args.prompts)]
+    return out, "synthetic token ids", [len(p) for p in out]
 
 
 def _trainer_logprobs(model: Any, prompt: list[int], action: list[int]) -> list[float]:
@@ -73,84 +68,133 @@ def _trainer_logprobs(model: Any, prompt: list[int], action: list[int]) -> list[
     return torch.log_softmax(logits, dim=-1).gather(-1, torch.tensor(action)[:, None])[:, 0].tolist()
 
 
-def _agreement(
-    results: list[list[Any]], prompts: list[list[int]], trainer: Any, per_prompt: int
-) -> tuple[float, float]:
+def _agreement(results: list[list[Any]], prompts: list[list[int]], trainer: Any, per_prompt: int) -> tuple[float, float]:
     diffs: list[float] = []
     for prompt, row in zip(prompts, results):
         for gen in row[:per_prompt]:
             if gen.token_ids:
                 ref = _trainer_logprobs(trainer, prompt, gen.token_ids)
                 diffs += [abs(a - b) for a, b in zip(gen.rollout_logprobs, ref)]
-    return max(diffs), sum(diffs) / len(diffs)
+    return (max(diffs), sum(diffs) / len(diffs)) if diffs else (float("nan"), float("nan"))
+
+
+def _build(name: str, model_dir: str, args: argparse.Namespace, max_model_len: int) -> Any:
+    from pivotrl.rollout import make_engine
+
+    if name == "vllm":
+        return make_engine("vllm", model_dir, dtype=args.dtype, max_model_len=max_model_len, kv_cache_gib=args.kv_cache_gib)
+    if name == "transformers":
+        return make_engine("transformers", model_dir, dtype=args.dtype, max_model_len=max_model_len)
+    if name == "transformers-noreuse":
+        return make_engine("transformers", model_dir, dtype=args.dtype, max_model_len=max_model_len,
+                           reuse_prompt_cache=False)
+    raise SystemExit(f"unknown engine {name!r}; valid: vllm, transformers, transformers-noreuse")
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="model source (default: the project default)")
-    ap.add_argument("--cache-dir", default=os.environ.get("PIVOTRL_CACHE_DIR", str(Path.home() / ".cache" / "pivotrl")))
+    ap.add_argument("--cache-dir", default=DEFAULT_CACHE_DIR)
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--n", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--temperature", type=float, default=1.0)
-    ap.add_argument("--min-prompt", type=int, default=1000)
-    ap.add_argument("--max-prompt", type=int, default=2000)
-    ap.add_argument("--bfcl-records", type=int, default=60)
+    ap.add_argument("--min-prompt", type=int, default=0)
+    ap.add_argument("--max-prompt", type=int, default=8096)
+    ap.add_argument("--bfcl-records", type=int, default=None)
     ap.add_argument("--synthetic", action="store_true")
-    ap.add_argument("--engines", default="vllm,transformers")
-    ap.add_argument("--dtypes", default="bf16,fp32")
-    ap.add_argument("--agree-samples", type=int, default=2, help="samples per prompt compared with the trainer")
+    ap.add_argument("--engines", default="vllm,transformers", help="comma-separated; speed-ups are against the last")
+    ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--agree-samples", type=int, default=0, help="samples per prompt compared with a trainer forward")
     ap.add_argument("--threads", type=int, default=1, help="torch threads of this process")
     ap.add_argument("--kv-cache-gib", type=float, default=1.0)
+    ap.add_argument("--json", default=None, help="also write the raw numbers here")
+    ap.add_argument("--quick", action="store_true",
+                    help="transformers vs transformers-noreuse, 2 synthetic prompts, n=4, 8 tokens, fp32 (for tests)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
+    if args.quick:
+        args.synthetic, args.prompts, args.n, args.max_tokens, args.repeats = True, 2, 4, 8, 2
+        args.min_prompt, args.max_prompt, args.dtype = 64, 128, "fp32"
+        if args.engines == ap.get_default("engines"):
+            args.engines = "transformers,transformers-noreuse"
 
     import torch
-    from transformers import AutoModelForCausalLM
 
     from pivotrl.models import DEFAULT_MODEL_SOURCE, load_tokenizer, resolve_model
-    from pivotrl.rollout import SamplingConfig, make_engine
+    from pivotrl.rollout import SamplingConfig
 
+    print(header("Rollout: generated tokens per second by engine"))
     torch.set_num_threads(args.threads)
-    model_dir = resolve_model(args.model or DEFAULT_MODEL_SOURCE, args.cache_dir)
+    model_dir = str(resolve_model(args.model or DEFAULT_MODEL_SOURCE, args.cache_dir))
     tokenizer = load_tokenizer(model_dir)
-    prompts, source = _prompts(tokenizer, args)
-    sampling = SamplingConfig(n=args.n, temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
+    prompts, source, pool = _prompts(tokenizer, args)
     max_model_len = max(len(p) for p in prompts) + args.max_tokens + 8
-    trainers = {
-        d: AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=getattr(torch, t)).eval()
-        for d, t in (("fp32", "float32"), ("bf16", "bfloat16"))
-    }
-    rows = []
-    for engine_name in args.engines.split(","):
-        for dtype in args.dtypes.split(","):
+    names = [e for e in args.engines.split(",") if e]
+    engines, start_s = {}, {}
+    for name in names:
+        t0 = time.perf_counter()
+        engines[name] = _build(name, model_dir, args, max_model_len)
+        engines[name].generate(prompts[:1], SamplingConfig(n=1, max_tokens=2, seed=1))  # warm-up
+        start_s[name] = time.perf_counter() - t0
+    runs: dict[str, list[tuple[int, float, float]]] = {n: [] for n in names}
+    last: dict[str, Any] = {}
+    for rep in range(args.repeats):
+        order = names[rep % len(names):] + names[: rep % len(names)]
+        for name in order:
+            eng = engines[name]
+            if hasattr(eng, "llm"):
+                eng.llm.reset_prefix_cache()
+            sampling = SamplingConfig(n=args.n, temperature=args.temperature, max_tokens=args.max_tokens,
+                                      seed=args.seed + rep)
+            la = load1()
             t0 = time.perf_counter()
-            extra = {"kv_cache_gib": args.kv_cache_gib} if engine_name == "vllm" else {}
-            engine = make_engine(engine_name, str(model_dir), dtype=dtype, max_model_len=max_model_len, **extra)
-            start_s = time.perf_counter() - t0
-            engine.generate(prompts[:1], SamplingConfig(n=1, max_tokens=2, seed=1))  # warm-up
-            t0 = time.perf_counter()
-            results = engine.generate(prompts, sampling)
+            results = eng.generate(prompts, sampling)
             wall = time.perf_counter() - t0
-            engine.close()
-            del engine
             tokens = sum(len(g.token_ids) for row in results for g in row)
-            same = _agreement(results, prompts, trainers[dtype], args.agree_samples)
-            vs32 = _agreement(results, prompts, trainers["fp32"], args.agree_samples) if dtype != "fp32" else same
-            rows.append((engine_name, dtype, start_s, tokens, wall, tokens / wall, same, vs32))
-            print(f"done {engine_name} {dtype}: {tokens / wall:.1f} tok/s", file=sys.stderr, flush=True)
+            runs[name].append((tokens, wall, la))
+            last[name] = results
+            print(f"repeat {rep} {name}: {tokens / wall:.1f} tok/s (load {la:.2f})", file=sys.stderr, flush=True)
+    for eng in engines.values():
+        eng.close()
+
+    base = names[-1]
+    agree: dict[str, tuple[tuple[float, float], tuple[float, float]]] = {}
+    if args.agree_samples > 0:
+        from transformers import AutoModelForCausalLM
+
+        trainers = {d: AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, t)).eval()
+                    for d, t in (("fp32", "float32"), (args.dtype, "bfloat16" if args.dtype == "bf16" else "float32"))}
+        for name in names:
+            same = _agreement(last[name], prompts, trainers[args.dtype], args.agree_samples)
+            agree[name] = (same, _agreement(last[name], prompts, trainers["fp32"], args.agree_samples)
+                           if args.dtype != "fp32" else same)
 
     lengths = [len(p) for p in prompts]
-    print(f"\nmodel: {model_dir}  |  prompts: {len(prompts)} from {source}, {min(lengths)}–{max(lengths)} tokens "
-          f"(mean {sum(lengths) / len(lengths):.0f})  |  n={args.n}, max_tokens={args.max_tokens}, "
-          f"T={args.temperature}  |  torch threads here: {args.threads}  |  log-prob Δ over "
-          f"{args.agree_samples} samples per prompt\n")
-    print("| engine | dtype | start s | gen tokens | wall s | gen tok/s | max abs Δ vs trainer (same dtype) "
-          "| mean abs Δ (same dtype) | max abs Δ vs fp32 trainer | mean abs Δ vs fp32 trainer |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for name, dtype, start_s, tokens, wall, tps, same, vs32 in rows:
-        print(f"| {name} | {dtype} | {start_s:.1f} | {tokens} | {wall:.1f} | {tps:.1f} | {same[0]:.2e} | {same[1]:.2e} "
-              f"| {vs32[0]:.2e} | {vs32[1]:.2e} |")
+    print(f"model: {model_dir}  \nprompts: {len(prompts)} from {source}; P of the pool {distribution(pool)}; "
+          f"P used {distribution(lengths)}  \nn={args.n}, max_tokens={args.max_tokens}, T={args.temperature}, "
+          f"dtype {args.dtype}; torch threads here: {args.threads}; {args.repeats} repeats, engines rotated\n")
+    rows, raw = [], {}
+    for name in names:
+        tps = [t / w for t, w, _ in runs[name]]
+        ratio = median(a[0] / a[1] / (b[0] / b[1]) for a, b in zip(runs[name], runs[base]))
+        row = [name, args.dtype, start_s[name], median(t for t, _, _ in runs[name]), median(w for _, w, _ in runs[name]),
+               median(tps), min(tps), max(tps), ratio, median(la for _, _, la in runs[name])]
+        if agree:
+            (sm, sa), (fm, fa) = agree[name]
+            row += [f"{sm:.2e}", f"{sa:.2e}", f"{fm:.2e}", f"{fa:.2e}"]
+        rows.append(row)
+        raw[name] = {"start_s": start_s[name], "runs": runs[name], "speedup_vs_" + base: ratio}
+    cols = ["engine", "dtype", "start s", "gen tokens", "wall s", "gen tok/s", "min tok/s", "max tok/s",
+            f"speed-up vs {base}", "load"]
+    if agree:
+        cols += ["max abs Δ (same dtype)", "mean abs Δ (same dtype)", "max abs Δ vs fp32", "mean abs Δ vs fp32"]
+    print(md_table(cols, rows))
+    print(f"\n(medians over {args.repeats} repeats; speed-up = median of per-repeat tok/s ratios)")
+    if args.json:
+        write_json(args.json, {"engines": raw, "prompts": lengths, "source": source, "model_dir": model_dir,
+                               "n": args.n, "max_tokens": args.max_tokens, "dtype": args.dtype})
 
 
 if __name__ == "__main__":
