@@ -66,11 +66,11 @@ def probe(config: str = ConfigOpt, overrides: Optional[list[str]] = SetOpt) -> N
 def demos(config: str = ConfigOpt, overrides: Optional[list[str]] = SetOpt,
           lengths: bool = typer.Option(False, help="Also report rendered state lengths in model tokens.")) -> None:
     """Write the demonstration set and candidate table to the storage root; print counts."""
+    from pivotrl.pipeline.common import make_store
     from pivotrl.pipeline.demos import build_demonstrations
-    from pivotrl.storage import ArtifactStore
 
     cfg = _load(config, overrides)
-    store = ArtifactStore(cfg.run.storage_root, cfg.run.storage_options or None)
+    store = make_store(cfg)
     out = build_demonstrations(cfg, store)
     typer.echo(json.dumps(out["counts"], indent=2))
     typer.echo(f"trajectories: {out['trajectories']}\ncandidates: {out['candidates']}")
@@ -155,8 +155,23 @@ def pivots_diff(a: str = typer.Argument(..., help="URI of the first pivots.parqu
 
 
 def main() -> None:
-    """Console-script entry point (import-safe: vLLM starts its engine processes with spawn)."""
-    app()
+    """Console-script entry point (import-safe: vLLM starts its engine processes with spawn).
+
+    Errors of pivotrl's own tree (bad data, storage, models, a failed stage) are printed as one
+    message naming the place, without a traceback, and exit with status 2.
+    """
+    import os
+
+    from pivotrl.errors import PivotRLError
+
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    try:
+        app()
+    except PivotRLError as e:
+        typer.echo(f"error ({type(e).__name__}): {e}", err=True)
+        raise SystemExit(2)
 
 
 if __name__ == "__main__":

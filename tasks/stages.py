@@ -36,15 +36,76 @@ from pivotrl.data.schema import content_hash
 RESULTS_DIR = ".prefect-results"
 
 
+def _base_key(stage: str, config: Mapping[str, Any], inputs: Any) -> str:
+    """Content hash of what a stage depends on: the config, the earlier stages' results, the
+    identity of the files the config points at (model weights, demonstration files: size, mtime,
+    ETag) and the code version — so new weights, new data or new code are never a cache hit."""
+    from pivotrl.pipeline.common import inputs_fingerprint
+    from pivotrl.storage import code_version
+
+    cfg = _config_obj(config)
+    return f"pivotrl-{stage}-" + content_hash({"config": dict(config), "inputs": inputs,
+                                              "files": inputs_fingerprint(cfg), "code": code_version()})
+
+
+def _index_key(key: str) -> str:
+    return f"{RESULTS_DIR}/outputs/{key}.json"
+
+
+def _artifact_uris(obj: Any, root: str) -> list[str]:
+    """Every string in a stage result that is an artifact URI under the run root."""
+    if isinstance(obj, str):
+        return [obj] if obj.startswith(root + "/") else []
+    if isinstance(obj, Mapping):
+        return [u for v in obj.values() for u in _artifact_uris(v, root)]
+    if isinstance(obj, (list, tuple)):
+        return [u for v in obj for u in _artifact_uris(v, root)]
+    return []
+
+
+def _record_outputs(stage: str, config: Mapping[str, Any], inputs: Any, out: Mapping[str, Any]) -> None:
+    """Write the list of artifacts a task run produced, checked before its cache is trusted."""
+    store = _store(config)
+    uris = sorted(set(_artifact_uris(out, store.root_url)))
+    store.write_json(_index_key(_base_key(stage, config, inputs)), {"artifacts": uris})
+
+
 def _cache_key(stage: str):
     def key(_ctx: Any, params: dict[str, Any]) -> str:
-        return f"pivotrl-{stage}-" + content_hash({"config": params["config"], "inputs": params.get("inputs")})
+        config, inputs = params["config"], params.get("inputs")
+        base = _base_key(stage, config, inputs)
+        # A cached result is only trusted while every artifact it points at still exists (a
+        # lifecycle rule or a manual clean-up may delete some); otherwise the key misses.
+        try:
+            store = _store(config)
+            listed = store.read_json(_index_key(base))["artifacts"] if store.exists(_index_key(base)) else []
+            root = store.root_url + "/"
+            if any(not store.exists(u[len(root):]) for u in listed):
+                import uuid
+
+                return f"{base}-rerun-{uuid.uuid4().hex}"
+        except Exception:  # the check is an optimisation; the stage itself is idempotent
+            pass
+        return base
     return key
+
+
+def _retry_unless_permanent(_task: Any, _task_run: Any, state: Any) -> bool:
+    """Retry transient failures (storage, sandbox, crashes); never config/data/model errors or a
+    broken training invariant, which would fail the same way again."""
+    from pivotrl.pipeline.entry import is_permanent
+
+    try:
+        exc = state.result(raise_on_failure=False)
+    except Exception as e:  # the result itself could not be read
+        exc = e
+    return not (isinstance(exc, BaseException) and is_permanent(exc))
 
 
 def _task(stage: str, retries: int):
     return task(
         name=stage, retries=retries, retry_delay_seconds=[5, 30, 120][:retries] or 0,
+        retry_condition_fn=_retry_unless_permanent,
         cache_key_fn=_cache_key(stage), cache_expiration=timedelta(days=30), persist_result=True,
         result_serializer="json",
     )
@@ -57,10 +118,9 @@ def _config_obj(config: Mapping[str, Any]):
 
 
 def _store(config: Mapping[str, Any]):
-    from pivotrl.storage import ArtifactStore
+    from pivotrl.pipeline.common import make_store
 
-    cfg = _config_obj(config)
-    return ArtifactStore(cfg.run.storage_root, cfg.run.storage_options or None)
+    return make_store(_config_obj(config))
 
 
 # ------------------------------------------------------------------------------ result storage
@@ -166,13 +226,18 @@ def demonstrations(config: dict[str, Any], inputs: dict[str, Any] | None = None)
         table=[{"item": k, "value": str(v)} for k, v in out["counts"].items()],
     )
     register_assets(config, [out["trajectories"], out["candidates"]])
+    _record_outputs("demonstrations", config, inputs, out)
     return out
 
 
 def _stage_process(stage: str, config: dict[str, Any], inputs: dict[str, Any]) -> dict[str, Any]:
     from pivotrl.pipeline.entry import run_stage_process
 
-    return run_stage_process(stage, config, inputs, threads=_config_obj(config).rollout.num_threads)
+    from prefect.runtime import task_run
+
+    # A retried stage gets a fresh fault-injection stream (drills), else it would replay its failure.
+    attempt = max(0, int(task_run.run_count or 1) - 1)
+    return run_stage_process(stage, config, inputs, threads=_config_obj(config).rollout.num_threads, attempt=attempt)
 
 
 @_task("reference", retries=1)
@@ -181,6 +246,7 @@ def reference(config: dict[str, Any], inputs: dict[str, Any]) -> dict[str, Any]:
     out = _stage_process("reference", config, inputs)
     if out.get("ref_key"):
         register_assets(config, [_store(config).url(f"{out['ref_key']}.sft.json")])
+    _record_outputs("reference", config, inputs, out)
     return out
 
 
@@ -193,6 +259,7 @@ def probe(config: dict[str, Any], inputs: dict[str, Any]) -> dict[str, Any]:
     create_table_artifact(key="pivot-counts", table=[{"count": k, "value": v} for k, v in t.items()],
                           description="Pivot filter counts")
     register_assets(config, [out["probes"], out["pivots"]])
+    _record_outputs("probe", config, inputs, out)
     return out
 
 
@@ -203,6 +270,7 @@ def train(config: dict[str, Any], inputs: dict[str, Any]) -> dict[str, Any]:
     create_markdown_artifact(key="training", markdown="## PivotRL training\n\n" + "\n".join(
         f"- {k}: {v}" for k, v in out["summary"].items()), description="Training summary")
     register_assets(config, [out["metrics"], _store(config).url(f"{out['train_key']}/summary.json")])
+    _record_outputs("train", config, inputs, out)
     return out
 
 
@@ -212,6 +280,7 @@ def evaluate(config: dict[str, Any], inputs: dict[str, Any]) -> dict[str, Any]:
     out = _stage_process("evaluate", config, inputs)
     create_link_artifact(key="report", link=out["report_md"], link_text="PivotRL report (markdown)")
     register_assets(config, [out["report_json"]])
+    _record_outputs("evaluate", config, inputs, out)
     return out
 
 

@@ -83,7 +83,7 @@ def test_smoke_pipeline_end_to_end(smoke_run):
     md = store.read_text(f"{ev['eval_key']}/report.md")
     for name in ("base", "reference (SFT warm start)", "pivotrl"):
         assert name in md
-    assert "full-task success" in md and "local pivot accuracy" in md
+    assert "full-task success" in md and "local accuracy (held-out states)" in md
     rows = {p["policy"]: p for p in report["policies"]}
     assert set(rows) == {"base", "reference (SFT warm start)", "pivotrl"}
     for p in rows.values():

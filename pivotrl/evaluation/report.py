@@ -151,6 +151,7 @@ def _policy_row(name: str, res: Mapping[str, Any] | None) -> dict[str, Any]:
         "local_accepted": local.get("n_accepted"),
         "local_samples": local.get("n_samples"),
         "local_states": local.get("n_states"),
+        "local_too_long": local.get("n_too_long"),
         "local_pivot_set_accuracy": _num(pivots.get("accuracy")),
         "full_task_success": _num(full.get("success_rate")),
         "tasks_succeeded": full.get("n_success"),
@@ -249,15 +250,18 @@ def _markdown(report: Mapping[str, Any], rows: list[dict[str, Any]], plots: Mapp
     lines += [
         "## Results per policy",
         "",
-        "Local pivot accuracy: fraction of sampled actions the verifier accepts at held-out "
-        "demonstration states (the demonstration history is given). Full-task success: fraction of held-out tasks solved from scratch "
-        "(BFCL multi-turn rules: state and execution-result checks after every user turn).",
+        "Local accuracy (held-out states): fraction of actions the verifier accepts at demonstration states of "
+        "held-out trajectories (the demonstration history is given; states longer than the context are skipped "
+        "and counted). Local accuracy on the training pivots: the same on the pivot set trained on. Full-task "
+        "success: fraction of held-out tasks solved from scratch (BFCL multi-turn rules: state and "
+        "execution-result checks after every user turn).",
         "",
     ]
     with_pivots = any(r["local_pivot_set_accuracy"] is not None for r in rows)
-    header = ["policy", "local pivot accuracy", "full-task success", "turns passed", "format error rate"]
+    header = ["policy", "local accuracy (held-out states)", "full-task success", "turns passed", "format error rate"]
     if with_pivots:
         header.append("local accuracy on the training pivots")
+    header.append("held-out states skipped (too long)")
     lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for r in rows:
         cells = [
@@ -269,6 +273,7 @@ def _markdown(report: Mapping[str, Any], rows: list[dict[str, Any]], plots: Mapp
         ]
         if with_pivots:
             cells.append(_fmt_rate(r["local_pivot_set_accuracy"], None, None))
+        cells.append("n/a" if r.get("local_too_long") is None else str(r["local_too_long"]))
         lines.append("| " + " | ".join(cells) + " |")
     lines.append("")
     if "local_vs_full_task" in plots:

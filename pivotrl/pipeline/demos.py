@@ -29,9 +29,15 @@ def cache_dir(cfg: RunConfig) -> Path:
 
 
 def demos_key(cfg: RunConfig) -> str:
-    """Content address of the demonstration artifacts: data section + format version."""
+    """Content address of the demonstration artifacts: data section, the identity (size, mtime,
+    ETag) of every demonstration file, format version."""
+    from pivotrl.pipeline.common import inputs_fingerprint
+
+    # The files behind the URLs count, not just the URLs: a demonstration file replaced in place
+    # gives a new key.
     return "demos/" + content_hash(
-        {"data": cfg.data.model_dump(mode="json"), "version": DATA_FORMAT_VERSION}
+        {"data": cfg.data.model_dump(mode="json"), "files": inputs_fingerprint(cfg)["data"],
+         "version": DATA_FORMAT_VERSION}
     )[:16]
 
 

@@ -19,7 +19,30 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from pivotrl.errors import ConfigError, DataError, ModelError, PivotRLError, TrainingError
+
 STAGES = ("reference", "probe", "train", "evaluate")
+
+#: Exit code of a stage process that failed for a reason a retry cannot fix (bad config or data,
+#: an unreadable model, a broken training invariant).
+PERMANENT_FAILURE_EXIT = 3
+
+
+class StageError(PivotRLError, RuntimeError):
+    """A stage process failed. ``permanent``: retrying cannot help (see PERMANENT_FAILURE_EXIT)."""
+
+    def __init__(self, message: str, *, permanent: bool) -> None:
+        super().__init__(message)
+        self.permanent = permanent
+
+
+def is_permanent(exc: BaseException) -> bool:
+    """True for failures a retry cannot fix: config, data, model and training-invariant errors,
+    and stage processes that exited with PERMANENT_FAILURE_EXIT. Storage, tool and verifier
+    failures (and crashes) are transient."""
+    if isinstance(exc, StageError):
+        return exc.permanent
+    return isinstance(exc, (ConfigError, DataError, ModelError, TrainingError))
 
 
 def run_stage(stage: str, config: dict[str, Any], inputs: dict[str, Any], *, attempt: int = 0) -> dict[str, Any]:
@@ -71,7 +94,8 @@ def run_stage_process(stage: str, config: dict[str, Any], inputs: dict[str, Any]
             tail = (tail + [line])[-30:]
         rc = proc.wait()
         if rc != 0 or not out.exists():
-            raise RuntimeError(f"stage {stage!r} failed with exit code {rc}; last output:\n{''.join(tail)}")
+            raise StageError(f"stage {stage!r} failed with exit code {rc}; last output:\n{''.join(tail)}",
+                             permanent=rc == PERMANENT_FAILURE_EXIT)
         return json.loads(out.read_text())
 
 
@@ -82,7 +106,13 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     spec = json.loads(Path(a.spec).read_text())
-    result = run_stage(a.stage, spec["config"], spec["inputs"], attempt=int(spec.get("attempt", 0)))
+    try:
+        result = run_stage(a.stage, spec["config"], spec["inputs"], attempt=int(spec.get("attempt", 0)))
+    except PivotRLError as exc:
+        logging.getLogger("pivotrl.pipeline").error("stage %s failed: %s: %s", a.stage, type(exc).__name__, exc)
+        if is_permanent(exc):
+            return PERMANENT_FAILURE_EXIT
+        raise
     tmp = Path(spec["output"] + ".tmp")
     tmp.write_text(json.dumps(result, default=str))
     tmp.replace(spec["output"])

@@ -220,9 +220,10 @@ def stats_markdown(stats: dict[str, Any]) -> str:
 
 
 def probe_key(candidates_hash: str, ref_hash: str, probing: dict[str, Any], verifier: dict[str, Any],
-              prompt: dict[str, Any], engine: str) -> str:
+              prompt: dict[str, Any], engine: Any) -> str:
     """Content address of a probe table: candidates, reference weights, probing/verifier/prompt
-    settings and the engine (λ_diff excluded: changing it re-filters without re-probing)."""
+    settings and the engine settings that change samples (name, max_tokens, dtype, context) —
+    λ_diff excluded: changing it re-filters without re-probing."""
     probing = {k: v for k, v in probing.items() if k != "lambda_diff"}
     return "probes/" + content_hash(
         {"candidates": candidates_hash, "reference": ref_hash, "probing": probing, "verifier": verifier,

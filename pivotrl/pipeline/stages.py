@@ -83,8 +83,8 @@ def stage_reference(cfg: RunConfig, store: ArtifactStore, demos: dict[str, Any])
         )
         ref_hash = checkpoint_hash(ckpt)
         store.put_dir(str(ckpt), key)
-    sft = {"examples": len(examples), "skipped_too_long": too_long, "checkpoint_hash": ref_hash,
-           "metrics": _jsonable(metrics)}
+    metrics = {k: v for k, v in _jsonable(metrics).items() if k != "out_dir"}  # a deleted temp dir
+    sft = {"examples": len(examples), "skipped_too_long": too_long, "checkpoint_hash": ref_hash, "metrics": metrics}
     store.write_artifact(f"{key}.sft.json", sft, kind="reference_checkpoint",
                          inputs={"trajectories": demos["trajectories"], "base_model": f"{cfg.model.source}#{base_hash}"},
                          config={"warm_start": ws, "model": cfg.model.model_dump(mode="json")},
@@ -113,7 +113,9 @@ def stage_probe(cfg: RunConfig, store: ArtifactStore, demos: dict[str, Any], ref
 
     cand_manifest = store.read_manifest(f"{demos['key']}/candidates.parquet")
     pkey = probe_key(cand_manifest.sha256, ref["ref_hash"], cfg.probing.model_dump(mode="json"),
-                     cfg.verifier.model_dump(mode="json"), cfg.prompt.model_dump(mode="json"), cfg.rollout.engine)
+                     cfg.verifier.model_dump(mode="json"), cfg.prompt.model_dump(mode="json"),
+                     {"engine": cfg.rollout.engine, "max_tokens": cfg.rollout.max_tokens,
+                      "dtype": cfg.model.dtype, "max_context": cfg.model.max_context})
     probes_uri = store.url(f"{pkey}/probes.parquet")
     if not store.exists(f"{pkey}/probes.parquet"):
         cand = select_candidates(store.read_parquet(f"{demos['key']}/candidates.parquet"), "pivot",
@@ -287,12 +289,13 @@ def stage_train(cfg: RunConfig, store: ArtifactStore, probe: dict[str, Any], ref
             # engine's log-probs of a fixed action must match the trainer's.
             export = work / f"policy-{step}"
             trainer.export_hf(str(export))
+            probe_prompt = groups[0].prompt_ids if groups else None
             action = groups[0].actions[0] if groups else None
-            trainer_lp = trainer.old_policy_logprobs(prompts[idx[0]], action) if action else []
+            trainer_lp = trainer.old_policy_logprobs(probe_prompt, action) if action else []
             d_max = d_mean = 0.0
             if lead:
                 engine.load_weights(str(export))
-                d_max, d_mean = _refresh_delta(engine, prompts[idx[0]], action, trainer_lp)
+                d_max, d_mean = _refresh_delta(engine, probe_prompt, action, trainer_lp)
             d_max, d_mean = _broadcast((d_max, d_mean), world)
             shutil.rmtree(work / f"policy-{step - 1}", ignore_errors=True)
             row = {"step": step + 1, "pivots": len(idx), "groups": len(groups), "dropped_groups": dropped,
