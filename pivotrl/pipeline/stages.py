@@ -306,10 +306,7 @@ def stage_train(cfg: RunConfig, store: ArtifactStore, probe: dict[str, Any], ref
             rows.append(row)
             bar.update(1)
             bar.set_postfix(reward=f"{row.get('reward_mean', float('nan')):.2f}", refresh=f"{d_max:.1e}")
-            if d_max > tol_max:
-                raise TrainingError(
-                    f"policy refresh check failed at step {step + 1}: engine vs trainer log-probs differ by "
-                    f"{d_max:.3g} per token (tolerance {tol_max:g}); the rollout engine is not sampling from π_old")
+            _check_refresh(step + 1, d_max, d_mean, tol_max, cfg.model.dtype)
             if (step + 1) % tr.checkpoint_every == 0 or step + 1 == len(schedule):
                 _save_checkpoint(store, trainer, f"{tkey}/checkpoints/step-{step + 1:06d}", rows, work, rank, world)
         bar.close()
@@ -352,6 +349,28 @@ def _broadcast(obj: Any, world: int) -> Any:
     box = [obj]
     dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+#: Mean |Δ| per token allowed between engine and trainer log-probs after a refresh (spec tolerances).
+REFRESH_MEAN_TOLERANCE = {"fp32": 1e-4, "bf16": 0.05}
+
+
+def _check_refresh(step: int, d_max: float, d_mean: float, tol_max: float, dtype: str) -> None:
+    """Fail loudly if the rollout engine is not serving the trainer's weights after a refresh.
+
+    fp32: both the max and the mean per-token |Δ| must be within tolerance (engines agree to ~1e-5).
+    bf16: the mean must be ≤ 0.05; a max above ``refresh_tolerance`` alone is logged, not fatal —
+    single bf16 tokens differ by up to ~0.3–0.5 between kernels (measured), while a refresh that did
+    not take shows on the mean. Raises TrainingError naming the step and the numbers."""
+    mean_tol = REFRESH_MEAN_TOLERANCE.get(dtype, 0.05)
+    if d_mean > mean_tol or (dtype == "fp32" and d_max > tol_max):
+        raise TrainingError(
+            f"policy refresh check failed at step {step}: engine vs trainer log-probs differ by {d_max:.3g} "
+            f"(max) / {d_mean:.3g} (mean) per token (tolerances {tol_max:g} / {mean_tol:g}); the rollout "
+            "engine is not sampling from π_old")
+    if d_max > tol_max:
+        log.warning("refresh check at step %d: max per-token |Δ| %.3g exceeds %.3g (mean %.3g is within %.3g); "
+                    "bf16 kernel noise", step, d_max, tol_max, d_mean, mean_tol)
 
 
 def _retries(verifier: Any) -> int:
