@@ -476,8 +476,9 @@ def stage_evaluate(cfg: RunConfig, store: ArtifactStore, demos: dict[str, Any], 
     heldout = [t for t in read_trajectories(store, demos["key"], split="heldout") if t.env is not None]
     heldout = sorted(heldout, key=lambda t: t.id)[: ev.num_tasks]
     cand = store.read_parquet(f"{demos['key']}/candidates.parquet")
-    local_states = frame_to_states(select_candidates(cand, "heldout", max(ev.num_tasks * 2, 16), cfg.run.seed))
+    local_states = frame_to_states(select_candidates(cand, "heldout", max(ev.num_tasks * 4, 32), cfg.run.seed))
     pivots = frame_to_states(store.read_parquet(f"{probe['pivots_key']}/pivots.parquet"))
+    text_turn = {st.state_id: not st.demo_action.tool_calls for st in local_states}
     policies = {"base": Path(ref["base_dir"]),
                 "reference": reference_dir(cfg, store, ref),
                 "pivotrl": local_checkpoint(store, train["policy_key"], cache) if train["policy_key"]
@@ -487,6 +488,7 @@ def stage_evaluate(cfg: RunConfig, store: ArtifactStore, demos: dict[str, Any], 
     engine = make_rollout_engine(cfg, policies["base"])
     results: dict[str, Any] = {}
     per_task: list[pd.DataFrame] = []
+    local_frames: list[pd.DataFrame] = []
     try:
         for name, mdir in policies.items():
             if name != "base":
@@ -502,13 +504,28 @@ def stage_evaluate(cfg: RunConfig, store: ArtifactStore, demos: dict[str, Any], 
                 per_task.append(df)
                 res.setdefault("full_task_runs", []).append(summ)
                 lkw = {"max_context": cfg.model.max_context - cfg.rollout.max_tokens, **prompt_kwargs(cfg)}
-                _, lsum = evaluate_local(engine, tok, local_states, verifier, sampling=samp, **lkw)
+                ldf, lsum = evaluate_local(engine, tok, local_states, verifier, sampling=samp, **lkw)
                 res.setdefault("local_heldout_runs", []).append(lsum)
+                # Sampled success as in probing (m samples at the probe temperature), beside greedy.
+                sampled = sampling_for(cfg, n=cfg.probing.num_probes, temperature=cfg.probing.temperature, seed=seed)
+                sdf, ssum = evaluate_local(engine, tok, local_states, verifier, sampling=sampled, **lkw)
+                res.setdefault("local_sampled_runs", []).append(ssum)
+                for kind, frame in (("heldout_greedy", ldf), ("heldout_sampled", sdf)):
+                    local_frames.append(frame.assign(policy=name, seed=seed, kind=kind))
+                # Per category, with BFCL's closing "Done." turns (text actions) apart from tool calls.
+                res["local_by_category"] = {
+                    kind: {c: float(g["n_accepted"].sum() / max(1, g["n_samples"].sum()))
+                           for c, g in frame[frame["status"] == "ok"].assign(
+                               group=lambda f: [f"{c}/{'text' if text_turn[sid] else 'call'}"
+                                                for c, sid in zip(f["category"], f["state_id"])]).groupby("group")}
+                    for kind, frame in (("greedy", ldf), ("sampled", sdf))}
                 if ev.local_pivots:
                     _, psum = evaluate_local(engine, tok, pivots, verifier, sampling=samp, **lkw)
                     res.setdefault("local_pivot_runs", []).append(psum)
             res["full_task"] = res["full_task_runs"][0] if len(ev.seeds) == 1 else _mean_summ(res["full_task_runs"])
             res["local"] = res["local_heldout_runs"][0] if len(ev.seeds) == 1 else _mean_summ(res["local_heldout_runs"])
+            res["local_sampled"] = (res["local_sampled_runs"][0] if len(ev.seeds) == 1
+                                    else _mean_summ(res["local_sampled_runs"]))
             if ev.local_pivots:
                 res["local_pivots"] = res["local_pivot_runs"][0] if len(ev.seeds) == 1 else _mean_summ(res["local_pivot_runs"])
             results[name] = res
@@ -526,6 +543,7 @@ def stage_evaluate(cfg: RunConfig, store: ArtifactStore, demos: dict[str, Any], 
         rj, rm = build_report(results, metrics_df=metrics_df, probe_df=probe_df, pivot_stats=probe["stats"],
                               meta=meta, out_dir=tmp)
         pd.concat(per_task).to_parquet(Path(tmp) / "full_task.parquet")
+        pd.concat(local_frames).to_parquet(Path(tmp) / "local.parquet")
         for f in sorted(Path(tmp).iterdir()):
             if f.name != "report.json":
                 store.write_bytes(f"{ekey}/{f.name}", f.read_bytes())
