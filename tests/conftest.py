@@ -5,8 +5,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-# Two CPU cores are shared by the test process and any engine it starts.
-os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Two CPU cores are shared by the test process and any engine it starts; one thread also keeps
+# float reductions in the same order across runs (multi-rank equivalence tests compare to 1e-5).
+os.environ["OMP_NUM_THREADS"] = "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
