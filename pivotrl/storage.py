@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping, TypeVar
 
 from pivotrl.config import is_credential_key
-from pivotrl.data.schema import content_hash
+from pivotrl.data.schema import content_hash, file_sha256
 from pivotrl.errors import PivotRLError, StorageError
 
 if TYPE_CHECKING:
@@ -688,7 +688,7 @@ class ArtifactStore:
             raise StorageError(f"cannot publish {url}: {src} contains a file named {COMPLETE_MARKER}")
         listing: dict[str, dict[str, Any]] = {}
         for rel in files:
-            listing[rel] = {"size": (src / rel).stat().st_size, "sha256": _file_sha256(src / rel)}
+            listing[rel] = {"size": (src / rel).stat().st_size, "sha256": file_sha256(src / rel)}
         self._retrying(f"write {url}", lambda: self._put_dir_once(src, files, key))
         marker_doc = {"files": listing, "tree_sha256": _tree_hash(listing), "created_at": _now()}
         self.write_json(f"{key}/{COMPLETE_MARKER}", marker_doc)
@@ -770,7 +770,7 @@ class ArtifactStore:
                                functools.partial(self._get_file, f"{key}/{rel}", target))
                 if verify:
                     size = target.stat().st_size
-                    if size != info.get("size") or _file_sha256(target) != info.get("sha256"):
+                    if size != info.get("size") or file_sha256(target) != info.get("sha256"):
                         raise StorageError(
                             f"{self.url(f'{key}/{rel}')}: content does not match the {COMPLETE_MARKER} "
                             f"marker (size {size}, expected {info.get('size')})"
@@ -935,14 +935,6 @@ def lineage(store: ArtifactStore, key: str) -> dict[str, Any]:
         return out
 
     return node(root, (root.uri,))
-
-
-def _file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(_CHUNK), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def _tree_hash(listing: Mapping[str, Mapping[str, Any]]) -> str:

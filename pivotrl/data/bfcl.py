@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import Any, Literal, Mapping, Sequence
 
 from pivotrl.actions import parse_call
-from pivotrl.data.schema import Message, ToolCall, ToolSpec, Trajectory
+from pivotrl.data.schema import Message, ToolCall, ToolSpec, Trajectory, file_sha256
 from pivotrl.data.sources import validate_trajectory
 from pivotrl.envs.bfcl import BFCL_CLASSES, BFCLEnvironment, method_parameter_names
 from pivotrl.errors import ActionParseError, ConfigError, DataError, StorageError
@@ -75,14 +75,6 @@ _DONE_MARKER = ".sha256"
 
 
 # ----------------------------------------------------------------------------------------- download
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def ensure_bfcl(cache_dir: str | os.PathLike[str], wheel: str | os.PathLike[str] | None = None) -> Path:
@@ -117,7 +109,7 @@ def ensure_bfcl(cache_dir: str | os.PathLike[str], wheel: str | os.PathLike[str]
             wheel_path = Path(wheel)
             if not wheel_path.is_file():
                 raise StorageError(f"bfcl wheel {str(wheel_path)!r}: no such file")
-        digest = _sha256(wheel_path)
+        digest = file_sha256(wheel_path)
         if digest != BFCL_WHEEL_SHA256:
             raise DataError(
                 f"{wheel_path.name}: sha256 {digest} does not match the pinned {BFCL_WHEEL_SHA256}"

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from dataclasses import dataclass, field
 from typing import Any, Literal, Mapping
 
@@ -28,6 +29,15 @@ def canonical_json(obj: Any) -> str:
 def content_hash(obj: Any) -> str:
     """sha256 hex digest of ``canonical_json(obj)``."""
     return hashlib.sha256(canonical_json(obj).encode("utf-8")).hexdigest()
+
+
+def file_sha256(path: str | os.PathLike[str]) -> str:
+    """sha256 hex digest of a local file's bytes, read in 1 MiB blocks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 @dataclass(frozen=True)
