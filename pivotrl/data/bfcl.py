@@ -34,7 +34,6 @@ Tool schemas: BFCL writes object types as ``"dict"``; they are rewritten to JSON
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
