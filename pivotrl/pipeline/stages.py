@@ -19,7 +19,7 @@ from typing import Any
 import pandas as pd
 
 from pivotrl.config import RunConfig, config_hash
-from pivotrl.data.schema import TurnState, content_hash
+from pivotrl.data.schema import content_hash
 from pivotrl.errors import StateTooLongError, TrainingError, VerifierError
 from pivotrl.pipeline.common import (
     local_checkpoint, make_rollout_engine, make_verifier, prompt_kwargs, sampling_for, verify_checkpoint,
