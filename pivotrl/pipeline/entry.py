@@ -113,10 +113,15 @@ def main(argv: list[str] | None = None) -> int:
         if is_permanent(exc):
             return PERMANENT_FAILURE_EXIT
         raise
-    tmp = Path(spec["output"] + ".tmp")
-    tmp.write_text(json.dumps(result, default=str))
-    tmp.replace(spec["output"])
+    write_result(spec["output"], result)
     return 0
+
+
+def write_result(path: str, result: dict[str, Any]) -> None:
+    """Write a stage's result dict as JSON to ``path`` atomically (temp file, then rename)."""
+    tmp = Path(path + ".tmp")
+    tmp.write_text(json.dumps(result, default=str))
+    tmp.replace(path)
 
 
 if __name__ == "__main__":

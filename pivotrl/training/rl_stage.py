@@ -24,17 +24,11 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     spec = json.loads(Path(args.spec).read_text())
 
-    from pivotrl.config import RunConfig
-    from pivotrl.pipeline.common import make_store
-    from pivotrl.pipeline.stages import stage_train
+    from pivotrl.pipeline.entry import run_stage, write_result
 
-    cfg = RunConfig.model_validate(spec["config"])
-    store = make_store(cfg)
-    result = stage_train(cfg, store, spec["inputs"]["probe"], spec["inputs"]["reference"])
+    result = run_stage("train", spec["config"], spec["inputs"])
     if int(os.environ.get("RANK", "0")) == 0 and spec.get("output"):
-        tmp = Path(spec["output"] + ".tmp")
-        tmp.write_text(json.dumps(result, default=str))
-        tmp.replace(spec["output"])
+        write_result(spec["output"], result)
     return 0
 
 
