@@ -3,13 +3,17 @@
 Usage::
 
     python benchmarks/bench_rollout.py [--model SOURCE] [--prompts 4] [--n 8] [--max-tokens 64]
-                                       [--engines vllm,transformers] [--dtype bf16] [--repeats 3]
+                                       [--order random|trajectory] [--engines vllm,transformers]
+                                       [--dtype bf16] [--repeats 3] [--threads N]
                                        [--json OUT] [--quick]
 
 The model comes from ``pivotrl.models.resolve_model`` (default: SmolLM2-135M-Instruct dequantised
-from Q4_1). Prompts are drawn at random from all real BFCL ``multi_turn_base`` turn states rendered
-with ``pivotrl.prompts.encode_state`` with ``--min-prompt``..``--max-prompt`` tokens (so P follows
-the real distribution); ``--synthetic`` (or BFCL being unavailable) uses random token ids.
+from Q4_1). Prompts are real BFCL ``multi_turn_base`` turn states rendered with
+``pivotrl.prompts.encode_state`` with ``--min-prompt``..``--max-prompt`` tokens (so P follows the
+real distribution): with ``--order random`` drawn independently, so prompts share no prefix beyond
+the system prompt; with ``--order trajectory`` whole trajectories in turn order, as the probe stage
+batches its candidates (sorted by state id), so each state repeats the previous one as its prefix.
+``--synthetic`` (or BFCL being unavailable) uses random token ids.
 
 Engines: ``vllm``, ``transformers`` (KV of the prompt shared by the n samples) and
 ``transformers-noreuse`` (the prompt prefilled once per sample, the reference behaviour). All
@@ -21,13 +25,15 @@ as in the transformers engine). Speed-ups are medians of per-repeat ratios again
 listed. With ``--agree-samples`` > 0 each engine's ``rollout_logprobs`` are compared with a plain
 transformers forward over prompt + action in the same dtype and in fp32.
 
-The transformers engine runs in this process with ``--threads`` torch threads; vLLM runs in its own
-engine process (its CPU worker picks its threads) while this process waits.
+Both engines get the same CPUs: the transformers engine runs in this process with ``--threads``
+torch threads; vLLM runs in its own engine process, its CPU worker bound to ``--threads`` CPUs
+(``cpu_threads``), while this process waits.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import sys
 import time
@@ -45,18 +51,41 @@ def _prompts(tokenizer: Any, args: argparse.Namespace) -> tuple[list[list[int]],
     rng = random.Random(args.seed)
     if not args.synthetic:
         try:
-            states = [p for _, p, _ in bfcl_multi_turn_states(tokenizer, args.cache_dir, max_prompt=args.max_prompt,
+            states = [(sid, p, a) for sid, p, a in bfcl_multi_turn_states(tokenizer, args.cache_dir, max_prompt=args.max_prompt,
                                                                 records=args.bfcl_records)
                       if len(p) >= args.min_prompt]
             if len(states) >= args.prompts:
-                return rng.sample(states, args.prompts), f"BFCL multi_turn_base turn states ({len(states)} in range)", [
-                    len(p) for p in states]
+                pool = [len(p) for _, p, _ in states]
+                if args.order == "trajectory":
+                    return _trajectory_prompts(states, args.prompts, rng), (
+                        f"BFCL multi_turn_base turn states ({len(states)} in range), whole trajectories in turn "
+                        "order"), pool
+                return [p for _, p, _ in rng.sample(states, args.prompts)], (
+                    f"BFCL multi_turn_base turn states ({len(states)} in range), drawn at random"), pool
             print(f"only {len(states)} BFCL states in range; using synthetic ids", file=sys.stderr)
         except Exception as err:  # noqa: BLE001 - any failure → synthetic prompts, reported
             print(f"BFCL states unavailable ({type(err).__name__}: {err}); using synthetic ids", file=sys.stderr)
     vocab = len(tokenizer)
     out = [synthetic_ids(rng, vocab, rng.randint(max(1, args.min_prompt), args.max_prompt)) for _ in range(args.prompts)]
     return out, "synthetic token ids", [len(p) for p in out]
+
+
+def _trajectory_prompts(states: list[tuple[str, list[int], Any]], count: int, rng: random.Random) -> list[list[int]]:
+    """``count`` prompts made of whole trajectories' turn states in turn order (the last one cut),
+    trajectories drawn at random: the order the probe stage sends states in (sorted by state id),
+    where consecutive states of one trajectory share the earlier turns as a prompt prefix."""
+    by_traj: dict[str, list[tuple[int, list[int]]]] = {}
+    for sid, prompt, _ in states:
+        traj, _, turn = sid.rpartition("#")
+        by_traj.setdefault(traj, []).append((int(turn), prompt))
+    names = sorted(by_traj)
+    rng.shuffle(names)
+    out: list[list[int]] = []
+    for name in names:
+        out += [p for _, p in sorted(by_traj[name], key=lambda tp: tp[0])]
+        if len(out) >= count:
+            break
+    return out[:count]
 
 
 def _trainer_logprobs(model: Any, prompt: list[int], action: list[int]) -> list[float]:
@@ -82,7 +111,8 @@ def _build(name: str, model_dir: str, args: argparse.Namespace, max_model_len: i
     from pivotrl.rollout import make_engine
 
     if name == "vllm":
-        return make_engine("vllm", model_dir, dtype=args.dtype, max_model_len=max_model_len, kv_cache_gib=args.kv_cache_gib)
+        return make_engine("vllm", model_dir, dtype=args.dtype, max_model_len=max_model_len, kv_cache_gib=args.kv_cache_gib,
+                           cpu_threads=args.threads)
     if name == "transformers":
         return make_engine("transformers", model_dir, dtype=args.dtype, max_model_len=max_model_len)
     if name == "transformers-noreuse":
@@ -103,11 +133,16 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-prompt", type=int, default=8096)
     ap.add_argument("--bfcl-records", type=int, default=None)
     ap.add_argument("--synthetic", action="store_true")
+    ap.add_argument("--order", default="random", choices=["random", "trajectory"],
+                    help="random: states drawn independently (no prefix shared across prompts); trajectory: "
+                         "whole trajectories' states in turn order, as the probe stage batches them")
     ap.add_argument("--engines", default="vllm,transformers", help="comma-separated; speed-ups are against the last")
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--agree-samples", type=int, default=0, help="samples per prompt compared with a trainer forward")
-    ap.add_argument("--threads", type=int, default=1, help="torch threads of this process")
+    ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)),
+                    help="CPU threads of every engine: torch threads of this process (transformers) and "
+                         "the vLLM CPU worker's bound threads (default: every CPU this process may use)")
     ap.add_argument("--kv-cache-gib", type=float, default=1.0)
     ap.add_argument("--json", default=None, help="also write the raw numbers here")
     ap.add_argument("--quick", action="store_true",

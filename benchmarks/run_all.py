@@ -31,8 +31,8 @@ ROOT = HERE.parent
 
 FULL = {
     "trainer": ["bench_trainer.py", "--groups", "6", "--threads", "1"],
-    "rollout": ["bench_rollout.py", "--prompts", "4", "--n", "8", "--max-tokens", "64", "--repeats", "3",
-                "--engines", "vllm,transformers"],
+    "rollout": ["bench_rollout.py", "--prompts", "16", "--n", "8", "--max-tokens", "64", "--repeats", "2",
+                "--order", "trajectory", "--engines", "vllm,transformers"],
     "pipeline": ["bench_pipeline.py"],
 }
 QUICK = {

@@ -233,7 +233,9 @@ class RolloutSection(Section):
     )
     max_tokens: Int = Field(96, ge=1, description="Maximum tokens generated for one action.")
     kv_cache_gib: Float = Field(2.0, gt=0, description="KV cache size in GiB (vLLM on CPU: VLLM_CPU_KVCACHE_SPACE).")
-    num_threads: Int = Field(2, ge=1, description="CPU threads of the engine (OMP_NUM_THREADS of its process).")
+    num_threads: Int = Field(2, ge=1, description=(
+        "CPU threads of the engine: OMP_NUM_THREADS of its process; on vLLM's CPU build, the model "
+        "worker's threads, bound to the first num_threads CPUs (unless VLLM_CPU_OMP_THREADS_BIND is set)."))
     enable_prefix_caching: bool = Field(
         True, description="Reuse the KV cache of a shared prompt prefix across samples of one state."
     )

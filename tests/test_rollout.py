@@ -235,6 +235,26 @@ def vllm_setup(tmp_path_factory):
     eng.close()
 
 
+def test_cpu_bind_list_takes_the_first_allowed_cpus_and_respects_an_explicit_bind() -> None:
+    from pivotrl.rollout.vllm import cpu_bind_list
+
+    assert cpu_bind_list(None, {}, allowed=[3, 1, 2]) == "1,2,3"
+    assert cpu_bind_list(2, {}, allowed=[3, 1, 2]) == "1,2"
+    assert cpu_bind_list(8, {}, allowed=[0, 1]) == "0,1"
+    assert cpu_bind_list(1, {"VLLM_CPU_OMP_THREADS_BIND": "0-3"}, allowed=[0, 1]) is None
+    with pytest.raises(ConfigError, match="cpu_threads must be >= 1"):
+        cpu_bind_list(0, {}, allowed=[0, 1])
+
+
+@pytest.mark.vllm
+def test_vllm_worker_is_bound_to_every_allowed_cpu(vllm_setup) -> None:
+    import os
+
+    eng = vllm_setup[0]
+    assert eng.cpu_bind == ",".join(str(c) for c in sorted(os.sched_getaffinity(0)))
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in os.environ  # scoped to the engine's construction
+
+
 @pytest.mark.vllm
 def test_vllm_logprobs_match_transformers_oracle(vllm_setup, model, engine, prompts) -> None:
     eng = vllm_setup[0]

@@ -167,7 +167,8 @@ def make_rollout_engine(cfg: RunConfig, model_dir: Path | str, *, engine: str | 
     kwargs: dict[str, Any] = {"dtype": cfg.model.dtype, "max_model_len": cfg.model.max_context}
     if name == "vllm":
         kwargs.update(kv_cache_gib=cfg.rollout.kv_cache_gib,
-                      enable_prefix_caching=cfg.rollout.enable_prefix_caching, seed=cfg.run.seed)
+                      enable_prefix_caching=cfg.rollout.enable_prefix_caching, seed=cfg.run.seed,
+                      cpu_threads=cfg.rollout.num_threads)
     return make_engine(name, str(model_dir), **kwargs)
 
 

@@ -13,11 +13,12 @@ prompts: fp32 agrees with a transformers forward to ≤ 3e-5 per token; bf16 dif
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import math
 import os
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 from pivotrl.errors import ConfigError, ModelError
 from pivotrl.rollout.base import (
@@ -44,6 +45,12 @@ class VLLMEngine:
             ignored on GPUs, where ``gpu_memory_utilization`` (in ``llm_kwargs``) applies.
         enable_prefix_caching: reuse KV blocks of shared prompt prefixes across requests.
         seed: engine seed (used when ``SamplingConfig.seed`` is None).
+        cpu_threads: CPU builds only: OpenMP threads of the model worker, bound to the first
+            ``cpu_threads`` CPUs this process may run on (None: all of them). vLLM's own default
+            keeps one core per worker free for its scheduler, which on a 2-core machine halves the
+            throughput (67 vs 115 generated tok/s on SmolLM2, benchmarks/RESULTS.md §3). An
+            explicit ``VLLM_CPU_OMP_THREADS_BIND`` in the environment wins; ignored on GPUs and
+            with tensor parallelism.
         llm_kwargs: further ``vllm.LLM`` arguments.
 
     Raises:
@@ -59,8 +66,11 @@ class VLLMEngine:
         kv_cache_gib: float = 1.0,
         enable_prefix_caching: bool = True,
         seed: int = 0,
+        cpu_threads: int | None = None,
         **llm_kwargs: Any,
     ) -> None:
+        if cpu_threads is not None and cpu_threads < 1:
+            raise ConfigError(f"cpu_threads must be >= 1, got {cpu_threads!r}")
         if kv_cache_gib <= 0:
             raise ConfigError(f"kv_cache_gib must be > 0, got {kv_cache_gib!r}")
         if max_model_len < 2:
@@ -78,17 +88,22 @@ class VLLMEngine:
         llm_kwargs.setdefault("enable_chunked_prefill", False)
         self.model_dir = str(model_dir)
         self.max_model_len = int(max_model_len)
+        bind = None
+        if int(llm_kwargs.get("tensor_parallel_size", 1)) == 1 and _is_cpu_platform():
+            bind = cpu_bind_list(cpu_threads, os.environ)
+        self.cpu_bind = bind or os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
         try:
-            self.llm = LLM(
-                model=self.model_dir,
-                dtype=normalise_dtype(dtype),
-                max_model_len=self.max_model_len,
-                enforce_eager=True,
-                enable_prefix_caching=enable_prefix_caching,
-                logprobs_mode="raw_logprobs",
-                seed=seed,
-                **llm_kwargs,
-            )
+            with _scoped_env({"VLLM_CPU_OMP_THREADS_BIND": bind} if bind else {}):
+                self.llm = LLM(
+                    model=self.model_dir,
+                    dtype=normalise_dtype(dtype),
+                    max_model_len=self.max_model_len,
+                    enforce_eager=True,
+                    enable_prefix_caching=enable_prefix_caching,
+                    logprobs_mode="raw_logprobs",
+                    seed=seed,
+                    **llm_kwargs,
+                )
         except (OSError, ValueError) as exc:
             raise ModelError(f"vLLM cannot load model {self.model_dir}: {exc}") from exc
         self.tokenizer = self.llm.get_tokenizer()
@@ -215,6 +230,52 @@ class VLLMEngine:
         self.llm = None
         del llm
         gc.collect()
+
+
+def cpu_bind_list(cpu_threads: int | None, environ: Any = None, allowed: Sequence[int] | None = None) -> str | None:
+    """The ``VLLM_CPU_OMP_THREADS_BIND`` value for one CPU worker with ``cpu_threads`` threads.
+
+    ``allowed``: CPU ids this process may run on (default ``os.sched_getaffinity(0)``); the first
+    ``cpu_threads`` of them (sorted; None or more than there are: all) are returned as "0,1,...".
+    Returns None, leaving vLLM's own choice, when ``environ`` (default ``os.environ``) already sets
+    ``VLLM_CPU_OMP_THREADS_BIND``. Raises ConfigError if ``cpu_threads`` < 1.
+    """
+    environ = os.environ if environ is None else environ
+    if cpu_threads is not None and cpu_threads < 1:
+        raise ConfigError(f"cpu_threads must be >= 1, got {cpu_threads!r}")
+    if environ.get("VLLM_CPU_OMP_THREADS_BIND"):
+        return None
+    if allowed is None:
+        allowed = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else range(os.cpu_count() or 1)
+    cpus = sorted(int(c) for c in allowed)
+    if not cpus:
+        return None
+    n = len(cpus) if cpu_threads is None else min(cpu_threads, len(cpus))
+    return ",".join(str(c) for c in cpus[:n])
+
+
+def _is_cpu_platform() -> bool:
+    try:
+        from vllm.platforms import current_platform
+
+        return bool(current_platform.is_cpu())
+    except Exception:  # noqa: BLE001 - platform detection failing means "not the CPU build"
+        return False
+
+
+@contextlib.contextmanager
+def _scoped_env(values: dict[str, str]) -> Iterator[None]:
+    """Set environment variables for the duration of the block (the engine process inherits them)."""
+    old = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def _refresh_tied_head(model: Any) -> bool:
