@@ -12,7 +12,7 @@ export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
 export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS ?= 120
 export DO_NOT_TRACK ?= 1
 
-.PHONY: install test test-fast run serve bench clean
+.PHONY: install test test-fast run smoke serve bench clean
 
 $(STAMP): pyproject.toml infra/install.sh infra/constraints-cpu.txt
 	PYTHON=$(PYTHON) ./infra/install.sh $(VENV) $(EXTRA)
@@ -24,13 +24,19 @@ install: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -ra
 
-# Pure core only: seconds.
+# Everything but the vLLM, real-model (slow) and multi-process (integration) tests: about a minute.
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow and not vllm and not integration" -x
 
 # The nightly pipeline on the embedded default config (CPU, local artifact root).
 run: $(STAMP)
 	$(BIN)/pivotrl run --config $(CONFIG)
+
+# Every stage end to end on a tiny random model (under a minute); creates the model once.
+SMOKE_MODEL := runs/smoke/tiny-model
+smoke: $(STAMP)
+	test -f $(SMOKE_MODEL)/config.json || $(BIN)/python -c "from pivotrl.testing import save_tiny_checkpoint as s; s('$(SMOKE_MODEL)')"
+	$(BIN)/pivotrl run --config configs/smoke.yaml
 
 # A local Prefect server and a worker serving the nightly deployment (UI on 127.0.0.1:4200).
 serve: $(STAMP)

@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -132,9 +133,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--runs", type=int, default=2, help="flow runs on the same root (the 2nd and later are cached)")
     ap.add_argument("--json", default=None, help="also write the raw numbers here")
     ap.add_argument("--quick", action="store_true", help="shrink the smoke config further (for tests)")
+    ap.add_argument("--keep", action="store_true", help="keep the temporary directory (store, flow log) afterwards")
     args = ap.parse_args(argv)
 
     work = Path(tempfile.mkdtemp(prefix="pivotrl-bench-pipeline-"))
+    _WORK_DIRS.append(work)
     os.environ["PREFECT_HOME"] = str(work / "prefect-home")
     os.environ.pop("PREFECT_API_URL", None)
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
@@ -208,5 +211,26 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+_WORK_DIRS: list[Path] = []
+
+
+def _main_cleaning_up(argv: list[str] | None = None) -> int:
+    """``main``; its temporary directory (Prefect home, tiny model, store, flow log) is removed after a
+    successful run unless ``--keep`` is given, and kept (its path printed) after a failure."""
+    keep = "--keep" in (argv if argv is not None else sys.argv[1:])
+    try:
+        rc = main(argv)
+    except BaseException:
+        for d in _WORK_DIRS:
+            print(f"kept for inspection: {d}", file=sys.stderr)
+        raise
+    for d in _WORK_DIRS:
+        if keep:
+            print(f"kept: {d}")
+        else:
+            shutil.rmtree(d, ignore_errors=True)
+    return rc
+
+
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(_main_cleaning_up())

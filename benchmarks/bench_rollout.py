@@ -167,6 +167,8 @@ def main(argv: list[str] | None = None) -> None:
     prompts, source, pool = _prompts(tokenizer, args)
     max_model_len = max(len(p) for p in prompts) + args.max_tokens + 8
     names = [e for e in args.engines.split(",") if e]
+    if "vllm" not in names:
+        print(f"vLLM not run (engines: {', '.join(names)}); the vLLM comparison needs --engines vllm,transformers\n")
     engines, start_s = {}, {}
     for name in names:
         t0 = time.perf_counter()

@@ -33,10 +33,25 @@ def _load(config: str, overrides: Optional[list[str]]):
         raise typer.Exit(2)
 
 
+def _preflight(cfg) -> None:
+    """Checks that need no stage to run: the model source exists (a local one) — before Prefect starts."""
+    from pivotrl.errors import ModelError
+    from pivotrl.models import check_model_source
+
+    try:
+        check_model_source(cfg.model.source)
+    except ModelError as e:
+        hint = ("\n(the smoke config's tiny model is created by `make smoke`, or once with: .venv/bin/python -c "
+                "\"from pivotrl.testing import save_tiny_checkpoint as s; s('runs/smoke/tiny-model')\")"
+                if "tiny-model" in str(cfg.model.source) else "")
+        typer.echo(f"model error: {e}{hint}", err=True)
+        raise typer.Exit(2)
+
+
 @app.command()
 def run(config: str = ConfigOpt, overrides: Optional[list[str]] = SetOpt) -> None:
     """Run the whole nightly pipeline once, now, and print where the report is."""
-    _load(config, overrides)  # fail fast on a bad config, before Prefect starts
+    _preflight(_load(config, overrides))  # fail fast on a bad config, before Prefect starts
     t0 = time.time()
     result = _nightly()(config_path=config, overrides=overrides or [])
     typer.echo(f"\nPivotRL run finished in {time.time() - t0:.0f} s")
@@ -53,7 +68,7 @@ def _nightly():
 @app.command()
 def probe(config: str = ConfigOpt, overrides: Optional[list[str]] = SetOpt) -> None:
     """Build the pivot set (no training) and print its statistics."""
-    _load(config, overrides)
+    _preflight(_load(config, overrides))
     from pivotrl.flows.nightly import probe_only
 
     t0 = time.time()

@@ -140,8 +140,13 @@ class BFCLSource(Section):
 
 
 class ChatSource(Section):
-    kind: Literal["chat"] = Field("chat", description="Source type: JSON Lines of OpenAI chat + tools records.")
-    url: str = Field(min_length=1, description="Local path or fsspec URL of the JSON Lines file.")
+    kind: Literal["chat"] = Field(
+        "chat", description="Source type: OpenAI chat + tools records in JSON Lines or Parquet (see the README)."
+    )
+    url: str = Field(
+        min_length=1,
+        description="Local path or fsspec URL of the file; .jsonl/.json (optionally compressed) or .parquet/.pq.",
+    )
 
 
 Source = Annotated[Union[BFCLSource, ChatSource], Field(discriminator="kind")]
@@ -268,7 +273,8 @@ class ProbingSection(Section):
         gt=0,
         le=1,
         description="Keep a state iff σ̂² > 0 and μ̂ < lambda_diff (PivotRL §3.2).",
-        json_schema_extra={"why": "μ̂ < lambda_diff keeps nothing when lambda_diff ≤ 0"},
+        json_schema_extra={"why": {"greater_than": "μ̂ < lambda_diff keeps nothing when lambda_diff ≤ 0",
+                                   "less_than_equal": "μ̂ ≤ 1 always, so any lambda_diff > 1 acts as 1"}},
     )
     temperature: Float = Field(
         1.0, gt=0, description="Sampling temperature of the probes.",
@@ -543,6 +549,9 @@ def _num(x: Any) -> Any:
     return int(x) if isinstance(x, float) and x.is_integer() else x
 
 
+# Errors of a value's bounds or pattern: the only ones a field's "why" explains (not type errors).
+_CONSTRAINT_ERRORS = frozenset({"greater_than", "greater_than_equal", "less_than", "less_than_equal",
+                                "string_pattern_mismatch", "multiple_of"})
 _RULES = {
     "greater_than_equal": lambda c: f"must be ≥ {_num(c['ge'])}",
     "greater_than": lambda c: f"must be > {_num(c['gt'])}",
@@ -592,7 +601,9 @@ def _describe(err: Mapping[str, Any]) -> str:
         rule = str(err["msg"]).removeprefix("Value error, ")
     extra = getattr(info, "json_schema_extra", None)
     why = extra.get("why") if isinstance(extra, dict) else None
-    if why and etype not in ("missing",):
+    if isinstance(why, dict):  # one reason per violated bound, keyed by pydantic's error type
+        why = why.get(etype)
+    if why and etype in _CONSTRAINT_ERRORS:
         rule += f" ({why})"
     if etype == "missing":
         return f"{path}: {rule}"

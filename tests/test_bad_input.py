@@ -126,6 +126,20 @@ def test_quarantine_skips_counts_and_describes_bad_records(tmp_path):
     assert not [f for f in leftovers(tmp_path / "root") if f.startswith(".tmp/")]
 
 
+def test_a_source_with_no_trajectory_is_an_error_naming_the_source(tmp_path):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_bytes(b"\n\n")
+    cfg = chat_config(tmp_path, str(empty))
+    with pytest.raises(DataError, match=r"data\.sources\.0 \(.*empty\.jsonl\) gave no trajectories: the source is empty"):
+        build_demonstrations(cfg, ArtifactStore(cfg.run.storage_root))
+    bad = tmp_path / "bad.jsonl"
+    bad.write_bytes(bad_lines()[1] + b"\n" + bad_lines()[2] + b"\n")
+    cfg = chat_config(tmp_path, str(bad), "data.on_invalid=quarantine")
+    with pytest.raises(DataError, match=r"bad\.jsonl\) gave no trajectories: all 2 records were invalid; the first: "):
+        build_demonstrations(cfg, ArtifactStore(cfg.run.storage_root))
+    assert leftovers(tmp_path / "root") == []
+
+
 def test_a_malformed_parquet_file_is_named_and_nothing_is_written(tmp_path):
     src = tmp_path / "demo.parquet"
     src.write_bytes(b"PAR1" + b"\x00garbage, not a footer" * 10)

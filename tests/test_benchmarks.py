@@ -14,6 +14,9 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 from _common import md_table, parse_md_tables  # noqa: E402
 
+# Several processes each (launchers, stage subprocesses, benchmark scripts): not in `make test-fast`.
+pytestmark = pytest.mark.integration
+
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory) -> Path:

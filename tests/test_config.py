@@ -110,6 +110,19 @@ def test_error_names_key_value_and_rule():
     assert _problems(e.value) == ["probing.num_probes = 1: must be ≥ 2 (σ̂² needs two probes)"]
 
 
+def test_a_reason_explains_only_the_bound_it_was_written_for():
+    def problem(override):
+        with pytest.raises(ConfigError) as e:
+            load_config(None, [override])
+        return _problems(e.value)[0]
+
+    assert problem("probing.lambda_diff=0") == (
+        "probing.lambda_diff = 0: must be > 0 (μ̂ < lambda_diff keeps nothing when lambda_diff ≤ 0)")
+    assert problem("probing.lambda_diff=1.5") == (
+        "probing.lambda_diff = 1.5: must be ≤ 1 (μ̂ ≤ 1 always, so any lambda_diff > 1 acts as 1)")
+    assert problem("training.group_size=abc") == "training.group_size = 'abc': must be an integer"
+
+
 def test_every_problem_is_listed_at_once(tmp_path):
     path = tmp_path / "bad.yaml"
     path.write_text(

@@ -14,6 +14,9 @@ from pivotrl.training.deepspeed_utils import free_port
 from pivotrl.training.launch import launch
 from pivotrl.training.pivotrl import Group
 
+# Several processes each (launchers, stage subprocesses, benchmark scripts): not in `make test-fast`.
+pytestmark = pytest.mark.integration
+
 
 def _batches() -> list[list[Group]]:
     gen = torch.Generator().manual_seed(0)

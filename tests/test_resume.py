@@ -22,6 +22,9 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
+# Several processes each (launchers, stage subprocesses, benchmark scripts): not in `make test-fast`.
+pytestmark = pytest.mark.integration
+
 REPO = Path(__file__).resolve().parent.parent
 
 CHILD = textwrap.dedent(

@@ -127,6 +127,19 @@ def test_bad_settings_are_config_errors():
         SandboxPool(functions={"x": "no_colon"})
 
 
+def test_a_killed_worker_leaves_no_scratch_directory():
+    with SandboxPool(timeout_s=1.0, memory_mb=256) as p:
+        p.call("echo", 1)
+        (first,) = list(p._all)
+        assert os.path.isdir(first.base_dir)
+        with pytest.raises(SandboxError):
+            p.call("sleep", {"seconds": None})  # timed out: the worker is SIGKILLed and replaced
+        assert not os.path.exists(first.base_dir)
+        p.call("echo", 2)
+        (second,) = list(p._all)
+    assert second.base_dir != first.base_dir and not os.path.exists(second.base_dir)
+
+
 def test_closed_pool_leaves_no_worker_running():
     p = SandboxPool(timeout_s=5.0, memory_mb=256)
     p.call("echo", 1)

@@ -153,8 +153,10 @@ class _Worker:
         env["PYTHONDONTWRITEBYTECODE"] = "1"
         env.setdefault("OMP_NUM_THREADS", "1")
         self._stderr = tempfile.TemporaryFile()
+        # The worker's scratch directory belongs to this side: a killed worker cannot remove it.
+        self.base_dir = tempfile.mkdtemp(prefix="pivotrl-sandbox-")
         self.proc = subprocess.Popen(
-            [sys.executable, "-u", "-m", "pivotrl.envs.sandbox", json.dumps(dict(settings))],
+            [sys.executable, "-u", "-m", "pivotrl.envs.sandbox", json.dumps({**settings, "base_dir": self.base_dir})],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=self._stderr,
@@ -235,6 +237,7 @@ class _Worker:
                     f.close()
             except OSError:
                 pass
+        shutil.rmtree(self.base_dir, ignore_errors=True)
 
     def shutdown(self) -> None:
         if self.proc.poll() is None and self.proc.stdin is not None:
@@ -467,7 +470,7 @@ def _worker_main(settings: Mapping[str, Any]) -> None:
         sys.path.insert(0, bfcl_root)
     functions: Mapping[str, str] = settings["functions"]
     resolved: dict[str, Callable[[Any, Mapping[str, Any]], Any]] = {}
-    base_dir = tempfile.mkdtemp(prefix="pivotrl-sandbox-")
+    base_dir = settings.get("base_dir") or tempfile.mkdtemp(prefix="pivotrl-sandbox-")
 
     while True:
         header = proto_in.read(_HEADER.size)

@@ -46,23 +46,33 @@ def load_sources(cfg: RunConfig, quarantine: list[dict[str, Any]]) -> list[Traje
     from pivotrl.data.bfcl import load_bfcl
     from pivotrl.data.sources import load_trajectories
 
+    from pivotrl.errors import DataError
+
     trajs: list[Trajectory] = []
-    for src in cfg.data.sources:
+    for i, src in enumerate(cfg.data.sources):
+        before = len(quarantine)
         if src.kind == "bfcl":
-            trajs += load_bfcl(
+            got = load_bfcl(
                 src.categories,
                 cache_dir(cfg),
                 limit_per_category=src.limit_per_category,
                 on_invalid=cfg.data.on_invalid,
                 quarantine=quarantine,
             )
+            name = f"bfcl categories {', '.join(src.categories)}"
         else:
-            trajs += load_trajectories(src.url, on_invalid=cfg.data.on_invalid, quarantine=quarantine)
+            got = load_trajectories(src.url, on_invalid=cfg.data.on_invalid, quarantine=quarantine)
+            name = src.url
+        if not got:
+            bad = len(quarantine) - before
+            first = quarantine[before].get("error", "") if bad else ""
+            raise DataError(f"data.sources.{i} ({name}) gave no trajectories"
+                            + (f": all {bad} records were invalid; the first: {first}" if bad else
+                               ": the source is empty"))
+        trajs += got
     seen: set[str] = set()
     for t in trajs:
         if t.id in seen:
-            from pivotrl.errors import DataError
-
             raise DataError(f"trajectory id {t.id!r} appears in more than one record")
         seen.add(t.id)
     return trajs
