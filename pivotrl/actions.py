@@ -46,6 +46,7 @@ import math
 import re
 import tokenize
 import unicodedata
+import warnings
 from typing import Any, Mapping, Sequence
 
 from pivotrl.data.schema import Message, ToolCall, ToolSpec
@@ -207,11 +208,17 @@ def _raw_call(node: ast.AST) -> _RawCall:
     return name, positional, keywords
 
 
+# Model output such as ``[f(x=1st)]`` makes the compiler warn ("invalid decimal literal") before it
+# fails; the parse error is the answer, the warning is noise. Only sources parsed under this name.
+_PARSE_FILENAME = "<action>"
+warnings.filterwarnings("ignore", category=SyntaxWarning, module=_PARSE_FILENAME)
+
+
 def _parse_expr(text: str) -> ast.expr:
     """Parse ``text`` as one expression spanning the whole (stripped) text, without comments."""
     text = text.replace("\r\n", "\n").replace("\r", "\n")  # the newlines Python itself accepts
     try:
-        tree = ast.parse(text, mode="eval")
+        tree = ast.parse(text, filename=_PARSE_FILENAME, mode="eval")
     except (SyntaxError, ValueError, RecursionError, MemoryError) as e:
         raise ActionParseError(f"not a valid call list: {type(e).__name__}: {e}") from None
     body = tree.body

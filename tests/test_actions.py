@@ -216,3 +216,15 @@ def test_fuzz_format_parse_round_trip_and_prefixes_viable(args):
 )
 def test_is_viable_prefix(prefix, viable):
     assert is_viable_prefix(prefix) is viable
+
+
+def test_parsing_model_text_prints_no_compiler_warnings():
+    import subprocess
+    import sys
+
+    code = ("from pivotrl.actions import parse_action\n"
+            "for t in ['[f(x=1st)]', '[f(x=1if 2 else 3)]', '[f(x=0x)]']:\n"
+            "    try:\n        parse_action(t)\n    except Exception:\n        pass\n")
+    proc = subprocess.run([sys.executable, "-W", "always", "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "SyntaxWarning" not in proc.stderr and "invalid decimal literal" not in proc.stderr, proc.stderr
