@@ -123,7 +123,7 @@ def _stage_process_start_s() -> float:
     return time.perf_counter() - t0
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, work: Path | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default=str(ROOT / "configs" / "smoke.yaml"))
     ap.add_argument("--model", default=None, help="model.source (default: a fresh tiny checkpoint)")
@@ -136,8 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--keep", action="store_true", help="keep the temporary directory (store, flow log) afterwards")
     args = ap.parse_args(argv)
 
-    work = Path(tempfile.mkdtemp(prefix="pivotrl-bench-pipeline-"))
-    _WORK_DIRS.append(work)
+    work = work or Path(tempfile.mkdtemp(prefix="pivotrl-bench-pipeline-"))
     os.environ["PREFECT_HOME"] = str(work / "prefect-home")
     os.environ.pop("PREFECT_API_URL", None)
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
@@ -211,24 +210,19 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-_WORK_DIRS: list[Path] = []
-
-
 def _main_cleaning_up(argv: list[str] | None = None) -> int:
-    """``main``; its temporary directory (Prefect home, tiny model, store, flow log) is removed after a
+    """``main`` in a temporary directory (Prefect home, tiny model, store, flow log), removed after a
     successful run unless ``--keep`` is given, and kept (its path printed) after a failure."""
-    keep = "--keep" in (argv if argv is not None else sys.argv[1:])
+    work = Path(tempfile.mkdtemp(prefix="pivotrl-bench-pipeline-"))
     try:
-        rc = main(argv)
+        rc = main(argv, work)
     except BaseException:
-        for d in _WORK_DIRS:
-            print(f"kept for inspection: {d}", file=sys.stderr)
+        print(f"kept for inspection: {work}", file=sys.stderr)
         raise
-    for d in _WORK_DIRS:
-        if keep:
-            print(f"kept: {d}")
-        else:
-            shutil.rmtree(d, ignore_errors=True)
+    if "--keep" in (argv if argv is not None else sys.argv[1:]):
+        print(f"kept: {work}")
+    else:
+        shutil.rmtree(work, ignore_errors=True)
     return rc
 
 

@@ -41,10 +41,7 @@ def _preflight(cfg) -> None:
     try:
         check_model_source(cfg.model.source)
     except ModelError as e:
-        hint = ("\n(the smoke config's tiny model is created by `make smoke`, or once with: .venv/bin/python -c "
-                "\"from pivotrl.testing import save_tiny_checkpoint as s; s('runs/smoke/tiny-model')\")"
-                if "tiny-model" in str(cfg.model.source) else "")
-        typer.echo(f"model error: {e}{hint}", err=True)
+        typer.echo(f"model error: {e}\n(the smoke config's tiny model is created by `make smoke`)", err=True)
         raise typer.Exit(2)
 
 

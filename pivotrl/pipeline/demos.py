@@ -18,6 +18,7 @@ import pandas as pd
 
 from pivotrl.config import RunConfig
 from pivotrl.data.schema import Trajectory, canonical_json, content_hash
+from pivotrl.errors import DataError
 from pivotrl.storage import ArtifactStore
 
 DATA_FORMAT_VERSION = 1
@@ -45,8 +46,6 @@ def load_sources(cfg: RunConfig, quarantine: list[dict[str, Any]]) -> list[Traje
     """Load every configured source; invalid records raise or go to ``quarantine``."""
     from pivotrl.data.bfcl import load_bfcl
     from pivotrl.data.sources import load_trajectories
-
-    from pivotrl.errors import DataError
 
     trajs: list[Trajectory] = []
     for i, src in enumerate(cfg.data.sources):

@@ -13,12 +13,12 @@ prompts: fp32 agrees with a transformers forward to ≤ 3e-5 per token; bf16 dif
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import math
 import os
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Sequence
+from unittest import mock
 
 from pivotrl.errors import ConfigError, ModelError
 from pivotrl.rollout.base import (
@@ -93,7 +93,8 @@ class VLLMEngine:
             bind = cpu_bind_list(cpu_threads, os.environ)
         self.cpu_bind = bind or os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
         try:
-            with _scoped_env({"VLLM_CPU_OMP_THREADS_BIND": bind} if bind else {}):
+            # Set only while the engine process starts (it inherits the environment).
+            with mock.patch.dict(os.environ, {"VLLM_CPU_OMP_THREADS_BIND": bind} if bind else {}):
                 self.llm = LLM(
                     model=self.model_dir,
                     dtype=normalise_dtype(dtype),
@@ -261,21 +262,6 @@ def _is_cpu_platform() -> bool:
         return bool(current_platform.is_cpu())
     except Exception:  # noqa: BLE001 - platform detection failing means "not the CPU build"
         return False
-
-
-@contextlib.contextmanager
-def _scoped_env(values: dict[str, str]) -> Iterator[None]:
-    """Set environment variables for the duration of the block (the engine process inherits them)."""
-    old = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def _refresh_tied_head(model: Any) -> bool:
