@@ -31,14 +31,15 @@ def cache_dir(cfg: RunConfig) -> Path:
 
 def demos_key(cfg: RunConfig) -> str:
     """Content address of the demonstration artifacts: data section, the identity (size, mtime,
-    ETag) of every demonstration file, format version."""
+    ETag) of every demonstration file, format version, and the loaders' and environments' code."""
+    from pivotrl.code_digest import stage_code_digest
     from pivotrl.pipeline.common import inputs_fingerprint
 
     # The files behind the URLs count, not just the URLs: a demonstration file replaced in place
     # gives a new key.
     return "demos/" + content_hash(
         {"data": cfg.data.model_dump(mode="json"), "files": inputs_fingerprint(cfg)["data"],
-         "version": DATA_FORMAT_VERSION}
+         "version": DATA_FORMAT_VERSION, "code": stage_code_digest("demonstrations")}
     )[:16]
 
 

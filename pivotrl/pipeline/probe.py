@@ -222,10 +222,14 @@ def stats_markdown(stats: dict[str, Any]) -> str:
 def probe_key(candidates_hash: str, ref_hash: str, probing: dict[str, Any], verifier: dict[str, Any],
               prompt: dict[str, Any], engine: Any) -> str:
     """Content address of a probe table: candidates, reference weights, probing/verifier/prompt
-    settings and the engine settings that change samples (name, max_tokens, dtype, context) —
-    λ_diff excluded: changing it re-filters without re-probing."""
+    settings, the engine settings that change samples (name, max_tokens, dtype, context) and the
+    code that decides the rewards (verifiers, parser, renderer, environments, sampling: see
+    :mod:`pivotrl.code_digest`) — λ_diff excluded: changing it re-filters without re-probing."""
+    from pivotrl.code_digest import stage_code_digest
+
     probing = {k: v for k, v in probing.items() if k != "lambda_diff"}
     return "probes/" + content_hash(
         {"candidates": candidates_hash, "reference": ref_hash, "probing": probing, "verifier": verifier,
-         "prompt": prompt, "engine": engine, "version": PROBE_VERSION}
+         "prompt": prompt, "engine": engine, "version": PROBE_VERSION,
+         "code": stage_code_digest("probe")}
     )[:16]

@@ -19,6 +19,7 @@ from typing import Any
 import pandas as pd
 
 from pivotrl.config import RunConfig, config_hash
+from pivotrl.code_digest import stage_code_digest
 from pivotrl.data.schema import content_hash
 from pivotrl.errors import StateTooLongError, TrainingError, VerifierError
 from pivotrl.pipeline.common import (
@@ -57,7 +58,7 @@ def stage_reference(cfg: RunConfig, store: ArtifactStore, demos: dict[str, Any])
     ws = cfg.warm_start.model_dump(mode="json")
     key = "models/warm_start/" + content_hash(
         {"base": base_hash, "demos": demos["key"], "warm_start": ws, "prompt": cfg.prompt.model_dump(mode="json"),
-         "dtype": cfg.model.dtype, "seed": cfg.run.seed})[:16]
+         "dtype": cfg.model.dtype, "seed": cfg.run.seed, "code": stage_code_digest("reference")})[:16]
     out["ref_key"] = key
     if store.exists(f"{key}/_COMPLETE") and store.exists(f"{key}.sft.json"):
         out["sft"] = store.read_json(f"{key}.sft.json")
@@ -204,7 +205,7 @@ def stage_train(cfg: RunConfig, store: ArtifactStore, probe: dict[str, Any], ref
                                     "reference": ref["ref_hash"], "training": tr.model_dump(mode="json"),
                                     "rollout": cfg.rollout.model_dump(mode="json"), "verifier": cfg.verifier.model_dump(mode="json"),
                                     "prompt": cfg.prompt.model_dump(mode="json"), "dtype": cfg.model.dtype,
-                                    "seed": cfg.run.seed})[:16]
+                                    "seed": cfg.run.seed, "code": stage_code_digest("train")})[:16]
     final_key = f"{tkey}/policy"
     if store.exists(f"{tkey}/summary.json") and store.exists(f"{tkey}/metrics.parquet"):
         summary = store.read_json(f"{tkey}/summary.json")
@@ -407,11 +408,10 @@ def _save_checkpoint(store: ArtifactStore, trainer: Any, key: str, rows: list[di
 
 
 def _latest_checkpoint(store: ArtifactStore, prefix: str) -> str | None:
-    """Key of the newest checkpoint whose every rank published (``ranks.json`` exists), or None."""
-    try:
-        keys = store.list(prefix)
-    except Exception:
-        return None
+    """Key of the newest checkpoint whose every rank published (``ranks.json`` exists), or None
+    when there is none. A storage failure is not "no checkpoint" (that would silently restart
+    training from step 0): the store retries transient failures, then its StorageError propagates."""
+    keys = store.list(prefix)
     steps = sorted({k.split("/step-")[1].split("/")[0] for k in keys if "/step-" in k and k.endswith("/ranks.json")})
     return f"{prefix}/step-{steps[-1]}" if steps else None
 
@@ -467,7 +467,8 @@ def stage_evaluate(cfg: RunConfig, store: ArtifactStore, demos: dict[str, Any], 
     ev = cfg.evaluation
     ekey = "eval/" + content_hash({"demos": demos["key"], "base": ref["base_hash"], "ref": ref["ref_hash"],
                                    "train": train["train_key"], "evaluation": ev.model_dump(mode="json"),
-                                   "prompt": cfg.prompt.model_dump(mode="json"), "rollout": cfg.rollout.model_dump(mode="json")})[:16]
+                                   "prompt": cfg.prompt.model_dump(mode="json"), "rollout": cfg.rollout.model_dump(mode="json"),
+                                   "code": stage_code_digest("evaluate")})[:16]
     if store.exists(f"{ekey}/report.json"):
         return {"eval_key": ekey, "report_json": store.url(f"{ekey}/report.json"),
                 "report_md": store.url(f"{ekey}/report.md"), "report": store.read_json(f"{ekey}/report.json")}

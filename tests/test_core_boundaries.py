@@ -1,0 +1,62 @@
+"""The pure core imports without Prefect, vLLM or DeepSpeed (and, where it needs no tensors, torch).
+
+Every module of the core packages is imported in a fresh interpreter in which any import of a
+blocked backend fails, so a stray top-level import anywhere in the core breaks this test.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+PKG = REPO / "pivotrl"
+
+#: The core: math, data model, verifiers, parsers, renderers, config, storage.
+CORE = ("objective", "filtering", "data", "verifiers", "envs", "actions", "prompts", "config", "storage",
+        "registry", "errors", "faults", "code_digest", "lineage")
+
+
+def _modules(name: str) -> list[str]:
+    path = PKG / name
+    if path.is_dir():
+        return sorted("pivotrl." + ".".join(p.relative_to(PKG).with_suffix("").parts).removesuffix(".__init__")
+                      for p in path.rglob("*.py"))
+    return [f"pivotrl.{name}"]
+
+
+CORE_MODULES = sorted({m for name in CORE for m in _modules(name)})
+
+
+def _import_blocked(modules: list[str], blocked: tuple[str, ...]) -> subprocess.CompletedProcess:
+    code = (
+        "import importlib, sys\n"
+        f"for name in {blocked!r}:\n"
+        "    sys.modules[name] = None  # any import of them now fails\n"
+        f"for m in {modules!r}:\n"
+        "    importlib.import_module(m)\n"
+        "print('ok')\n"
+    )
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120)
+
+
+def test_the_core_list_covers_real_modules():
+    assert len(CORE_MODULES) >= 25
+    for m in CORE_MODULES:
+        assert (PKG / Path(*m.split(".")[1:])).with_suffix(".py").exists() or (PKG / Path(*m.split(".")[1:])).is_dir()
+
+
+def test_every_core_module_imports_without_prefect_vllm_deepspeed():
+    out = _import_blocked(CORE_MODULES, ("prefect", "vllm", "deepspeed"))
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip() == "ok"
+
+
+@pytest.mark.parametrize("blocked", [("prefect",), ("vllm",), ("deepspeed",)])
+def test_a_blocked_backend_really_fails_to_import(blocked):
+    # The blocking mechanism itself works: importing the blocked package fails.
+    out = _import_blocked(list(blocked), blocked)
+    assert out.returncode != 0 and "import of " + blocked[0] + " halted" in out.stderr

@@ -1,0 +1,112 @@
+"""Stage keys cover the code that decides the stage's output, and resume never mistakes a storage
+outage for "no checkpoint".
+
+A verifier edited in place (same commit, same config) must give a new probe key, or probing would
+reuse stale rewards; an edit to code the probe stage does not run (the report) must not.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pivotrl.code_digest import STAGE_CODE, code_digest, stage_code_digest
+from pivotrl.errors import ConfigError, StorageError
+
+REPO = Path(__file__).resolve().parent.parent
+
+KEYS = """
+import json
+from pivotrl.config import RunConfig
+from pivotrl.pipeline.demos import demos_key
+from pivotrl.pipeline.probe import probe_key
+cfg = RunConfig()
+print(json.dumps({"probe": probe_key("c" * 64, "r" * 64, cfg.probing.model_dump(mode="json"),
+                                     cfg.verifier.model_dump(mode="json"), cfg.prompt.model_dump(mode="json"),
+                                     {"engine": "hf"}),
+                  "demos": demos_key(cfg)}))
+"""
+
+
+def _keys(tree: Path) -> dict[str, str]:
+    import json
+
+    out = subprocess.run([sys.executable, "-c", KEYS], capture_output=True, text=True, cwd=tree, timeout=120,
+                         env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(tree), "HOME": str(tree)})
+    assert out.returncode == 0, out.stderr[-2000:]
+    return json.loads(out.stdout)
+
+
+@pytest.fixture()
+def tree(tmp_path):
+    """A copy of the package to edit (the checkout itself is never touched)."""
+    shutil.copytree(REPO / "pivotrl", tmp_path / "pivotrl", ignore=shutil.ignore_patterns("__pycache__"))
+    return tmp_path
+
+
+def test_editing_a_verifier_changes_the_probe_key_and_nothing_else_does(tree):
+    before = _keys(tree)
+    report = tree / "pivotrl" / "evaluation" / "report.py"
+    report.write_text(report.read_text() + "\n# a report-only change\n")
+    assert _keys(tree) == before  # the probe stage does not run the report
+
+    verifier = tree / "pivotrl" / "verifiers" / "tool_name.py"
+    verifier.write_text(verifier.read_text() + "\n# a changed acceptance rule\n")
+    after = _keys(tree)
+    assert after["probe"] != before["probe"]
+    assert after["demos"] == before["demos"]  # loading demonstrations does not run verifiers
+
+
+@pytest.mark.parametrize("module", ["actions.py", "prompts.py", "envs/bfcl.py", "rollout/base.py"])
+def test_parser_renderer_environment_and_sampling_code_are_in_the_probe_key(tree, module):
+    before = _keys(tree)["probe"]
+    f = tree / "pivotrl" / module
+    f.write_text(f.read_text() + "\n# changed\n")
+    assert _keys(tree)["probe"] != before
+
+
+def test_every_stage_digest_is_stable_and_distinct():
+    digests = {s: stage_code_digest(s) for s in STAGE_CODE}
+    assert all(len(d) == 64 for d in digests.values())
+    assert len(set(digests.values())) == len(digests)
+    assert code_digest(STAGE_CODE["probe"]) == digests["probe"]
+
+
+def test_unknown_stage_or_module_names_the_valid_ones():
+    with pytest.raises(ConfigError, match="valid: demonstrations, reference, probe, train, evaluate"):
+        stage_code_digest("nope")
+    with pytest.raises(ConfigError, match="pivotrl.nope"):
+        code_digest(("pivotrl.nope",))
+
+
+class _Flaky:
+    """A file system whose listing fails with a transient error (a storage outage)."""
+
+    def __init__(self, fs):
+        self._fs, self.calls = fs, 0
+
+    def find(self, *a, **k):
+        self.calls += 1
+        raise ConnectionError("connection reset by peer")
+
+    def __getattr__(self, name):
+        return getattr(self._fs, name)
+
+
+def test_resume_retries_then_raises_on_a_storage_outage_never_restarts_from_step_0(tmp_path):
+    from pivotrl.pipeline.stages import _latest_checkpoint
+    from pivotrl.storage import ArtifactStore, RetryPolicy
+
+    store = ArtifactStore("memory://resume-outage", retry=RetryPolicy(attempts=3, base_delay_s=0.0))
+    store.write_json("train/k/checkpoints/step-000002/ranks.json", {"world_size": 1})
+    assert _latest_checkpoint(store, "train/k/checkpoints") == "train/k/checkpoints/step-000002"
+    assert _latest_checkpoint(store, "train/other/checkpoints") is None  # none yet: a fresh start
+
+    store.fs = _Flaky(store.fs)
+    with pytest.raises(StorageError, match="after 3 attempts"):
+        _latest_checkpoint(store, "train/k/checkpoints")
+    assert store.fs.calls == 3
