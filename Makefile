@@ -24,9 +24,9 @@ install: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -ra
 
-# Everything but the vLLM, real-model (slow) and multi-process (integration) tests: about a minute.
+# Offline: everything but the vLLM, real-model (slow), downloaded-data and multi-process tests.
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -q -m "not slow and not vllm and not integration" -x
+	$(BIN)/python -m pytest -q -m "not slow and not vllm and not integration and not data" -x
 
 # The nightly pipeline on the embedded default config (CPU, local artifact root).
 run: $(STAMP)

@@ -19,6 +19,9 @@ from pivotrl.data.schema import ToolCall
 from pivotrl.envs.bfcl import BFCLEnvironment, replay
 from pivotrl.errors import ConfigError, DataError
 
+# Needs the pinned BFCL data (downloaded once into the cache): not in `make test-fast`.
+pytestmark = pytest.mark.data
+
 
 @pytest.fixture(scope="session")
 def cache_dir() -> Path:

@@ -31,6 +31,9 @@ from pivotrl.rollout.base import Generation, SamplingConfig
 from pivotrl.testing import tiny_llama, tiny_tokenizer
 from pivotrl.verifiers import get_verifier
 
+# Needs the pinned BFCL data (downloaded once into the cache): not in `make test-fast`.
+pytestmark = pytest.mark.data
+
 BIG_CONTEXT = 1 << 16
 GREEDY = SamplingConfig(n=1, temperature=0.0, max_tokens=32)
 

@@ -213,12 +213,10 @@ def _cache_dir() -> Path:
 @pytest.fixture(scope="module")
 def bfcl_multi_turn():
     bfcl = pytest.importorskip("pivotrl.data.bfcl")
-    try:
-        return bfcl.load_bfcl(["multi_turn_base"], _cache_dir())
-    except Exception as e:  # noqa: BLE001 - no cached wheel and no package index
-        pytest.skip(f"BFCL data not available: {e}")
+    return bfcl.load_bfcl(["multi_turn_base"], _cache_dir())  # the pinned wheel (downloaded once)
 
 
+@pytest.mark.data
 def test_prefix_property_on_real_bfcl_trajectories(tok, bfcl_multi_turn):
     from pivotrl.data.states import extract_turn_states
 
@@ -244,6 +242,7 @@ def _smollm2_tokenizer():
     return AutoTokenizer.from_pretrained(str(directory))
 
 
+@pytest.mark.data
 def test_real_bfcl_multi_turn_prompt_lengths_with_smollm2(bfcl_multi_turn):
     from pivotrl.data.states import extract_turn_states
 

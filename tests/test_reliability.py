@@ -23,6 +23,9 @@ from pivotrl.pipeline.common import make_verifier
 from pivotrl.pipeline.probe import apply_pivot_filter, pivot_stats, probe_states, stats_markdown
 from pivotrl.rollout.base import SamplingConfig
 
+# Needs the pinned BFCL data (downloaded once into the cache): not in `make test-fast`.
+pytestmark = pytest.mark.data
+
 PROMPT = {"tool_style": "compact", "max_tool_output_chars": 2000}
 M = 4
 MAX_TOKENS = 32

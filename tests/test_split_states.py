@@ -13,6 +13,9 @@ from pivotrl.data.split import SPLIT_NAMES, split_trajectories
 from pivotrl.data.states import extract_turn_states, frame_to_states, states_to_frame
 from pivotrl.errors import ConfigError, DataError
 
+# Needs the pinned BFCL data (downloaded once into the cache): not in `make test-fast`.
+pytestmark = pytest.mark.data
+
 
 @pytest.fixture(scope="session")
 def trajs():

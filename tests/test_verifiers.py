@@ -192,11 +192,8 @@ def _cache_dir() -> Path:
 @pytest.fixture(scope="module")
 def bfcl():
     mod = pytest.importorskip("pivotrl.data.bfcl")
-    try:
-        root = mod.ensure_bfcl(_cache_dir())
-        trajs = mod.load_bfcl(["multi_turn_base", "simple_python"], _cache_dir(), limit_per_category=4)
-    except Exception as e:  # noqa: BLE001 - no cached wheel and no package index
-        pytest.skip(f"BFCL data not available: {e}")
+    root = mod.ensure_bfcl(_cache_dir())  # the pinned, hash-checked wheel (downloaded once)
+    trajs = mod.load_bfcl(["multi_turn_base", "simple_python"], _cache_dir(), limit_per_category=4)
     from pivotrl.data.states import extract_turn_states
 
     states = {s.state_id: s for t in trajs for s in extract_turn_states(t)}
@@ -210,6 +207,7 @@ def execution(bfcl):
         yield get_verifier("execution", pool=pool)
 
 
+@pytest.mark.data
 def test_demo_actions_are_accepted_by_all_three_verifiers(bfcl, execution):
     _, states = bfcl
     multi = [s for s in states.values() if s.category == "multi_turn_base"]
@@ -226,6 +224,7 @@ def test_demo_actions_are_accepted_by_all_three_verifiers(bfcl, execution):
         assert [r.accepted for v in verifiers[:2] for r in v.score(state, [demo])] == [True, True]
 
 
+@pytest.mark.data
 def test_functionally_equal_alternatives_pass_execution_but_not_arguments(bfcl, execution):
     _, states = bfcl
     arguments = get_verifier("arguments")
@@ -245,6 +244,7 @@ def test_functionally_equal_alternatives_pass_execution_but_not_arguments(bfcl, 
         assert not r.accepted and r.reason.startswith(("wrong_value", "missing_argument")), (state_id, r)
 
 
+@pytest.mark.data
 def test_wrong_actions_are_rejected_in_a_real_state(bfcl, execution):
     _, states = bfcl
     state = states["multi_turn_base_0#0"]  # demo: [cd(folder='document')]
@@ -271,6 +271,7 @@ def test_wrong_actions_are_rejected_in_a_real_state(bfcl, execution):
     assert [r.reward for r in get_verifier("tool_name").score(state, actions)] == [1.0] + [0.0] * 6
 
 
+@pytest.mark.data
 def test_execution_batches_one_sandbox_request_per_state(bfcl, execution):
     _, states = bfcl
     state = states["multi_turn_base_0#2"]  # after cd + mkdir; demo: mv final_report.pdf → temp
@@ -281,6 +282,7 @@ def test_execution_batches_one_sandbox_request_per_state(bfcl, execution):
     assert execution.stats.calls == before + 1
 
 
+@pytest.mark.data
 def test_simple_python_alternative_acceptable_value(bfcl):
     _, states = bfcl
     state = states["simple_python_0#0"]  # base [10], height [5], unit ["units", ""]
@@ -301,6 +303,7 @@ def test_simple_python_alternative_acceptable_value(bfcl):
     assert get_verifier("auto").score(state, actions[:1])[0].accepted
 
 
+@pytest.mark.data
 def test_auto_uses_execution_for_multi_turn_calls_and_tool_name_for_text(bfcl):
     root, states = bfcl
     auto = get_verifier("auto", bfcl_root=str(root), timeout_s=30.0, retries=1)
@@ -318,6 +321,7 @@ def test_auto_uses_execution_for_multi_turn_calls_and_tool_name_for_text(bfcl):
         auto.close()
 
 
+@pytest.mark.data
 def test_sandbox_failure_is_a_verifier_error_not_a_zero(bfcl):
     root, states = bfcl
     state = states["multi_turn_base_0#0"]
