@@ -21,7 +21,7 @@ Z = 1.959963984540054
 def test_wilson_known_bounds():
     # 0/10: low 0, high z²/(n+z²) = 3.84146/13.84146.
     lo, hi = wilson_interval(0, 10)
-    assert lo == 0.0 and hi == pytest.approx(Z * Z / (10 + Z * Z), abs=1e-12) and hi == pytest.approx(0.27753, abs=1e-5)
+    assert lo == pytest.approx(0.0, abs=1e-12) and hi == pytest.approx(Z * Z / (10 + Z * Z), abs=1e-12) and hi == pytest.approx(0.27753, abs=1e-5)
     # 5/10: symmetric around 0.5, the textbook [0.2366, 0.7634].
     lo, hi = wilson_interval(5, 10)
     assert (lo, hi) == (pytest.approx(0.23659, abs=1e-5), pytest.approx(0.76341, abs=1e-5))
