@@ -105,7 +105,7 @@ def reference_dir(cfg: RunConfig, store: ArtifactStore, ref: dict[str, Any]) -> 
 def stage_probe(cfg: RunConfig, store: ArtifactStore, demos: dict[str, Any], ref: dict[str, Any]) -> dict[str, Any]:
     """Probe π_ref on the pivot-candidate split, then apply the pivot rule (λ_diff)."""
     from pivotrl.data.bfcl import ensure_bfcl
-    from pivotrl.data.states import frame_to_states
+    from pivotrl.data.states import candidate_kinds_for_pivots, frame_to_states
     from pivotrl.models import load_tokenizer
     from pivotrl.pipeline.probe import (
         apply_pivot_filter, pivot_stats, probe_key, probe_states, select_candidates, stats_markdown,
@@ -115,11 +115,13 @@ def stage_probe(cfg: RunConfig, store: ArtifactStore, demos: dict[str, Any], ref
     pkey = probe_key(cand_manifest.sha256, ref["ref_hash"], cfg.probing.model_dump(mode="json"),
                      cfg.verifier.model_dump(mode="json"), cfg.prompt.model_dump(mode="json"),
                      {"engine": cfg.rollout.engine, "max_tokens": cfg.rollout.max_tokens,
-                      "dtype": cfg.model.dtype, "max_context": cfg.model.max_context})
+                      "dtype": cfg.model.dtype, "max_context": cfg.model.max_context,
+                      "include_stop_decisions": cfg.quality.include_stop_decisions})
     probes_uri = store.url(f"{pkey}/probes.parquet")
     if not store.exists(f"{pkey}/probes.parquet"):
         cand = select_candidates(store.read_parquet(f"{demos['key']}/candidates.parquet"), "pivot",
-                                 cfg.probing.max_states, cfg.probing.seed)
+                                 cfg.probing.max_states, cfg.probing.seed,
+                                 kinds=candidate_kinds_for_pivots(cfg.quality.include_stop_decisions))
         states = frame_to_states(cand)
         rdir = reference_dir(cfg, store, ref)
         tok = load_tokenizer(rdir)
@@ -460,14 +462,17 @@ def stage_evaluate(cfg: RunConfig, store: ArtifactStore, demos: dict[str, Any], 
     from pivotrl.data.states import frame_to_states
     from pivotrl.evaluation.full_task import evaluate_full_tasks
     from pivotrl.evaluation.local import evaluate_local
+    from pivotrl.evaluation.comparison import compare_policies
     from pivotrl.evaluation.report import build_report
+    from pivotrl.evaluation.trust import full_task_metric, trust_sections
     from pivotrl.models import load_tokenizer
     from pivotrl.pipeline.probe import select_candidates
 
     ev = cfg.evaluation
     ekey = "eval/" + content_hash({"demos": demos["key"], "base": ref["base_hash"], "ref": ref["ref_hash"],
                                    "train": train["train_key"], "evaluation": ev.model_dump(mode="json"),
-                                   "prompt": cfg.prompt.model_dump(mode="json"), "rollout": cfg.rollout.model_dump(mode="json")})[:16]
+                                   "prompt": cfg.prompt.model_dump(mode="json"), "rollout": cfg.rollout.model_dump(mode="json"),
+                                   "quality": cfg.quality.model_dump(mode="json")})[:16]
     if store.exists(f"{ekey}/report.json"):
         return {"eval_key": ekey, "report_json": store.url(f"{ekey}/report.json"),
                 "report_md": store.url(f"{ekey}/report.md"), "report": store.read_json(f"{ekey}/report.json")}
@@ -476,7 +481,11 @@ def stage_evaluate(cfg: RunConfig, store: ArtifactStore, demos: dict[str, Any], 
     heldout = [t for t in read_trajectories(store, demos["key"], split="heldout") if t.env is not None]
     heldout = sorted(heldout, key=lambda t: t.id)[: ev.num_tasks]
     cand = store.read_parquet(f"{demos['key']}/candidates.parquet")
-    local_states = frame_to_states(select_candidates(cand, "heldout", max(ev.num_tasks * 4, 32), cfg.run.seed))
+    local_states = frame_to_states(select_candidates(cand, "heldout", max(ev.num_tasks * 4, 32), cfg.run.seed,
+                                                     kinds=("call", "text_rule")))
+    # Stop decisions (BFCL's closing "Done.") are scored apart; text turns without a rule never.
+    stop_states = frame_to_states(select_candidates(cand, "heldout", max(ev.num_tasks * 4, 32), cfg.run.seed,
+                                                    kinds=("stop",)))
     pivots = frame_to_states(store.read_parquet(f"{probe['pivots_key']}/pivots.parquet"))
     text_turn = {st.state_id: not st.demo_action.tool_calls for st in local_states}
     policies = {"base": Path(ref["base_dir"]),
@@ -499,7 +508,7 @@ def stage_evaluate(cfg: RunConfig, store: ArtifactStore, demos: dict[str, Any], 
                 df, summ = evaluate_full_tasks(engine, tok, heldout, bfcl_root=str(bfcl_root),
                                                max_steps_per_turn=ev.max_steps_per_turn, sampling=samp, seed=seed,
                                                max_context=cfg.model.max_context - cfg.rollout.max_tokens,
-                                               **prompt_kwargs(cfg))
+                                               judge=cfg.quality.judge, **prompt_kwargs(cfg))
                 df["policy"], df["seed"] = name, seed
                 per_task.append(df)
                 res.setdefault("full_task_runs", []).append(summ)
@@ -510,7 +519,9 @@ def stage_evaluate(cfg: RunConfig, store: ArtifactStore, demos: dict[str, Any], 
                 sampled = sampling_for(cfg, n=cfg.probing.num_probes, temperature=cfg.probing.temperature, seed=seed)
                 sdf, ssum = evaluate_local(engine, tok, local_states, verifier, sampling=sampled, **lkw)
                 res.setdefault("local_sampled_runs", []).append(ssum)
-                for kind, frame in (("heldout_greedy", ldf), ("heldout_sampled", sdf)):
+                stdf, stsum = evaluate_local(engine, tok, stop_states, verifier, sampling=samp, **lkw)
+                res.setdefault("local_stop_runs", []).append(stsum)
+                for kind, frame in (("heldout_greedy", ldf), ("heldout_sampled", sdf), ("stop_decisions_greedy", stdf)):
                     local_frames.append(frame.assign(policy=name, seed=seed, kind=kind))
                 # Per category, with BFCL's closing "Done." turns (text actions) apart from tool calls.
                 res["local_by_category"] = {
@@ -526,6 +537,7 @@ def stage_evaluate(cfg: RunConfig, store: ArtifactStore, demos: dict[str, Any], 
             res["local"] = res["local_heldout_runs"][0] if len(ev.seeds) == 1 else _mean_summ(res["local_heldout_runs"])
             res["local_sampled"] = (res["local_sampled_runs"][0] if len(ev.seeds) == 1
                                     else _mean_summ(res["local_sampled_runs"]))
+            res["local_stop"] = res["local_stop_runs"][0] if len(ev.seeds) == 1 else _mean_summ(res["local_stop_runs"])
             if ev.local_pivots:
                 res["local_pivots"] = res["local_pivot_runs"][0] if len(ev.seeds) == 1 else _mean_summ(res["local_pivot_runs"])
             results[name] = res
@@ -539,11 +551,16 @@ def stage_evaluate(cfg: RunConfig, store: ArtifactStore, demos: dict[str, Any], 
             if "smollm2" in cfg.model.source.lower() else "",
             "heldout_tasks": [t.id for t in heldout], "local_states": len(local_states), "pivots": len(pivots),
             "sft": ref.get("sft"), "training": train.get("summary")}
+    per_task_df, local_df = pd.concat(per_task), pd.concat(local_frames)
+    statistics = compare_policies(per_task_df, local_df, list(policies), seed=cfg.run.seed)
+    sections = trust_sections(cfg, demos.get("counts") or {}, heldout, bfcl_total=200)
+    meta["full_task_metric"], meta["full_task_metric_differs_from_bfcl"] = full_task_metric(
+        cfg.quality.judge, ev.max_steps_per_turn, len(heldout))
     with tempfile.TemporaryDirectory(dir=cache) as tmp:
         rj, rm = build_report(results, metrics_df=metrics_df, probe_df=probe_df, pivot_stats=probe["stats"],
-                              meta=meta, out_dir=tmp)
-        pd.concat(per_task).to_parquet(Path(tmp) / "full_task.parquet")
-        pd.concat(local_frames).to_parquet(Path(tmp) / "local.parquet")
+                              meta=meta, out_dir=tmp, statistics=statistics, sections=sections)
+        per_task_df.to_parquet(Path(tmp) / "full_task.parquet")
+        local_df.to_parquet(Path(tmp) / "local.parquet")
         for f in sorted(Path(tmp).iterdir()):
             if f.name != "report.json":
                 store.write_bytes(f"{ekey}/{f.name}", f.read_bytes())
