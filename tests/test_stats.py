@@ -74,3 +74,37 @@ def test_paired_bootstrap_identical_and_shifted():
     up = paired_bootstrap([1.0] * 30, [0.0] * 15 + [1.0] * 15, n_boot=1000)
     assert up.difference == pytest.approx(0.5) and up.p_value < 0.01 and up.verdict == "A better"
     assert up.low > 0
+
+
+# ------------------------------------------------------------------------ report comparisons
+def test_compare_policies_pairs_on_the_same_tasks_and_states():
+    import pandas as pd
+
+    from pivotrl.evaluation.comparison import compare_policies, comparison_markdown
+
+    a = [1, 1, 1, 1, 1, 0, 0, 0, 0, 0]  # pivotrl: 5/10
+    b = [1, 0, 0, 0, 0, 0, 0, 0, 0, 0]  # reference: 1/10; only-a 4, only-b 0 → p = 2/16
+    rows = []
+    for policy, succ in (("pivotrl", a), ("reference", b)):
+        for i, s in enumerate(succ):
+            rows.append({"policy": policy, "seed": 0, "task_id": f"t{i}", "success": bool(s),
+                         "turns_passed": 2 * s, "n_turns": 4})
+    local = pd.DataFrame([{"policy": p, "seed": 0, "kind": "heldout_greedy", "state_id": f"s{i}", "status": "ok",
+                           "n_samples": 1, "n_accepted": int(i < k)} for p, k in (("pivotrl", 3), ("reference", 3))
+                          for i in range(6)])
+    stats = compare_policies(pd.DataFrame(rows), local, ["pivotrl", "reference"])
+    full = stats["full_task"]
+    ts = full["per_policy"]["pivotrl"]["task_success"]
+    assert (ts["k"], ts["n"], ts["rate"]) == (5, 10, 0.5)
+    assert (ts["low"], ts["high"]) == (pytest.approx(0.23659, abs=1e-5), pytest.approx(0.76341, abs=1e-5))
+    assert full["per_policy"]["pivotrl"]["turn_pass"]["rate"] == pytest.approx(10 / 40)
+    (pair,) = full["pairs"]
+    assert pair["task_success"]["test"] == "exact McNemar"
+    assert (pair["task_success"]["only_a"], pair["task_success"]["only_b"]) == (4, 0)
+    assert pair["task_success"]["p_value"] == pytest.approx(0.125)
+    assert pair["task_success"]["verdict"] == "no significant difference"
+    assert pair["turn_fraction"]["test"] == "paired bootstrap" and pair["turn_fraction"]["difference"] == pytest.approx(0.2)
+    (lp,) = stats["local"]["heldout_greedy"]["pairs"]
+    assert (lp["only_a"], lp["only_b"], lp["p_value"], lp["verdict"]) == (0, 0, 1.0, "no significant difference")
+    md = "\n".join(comparison_markdown(stats))
+    assert "| pivotrl | 0.500 (5/10, 95% CI 0.237–0.763) |" in md and "no significant difference" in md

@@ -31,7 +31,7 @@ KNOWN_LIMITS: tuple[str, ...] = (
     "Finite probing misses states: a state whose m probes all failed may still have a non-zero "
     "success probability; the pivot set is an estimate.",
     "After updates a pivot may stop satisfying the filter (its success rate moves); the pivot set "
-    "is fixed before training and not re-probed.",
+    "is fixed before training and re-probed only after it (the pivot-drift table), not between epochs.",
     "Training sees demonstration histories only; the full-task run checks whether the policy copes "
     "with its own, possibly wrong, histories.",
 )

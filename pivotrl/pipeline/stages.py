@@ -466,7 +466,8 @@ def stage_evaluate(cfg: RunConfig, store: ArtifactStore, demos: dict[str, Any], 
     from pivotrl.evaluation.report import build_report
     from pivotrl.evaluation.trust import full_task_metric, trust_sections
     from pivotrl.models import load_tokenizer
-    from pivotrl.pipeline.probe import select_candidates
+    from pivotrl.evaluation.drift import drift_markdown, drift_table, zero_variance_summary
+    from pivotrl.pipeline.probe import probe_states, select_candidates
 
     ev = cfg.evaluation
     ekey = "eval/" + content_hash({"demos": demos["key"], "base": ref["base_hash"], "ref": ref["ref_hash"],
@@ -541,6 +542,12 @@ def stage_evaluate(cfg: RunConfig, store: ArtifactStore, demos: dict[str, Any], 
             if ev.local_pivots:
                 res["local_pivots"] = res["local_pivot_runs"][0] if len(ev.seeds) == 1 else _mean_summ(res["local_pivot_runs"])
             results[name] = res
+        # Pivot drift: the pivot set re-probed under the trained policy (last in `policies`), same m.
+        reprobe = probe_states(engine, tok, pivots, verifier, num_probes=cfg.probing.num_probes,
+                               sampling=sampling_for(cfg, n=cfg.probing.num_probes, temperature=cfg.probing.temperature,
+                                                     seed=cfg.probing.seed, top_p=cfg.probing.top_p, top_k=cfg.probing.top_k),
+                               max_context=cfg.model.max_context, max_tokens=cfg.rollout.max_tokens,
+                               prompt_kwargs=prompt_kwargs(cfg), progress=False) if pivots else None
     finally:
         engine.close()
         _close(verifier)
@@ -554,6 +561,11 @@ def stage_evaluate(cfg: RunConfig, store: ArtifactStore, demos: dict[str, Any], 
     per_task_df, local_df = pd.concat(per_task), pd.concat(local_frames)
     statistics = compare_policies(per_task_df, local_df, list(policies), seed=cfg.run.seed)
     sections = trust_sections(cfg, demos.get("counts") or {}, heldout, bfcl_total=200)
+    drift = None if reprobe is None else drift_table(reprobe, cfg.probing.lambda_diff)
+    pivot_mus = [float(x) for x in store.read_parquet(f"{probe['pivots_key']}/pivots.parquet").get("mu", [])]
+    zero_var = zero_variance_summary(metrics_df, cfg.training.group_size, pivot_mus)
+    sections += drift_markdown(drift, zero_var, cfg.probing.num_probes)
+    statistics["pivot_drift"], statistics["zero_variance"] = drift, zero_var
     meta["full_task_metric"], meta["full_task_metric_differs_from_bfcl"] = full_task_metric(
         cfg.quality.judge, ev.max_steps_per_turn, len(heldout))
     with tempfile.TemporaryDirectory(dir=cache) as tmp:
