@@ -401,7 +401,10 @@ class TrainingSection(Section):
 
 # ---------------------------------------------------------------------------------- evaluation
 class EvaluationSection(Section):
-    num_tasks: Int = Field(10, ge=1, description="Held-out tasks run from the start (full multi-turn task).")
+    num_tasks: Int = Field(
+        200, ge=1,
+        description="Held-out tasks run from the start (full multi-turn task); all held-out tasks when fewer.",
+    )
     max_steps_per_turn: Int = Field(
         20, ge=1,
         description="Executing model calls allowed per user turn; one more quits the task (BFCL's limit: 20).",
@@ -429,6 +432,11 @@ class QualitySection(Section):
         False,
         description="Keep tasks the data audit flagged (failing gold calls) in warm start, pivots and evaluation.",
     )
+    out_of_domain: list[str] = Field(
+        default_factory=lambda: ["parallel"],
+        description="BFCL categories never seen in warm start or training, scored locally as out-of-domain.",
+    )
+    out_of_domain_limit: Int = Field(50, ge=1, description="Records per out-of-domain category (file order).")
 
 
 # -------------------------------------------------------------------------------------- faults

@@ -109,3 +109,17 @@ def test_old_candidate_rows_without_a_kind_are_read_conservatively():
     frame["verifier_context"] = [json.dumps({k: v for k, v in json.loads(c).items() if k != "candidate_kind"})
                                  for c in frame["verifier_context"]]
     assert list(candidate_kind_column(frame)) == ["call", "text_no_rule"]
+
+
+def test_out_of_domain_categories_must_be_unseen_and_load_as_states():
+    from pivotrl.config import load_config
+    from pivotrl.errors import ConfigError
+    from pivotrl.evaluation.trust import out_of_domain_states
+
+    cfg = load_config(None, ["quality.out_of_domain_limit=3"])
+    states = out_of_domain_states(cfg, os.environ["PIVOTRL_CACHE_DIR"])
+    assert [s.category for s in states] == ["parallel"] * 3
+    assert {s.verifier_context["default_verifier"] for s in states} == {"arguments"}
+    bad = load_config(None, ["quality.out_of_domain=[multiple]"])
+    with pytest.raises(ConfigError, match=r"quality.out_of_domain = \['multiple'\]: \['multiple'\] also in data.sources"):
+        out_of_domain_states(bad, os.environ["PIVOTRL_CACHE_DIR"])

@@ -7,7 +7,7 @@ from typing import Any, Mapping, Sequence
 
 from pivotrl.evaluation.bfcl_judge import BFCL_STEP_LIMIT
 
-__all__ = ["BFCL_METRIC", "full_task_metric", "trust_sections"]
+__all__ = ["BFCL_METRIC", "full_task_metric", "out_of_domain_states", "trust_sections"]
 
 #: The leaderboard's name; used only when every setting matches BFCL's.
 BFCL_METRIC = "BFCL multi_turn_base accuracy"
@@ -62,3 +62,23 @@ def trust_sections(cfg: Any, counts: Mapping[str, Any], heldout: Sequence[Any], 
               + " and are scored apart (local accuracy: stop_decisions_greedy). Text turns with no acceptance "
               f"rule are never candidates: {counts.get('text_turns_skipped_no_rule', 0)} skipped.", ""]
     return lines
+
+
+def out_of_domain_states(cfg: Any, cache_dir: Any) -> list[Any]:
+    """Turn states of the ``quality.out_of_domain`` BFCL categories (first ``out_of_domain_limit``
+    records each). Raises ConfigError when such a category is also a training source: an
+    out-of-domain category must be one that neither the warm start nor training sees."""
+    from pivotrl.data.bfcl import load_bfcl
+    from pivotrl.data.states import extract_turn_states
+    from pivotrl.errors import ConfigError
+
+    ood = list(cfg.quality.out_of_domain)
+    if not ood:
+        return []
+    seen = {c for src in cfg.data.sources if src.kind == "bfcl" for c in src.categories}
+    overlap = sorted(set(ood) & seen)
+    if overlap:
+        raise ConfigError(f"quality.out_of_domain = {ood}: {overlap} also in data.sources; an out-of-domain "
+                          "category must never be seen by the warm start or training (remove it from one of them)")
+    trajs = load_bfcl(ood, cache_dir, limit_per_category=cfg.quality.out_of_domain_limit)
+    return [s for t in trajs for s in extract_turn_states(t)]

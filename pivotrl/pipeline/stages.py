@@ -464,7 +464,7 @@ def stage_evaluate(cfg: RunConfig, store: ArtifactStore, demos: dict[str, Any], 
     from pivotrl.evaluation.local import evaluate_local
     from pivotrl.evaluation.comparison import compare_policies
     from pivotrl.evaluation.report import build_report
-    from pivotrl.evaluation.trust import full_task_metric, trust_sections
+    from pivotrl.evaluation.trust import full_task_metric, out_of_domain_states, trust_sections
     from pivotrl.models import load_tokenizer
     from pivotrl.evaluation.drift import drift_markdown, drift_table, zero_variance_summary
     from pivotrl.pipeline.probe import probe_states, select_candidates
@@ -482,11 +482,11 @@ def stage_evaluate(cfg: RunConfig, store: ArtifactStore, demos: dict[str, Any], 
     heldout = [t for t in read_trajectories(store, demos["key"], split="heldout") if t.env is not None]
     heldout = sorted(heldout, key=lambda t: t.id)[: ev.num_tasks]
     cand = store.read_parquet(f"{demos['key']}/candidates.parquet")
-    local_states = frame_to_states(select_candidates(cand, "heldout", max(ev.num_tasks * 4, 32), cfg.run.seed,
-                                                     kinds=("call", "text_rule")))
+    n_local = max(min(ev.num_tasks * 4, 40), 32)  # held-out states for local accuracy (m samples each)
+    local_states = frame_to_states(select_candidates(cand, "heldout", n_local, cfg.run.seed, kinds=("call", "text_rule")))
     # Stop decisions (BFCL's closing "Done.") are scored apart; text turns without a rule never.
-    stop_states = frame_to_states(select_candidates(cand, "heldout", max(ev.num_tasks * 4, 32), cfg.run.seed,
-                                                    kinds=("stop",)))
+    stop_states = frame_to_states(select_candidates(cand, "heldout", n_local, cfg.run.seed, kinds=("stop",)))
+    ood_states = out_of_domain_states(cfg, cache)  # BFCL categories never trained on
     pivots = frame_to_states(store.read_parquet(f"{probe['pivots_key']}/pivots.parquet"))
     text_turn = {st.state_id: not st.demo_action.tool_calls for st in local_states}
     policies = {"base": Path(ref["base_dir"]),
@@ -522,7 +522,11 @@ def stage_evaluate(cfg: RunConfig, store: ArtifactStore, demos: dict[str, Any], 
                 res.setdefault("local_sampled_runs", []).append(ssum)
                 stdf, stsum = evaluate_local(engine, tok, stop_states, verifier, sampling=samp, **lkw)
                 res.setdefault("local_stop_runs", []).append(stsum)
-                for kind, frame in (("heldout_greedy", ldf), ("heldout_sampled", sdf), ("stop_decisions_greedy", stdf)):
+                odf, osum = (evaluate_local(engine, tok, ood_states, verifier, sampling=samp, **lkw) if ood_states
+                             else (ldf.iloc[:0], None))
+                res.setdefault("out_of_domain_runs", []).append(osum)
+                for kind, frame in (("heldout_greedy", ldf), ("heldout_sampled", sdf), ("stop_decisions_greedy", stdf),
+                                    ("out_of_domain_greedy", odf)):
                     local_frames.append(frame.assign(policy=name, seed=seed, kind=kind))
                 # Per category, with BFCL's closing "Done." turns (text actions) apart from tool calls.
                 res["local_by_category"] = {
@@ -539,6 +543,8 @@ def stage_evaluate(cfg: RunConfig, store: ArtifactStore, demos: dict[str, Any], 
             res["local_sampled"] = (res["local_sampled_runs"][0] if len(ev.seeds) == 1
                                     else _mean_summ(res["local_sampled_runs"]))
             res["local_stop"] = res["local_stop_runs"][0] if len(ev.seeds) == 1 else _mean_summ(res["local_stop_runs"])
+            res["out_of_domain"] = (None if not ood_states else res["out_of_domain_runs"][0] if len(ev.seeds) == 1
+                                    else _mean_summ(res["out_of_domain_runs"]))
             if ev.local_pivots:
                 res["local_pivots"] = res["local_pivot_runs"][0] if len(ev.seeds) == 1 else _mean_summ(res["local_pivot_runs"])
             results[name] = res
@@ -557,6 +563,8 @@ def stage_evaluate(cfg: RunConfig, store: ArtifactStore, demos: dict[str, Any], 
             "note": "SmolLM2-135M-Instruct here is dequantised from a Q4_1 GGUF, not the original bf16 weights"
             if "smollm2" in cfg.model.source.lower() else "",
             "heldout_tasks": [t.id for t in heldout], "local_states": len(local_states), "pivots": len(pivots),
+            "stop_decision_states": len(stop_states), "out_of_domain": list(cfg.quality.out_of_domain),
+            "out_of_domain_states": len(ood_states),
             "sft": ref.get("sft"), "training": train.get("summary")}
     per_task_df, local_df = pd.concat(per_task), pd.concat(local_frames)
     statistics = compare_policies(per_task_df, local_df, list(policies), seed=cfg.run.seed)
