@@ -33,7 +33,7 @@ from pivotrl.evaluation.stats import (
     wilson_interval,
 )
 
-__all__ = ["compare_policies", "comparison_markdown", "rate_with_interval"]
+__all__ = ["compare_policies", "comparison_markdown", "format_rate", "rate_with_interval", "turn_interval"]
 
 
 def rate_with_interval(k: int, n: int) -> dict[str, Any]:
@@ -164,3 +164,22 @@ def comparison_markdown(stats: dict[str, Any]) -> list[str]:
         lines += [_pair_line(f"{pair['a']} vs {pair['b']}", pair) for pair in block["pairs"]]
         lines.append("")
     return lines
+
+
+def format_rate(rate: float | None, num: Any, den: Any, interval: tuple[float, float] | None = None) -> str:
+    """``0.175 (7/40), 95% CI 0.087–0.320`` (Wilson on num/den unless ``interval`` is given);
+    "not evaluated" for a missing rate."""
+    if rate is None:
+        return "not evaluated"
+    frac = f" ({num}/{den})" if num is not None and den is not None else ""
+    if interval is None and num is not None and den:
+        interval = wilson_interval(int(num), int(den))
+    ci = f", 95% CI {interval[0]:.3f}–{interval[1]:.3f}" if interval is not None else ""
+    return f"{rate:.3f}{frac}{ci}"
+
+
+def turn_interval(statistics: dict[str, Any] | None, policy: str) -> tuple[float, float] | None:
+    """The bootstrap-over-tasks interval of a policy's turns passed / turns, if computed."""
+    per = (((statistics or {}).get("full_task") or {}).get("per_policy") or {}).get(policy) or {}
+    tp = per.get("turn_pass") or {}
+    return None if tp.get("low") is None else (tp["low"], tp["high"])

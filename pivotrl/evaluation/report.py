@@ -18,6 +18,7 @@ from typing import Any, Callable, Mapping, Sequence
 import pandas as pd
 
 from pivotrl.errors import ConfigError, StorageError
+from pivotrl.evaluation.comparison import comparison_markdown, format_rate, turn_interval
 
 __all__ = ["KNOWN_LIMITS", "POLICIES", "POLICY_ALIASES", "build_report"]
 
@@ -240,24 +241,7 @@ def _histogram(values: Sequence[float], bins: int) -> dict[str, list[float] | li
 # ---------------------------------------------------------------------------------------- markdown
 
 
-def _fmt_rate(rate: float | None, num: Any, den: Any, interval: tuple[float, float] | None = None) -> str:
-    """``0.175 (7/40)`` plus ``, 95% CI lo–hi`` (Wilson on num/den unless ``interval`` is given)."""
-    if rate is None:
-        return "not evaluated"
-    frac = f" ({num}/{den})" if num is not None and den is not None else ""
-    if interval is None and num is not None and den:
-        from pivotrl.evaluation.stats import wilson_interval
-
-        interval = wilson_interval(int(num), int(den))
-    ci = f", 95% CI {interval[0]:.3f}–{interval[1]:.3f}" if interval is not None else ""
-    return f"{rate:.3f}{frac}{ci}"
-
-
-def _turn_interval(report: Mapping[str, Any], policy: str) -> tuple[float, float] | None:
-    """The bootstrap-over-tasks interval of turns passed / turns, when statistics were given."""
-    per = (((report.get("statistics") or {}).get("full_task") or {}).get("per_policy") or {}).get(policy) or {}
-    tp = per.get("turn_pass") or {}
-    return None if tp.get("low") is None else (tp["low"], tp["high"])
+_fmt_rate = format_rate
 
 
 def _md_cell(x: Any) -> str:
@@ -293,7 +277,7 @@ def _markdown(report: Mapping[str, Any], rows: list[dict[str, Any]], plots: Mapp
             _md_cell(r["policy"]),
             _fmt_rate(r["local_pivot_accuracy"], r["local_accepted"], r["local_samples"]),
             _fmt_rate(r["full_task_success"], r["tasks_succeeded"], r["tasks"]),
-            _fmt_rate(r["turn_pass_rate"], r["turns_passed"], r["turns_total"], _turn_interval(report, r["policy"])),
+            _fmt_rate(r["turn_pass_rate"], r["turns_passed"], r["turns_total"], turn_interval(report.get("statistics"), r["policy"])),
             "n/a" if r["format_error_rate"] is None else _fmt_rate(r["format_error_rate"], r["format_errors"], r["model_calls"]),
         ]
         if with_pivots:
@@ -304,8 +288,6 @@ def _markdown(report: Mapping[str, Any], rows: list[dict[str, Any]], plots: Mapp
     if "local_vs_full_task" in plots:
         lines += [f"![local pivot accuracy vs full-task success]({plots['local_vs_full_task']})", ""]
     if report.get("statistics"):
-        from pivotrl.evaluation.comparison import comparison_markdown
-
         lines += comparison_markdown(dict(report["statistics"]))
     lines += list(sections)
     stats = report["pivot_stats"]
