@@ -520,7 +520,8 @@ def stage_evaluate(cfg: RunConfig, store: ArtifactStore, demos: dict[str, Any], 
                 sampled = sampling_for(cfg, n=cfg.probing.num_probes, temperature=cfg.probing.temperature, seed=seed)
                 sdf, ssum = evaluate_local(engine, tok, local_states, verifier, sampling=sampled, **lkw)
                 res.setdefault("local_sampled_runs", []).append(ssum)
-                stdf, stsum = evaluate_local(engine, tok, stop_states, verifier, sampling=samp, **lkw)
+                stdf, stsum = (evaluate_local(engine, tok, stop_states, verifier, sampling=samp, **lkw) if stop_states
+                               else (ldf.iloc[:0], None))
                 res.setdefault("local_stop_runs", []).append(stsum)
                 odf, osum = (evaluate_local(engine, tok, ood_states, verifier, sampling=samp, **lkw) if ood_states
                              else (ldf.iloc[:0], None))
@@ -528,7 +529,7 @@ def stage_evaluate(cfg: RunConfig, store: ArtifactStore, demos: dict[str, Any], 
                 for kind, frame in (("heldout_greedy", ldf), ("heldout_sampled", sdf), ("stop_decisions_greedy", stdf),
                                     ("out_of_domain_greedy", odf)):
                     local_frames.append(frame.assign(policy=name, seed=seed, kind=kind))
-                # Per category, with BFCL's closing "Done." turns (text actions) apart from tool calls.
+                # Per category, tool calls apart from text turns with an answer rule (stop decisions: above).
                 res["local_by_category"] = {
                     kind: {c: float(g["n_accepted"].sum() / max(1, g["n_samples"].sum()))
                            for c, g in frame[frame["status"] == "ok"].assign(
@@ -542,7 +543,8 @@ def stage_evaluate(cfg: RunConfig, store: ArtifactStore, demos: dict[str, Any], 
             res["local"] = res["local_heldout_runs"][0] if len(ev.seeds) == 1 else _mean_summ(res["local_heldout_runs"])
             res["local_sampled"] = (res["local_sampled_runs"][0] if len(ev.seeds) == 1
                                     else _mean_summ(res["local_sampled_runs"]))
-            res["local_stop"] = res["local_stop_runs"][0] if len(ev.seeds) == 1 else _mean_summ(res["local_stop_runs"])
+            res["local_stop"] = (None if not stop_states else res["local_stop_runs"][0] if len(ev.seeds) == 1
+                                 else _mean_summ(res["local_stop_runs"]))
             res["out_of_domain"] = (None if not ood_states else res["out_of_domain_runs"][0] if len(ev.seeds) == 1
                                     else _mean_summ(res["out_of_domain_runs"]))
             if ev.local_pivots:
