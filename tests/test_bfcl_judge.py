@@ -296,3 +296,27 @@ def test_judge_agreement_on_all_200_tasks(tasks, tok, bfcl_root):
 
 #: Every (task, variant) where pivotrl's own judge and BFCL's disagree (see README, "Judging").
 KNOWN_DISAGREEMENTS: set[tuple[str, str]] = set()
+
+
+def test_a_tuple_decoded_as_a_tuple_fails_bfcl_where_pivotrls_parser_reads_a_list(tasks, bfcl_root):
+    # The decoder difference the report names: BFCL's decoder keeps `(1, 2)` a tuple, which the
+    # simulators store, and the state check then differs from the gold list; pivotrl's action
+    # parser reads tuples as lists (the tuple_vs_list variant above passes both judges).
+    applicable, failed = 0, []
+    for traj in tasks:
+        turns = [list(t.demo_calls) for t in split_user_turns(traj)[1]]
+        texts = v_tuple_list(turns, traj)
+        if texts is None:
+            continue
+        applicable += 1
+        steps: list[list[list[str]]] = [[]]
+        for text in texts:
+            if text == CLOSING_TEXT:
+                steps.append([])
+            else:
+                steps[-1].append([text[1:-1]])  # "[call]" → "call", written with the tuple
+        entry, gt = bfcl_test_entry(traj)
+        verdict = bfcl_check(entry, gt, steps[:-1], bfcl_root)
+        if not verdict.valid:
+            failed.append((traj.id, verdict.reason))
+    assert applicable == 66 and len(failed) == 18 and {r for _, r in failed} == {"state_mismatch"}
