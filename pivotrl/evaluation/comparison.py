@@ -158,6 +158,9 @@ def comparison_markdown(stats: dict[str, Any]) -> list[str]:
             lines.append(_pair_line(f"{pair['a']} vs {pair['b']} (turn fraction)", pair["turn_fraction"]))
         lines.append("")
     for kind, block in (stats.get("local") or {}).items():
+        if not block["per_policy"]:
+            lines += [f"### Local accuracy: {kind}", "", "No state evaluated (none, or all too long).", ""]
+            continue
         lines += [f"### Local accuracy: {kind}", "", "| policy | accuracy |", "|---|---|"]
         lines += [f"| {p} | {_ci(r)} |" for p, r in block["per_policy"].items()]
         lines += ["", "| A vs B | n | A − B | discordant / interval | test | p | verdict |", "|---|---|---|---|---|---|---|"]
