@@ -88,6 +88,8 @@ def demos(config: str = ConfigOpt, overrides: Optional[list[str]] = SetOpt,
     typer.echo(f"trajectories: {out['trajectories']}\ncandidates: {out['candidates']}")
     if out["quarantine"]:
         typer.echo(f"quarantine: {out['quarantine']}")
+    if out.get("flagged"):
+        typer.echo(f"flagged by the data audit ({out['counts']['flagged']}): {out['flagged']}")
     if lengths:
         typer.echo(json.dumps(_state_lengths(cfg, store, out["key"]), indent=2))
 

@@ -401,15 +401,42 @@ class TrainingSection(Section):
 
 # ---------------------------------------------------------------------------------- evaluation
 class EvaluationSection(Section):
-    num_tasks: Int = Field(10, ge=1, description="Held-out tasks run from the start (full multi-turn task).")
+    num_tasks: Int = Field(
+        200, ge=1,
+        description="Held-out tasks run from the start (full multi-turn task); all held-out tasks when fewer.",
+    )
     max_steps_per_turn: Int = Field(
-        4, ge=1, description="Model calls allowed per user turn before the turn is cut off."
+        20, ge=1,
+        description="Executing model calls allowed per user turn; one more quits the task (BFCL's limit: 20).",
     )
     temperature: Float = Field(0.0, ge=0, description="Sampling temperature at evaluation (0 = greedy).")
     seeds: list[Int] = Field(default_factory=lambda: [0], min_length=1, description="One evaluation pass per seed.")
     local_pivots: bool = Field(
         True, description="Also report the local success rate on held-out pivot states (never instead of the task)."
     )
+
+
+# ------------------------------------------------------------------------------------- quality
+class QualitySection(Section):
+    """What the results may be trusted for: judge of record, text turns, audited data."""
+
+    judge: Literal["bfcl", "pivotrl"] = Field(
+        "bfcl",
+        description="Full-task judge: BFCL's own multi-turn checker from the wheel, or pivotrl's own judge.",
+    )
+    include_stop_decisions: bool = Field(
+        False,
+        description="Closing 'stop here' turns (BFCL's 'Done.') may become pivots (always reported apart).",
+    )
+    keep_flagged: bool = Field(
+        False,
+        description="Keep tasks the data audit flagged (failing gold calls) in warm start, pivots and evaluation.",
+    )
+    out_of_domain: list[str] = Field(
+        default_factory=lambda: ["parallel"],
+        description="BFCL categories never seen in warm start or training, scored locally as out-of-domain.",
+    )
+    out_of_domain_limit: Int = Field(50, ge=1, description="Records per out-of-domain category (file order).")
 
 
 # -------------------------------------------------------------------------------------- faults
@@ -440,6 +467,7 @@ class RunConfig(Section):
     probing: ProbingSection = Field(default_factory=ProbingSection, description="Pivot filtering (stage 1).")
     training: TrainingSection = Field(default_factory=TrainingSection, description="Local GRPO (stage 2).")
     evaluation: EvaluationSection = Field(default_factory=EvaluationSection, description="Evaluation.")
+    quality: QualitySection = Field(default_factory=QualitySection, description="Judge, text turns, data audit.")
     faults: FaultsSection = Field(default_factory=FaultsSection, description="Fault injection (tests only).")
 
     @model_validator(mode="before")

@@ -225,7 +225,7 @@ def demonstrations(config: dict[str, Any], inputs: dict[str, Any] | None = None)
         key="demonstrations", description="Demonstrations and turn-state candidates",
         table=[{"item": k, "value": str(v)} for k, v in out["counts"].items()],
     )
-    register_assets(config, [out["trajectories"], out["candidates"]])
+    register_assets(config, [out["trajectories"], out["candidates"]] + ([out["flagged"]] if out.get("flagged") else []))
     _record_outputs("demonstrations", config, inputs, out)
     return out
 

@@ -134,10 +134,23 @@ def test_a_source_with_no_trajectory_is_an_error_naming_the_source(tmp_path):
         build_demonstrations(cfg, ArtifactStore(cfg.run.storage_root))
     bad = tmp_path / "bad.jsonl"
     bad.write_bytes(bad_lines()[1] + b"\n" + bad_lines()[2] + b"\n")
+    # In quarantine mode an all-quarantined source is reported, not fatal; with no other source
+    # there is nothing left to train on, which is an error.
     cfg = chat_config(tmp_path, str(bad), "data.on_invalid=quarantine")
-    with pytest.raises(DataError, match=r"bad\.jsonl\) gave no trajectories: all 2 records were invalid; the first: "):
+    with pytest.raises(DataError, match=r"every record of every source was quarantined"):
         build_demonstrations(cfg, ArtifactStore(cfg.run.storage_root))
     assert leftovers(tmp_path / "root") == []
+    ok = tmp_path / "ok.jsonl"
+    ok.write_bytes(b"\n".join(json.dumps(good(t)).encode() for t in "abc") + b"\n")
+    cfg = load_config(None, [f"run.storage_root={tmp_path / 'root'}", "data.on_invalid=quarantine",
+                             f"data.sources=[{{kind: chat, url: '{bad}'}}, {{kind: chat, url: '{ok}'}}]",
+                             "warm_start.enabled=false", "data.split.warm_start=0.0", "data.split.pivot=0.67",
+                             "data.split.heldout=0.33"])
+    out = build_demonstrations(cfg, ArtifactStore(cfg.run.storage_root))
+    assert out["counts"]["trajectories"] == 3 and out["counts"]["quarantined"] == 3  # 2 records + the source
+    store = ArtifactStore(cfg.run.storage_root)
+    lines = [json.loads(x) for x in store.read_bytes(f"{out['key']}/quarantine.jsonl").decode().splitlines()]
+    assert lines[-1]["error"] == "all 2 records of data.sources.0 were quarantined"
 
 
 def test_a_malformed_parquet_file_is_named_and_nothing_is_written(tmp_path):

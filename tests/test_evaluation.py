@@ -250,12 +250,16 @@ def test_unparsable_output_is_a_format_error_that_ends_the_turn(tasks, tok, bfcl
     assert summary["format_error_rate"] == 1.0
 
 
-def test_step_limit_ends_the_turn(tasks, tok, bfcl_root):
-    traj = tasks[0]  # turn 0 needs 3 calls; with 2 model calls per turn the mv is never made
-    engine = ScriptedEngine(tok, script([traj], demo_actions))
-    df, _ = run(engine, tok, [traj], bfcl_root, max_steps_per_turn=2)
-    row = df.iloc[0]
-    assert (row.model_calls, row.tool_calls, row.reason, row.first_failed_turn) == (2, 2, "state_mismatch", 0)
+def test_step_limit_quits_the_task_as_bfcl_does(tasks, tok, bfcl_root):
+    # BFCL (base_handler.py): after each executing step count += 1; count > limit quits the task.
+    # Turn 0 needs 3 calls: with a limit of 2 the third executing step quits; that turn is still
+    # judged (it passes), and the task fails as force-terminated (BFCL's length check).
+    traj = tasks[0]
+    for judge in ("bfcl", "pivotrl"):
+        engine = ScriptedEngine(tok, script([traj], demo_actions))
+        df, _ = run(engine, tok, [traj], bfcl_root, max_steps_per_turn=2, judge=judge)
+        row = df.iloc[0]
+        assert (row.model_calls, row.tool_calls, row.reason, row.turns_passed) == (3, 3, "force_terminated", 1)
 
 
 def test_context_overflow_ends_the_task(tasks, tok, bfcl_root):

@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 from pivotrl.config import load_config
 from pivotrl.pipeline import stages
 from pivotrl.pipeline.demos import build_demonstrations
+from pivotrl.pipeline.probe import candidate_kind_column
 from pivotrl.storage import ArtifactStore
 from pivotrl.testing import save_tiny_checkpoint
 
@@ -59,7 +60,13 @@ def test_smoke_pipeline_end_to_end(smoke_run):
     assert ref["sft"]["metrics"]["final_loss"] < ref["sft"]["metrics"]["first_loss"]
     # Probing: one row per pivot-split candidate, m rewards each; the filter's counts add up.
     probes = store.read_parquet(f"{probe['probes_key']}/probes.parquet")
-    assert len(probes) == c["candidates_per_split"]["pivot"]
+    # Pivot candidates: the pivot split's call states and (smoke: quality.include_stop_decisions)
+    # stop decisions; rule-less text turns never.
+    cand = store.read_parquet(f"{demos['key']}/candidates.parquet")
+    kinds = candidate_kind_column(cand)
+    assert cfg.quality.include_stop_decisions
+    assert len(probes) == int(((cand["split"] == "pivot") & kinds.isin(["call", "stop"])).sum()) > 0
+    assert set(kinds) <= {"call", "stop", "text_no_rule"} and c["candidates_per_kind"]["stop"] > 0
     ok = probes[probes["status"] == "ok"]
     assert all(len(json.loads(r)) == cfg.probing.num_probes for r in ok["rewards"])
     t = probe["stats"]["total"]
@@ -83,6 +90,10 @@ def test_smoke_pipeline_end_to_end(smoke_run):
     for name in ("base", "reference (SFT warm start)", "pivotrl"):
         assert name in md
     assert "full-task success" in md and "local accuracy (held-out states)" in md
+    # Intervals, paired tests, the judge and the audit are in the report.
+    assert "95% CI" in md and "exact McNemar" in md and "## Judge and metric name" in md and "## Data audit" in md
+    assert report["meta"]["full_task_metric"] == "full-task success (BFCL's checker)"
+    assert report["statistics"]["full_task"]["pairs"]
     rows = {p["policy"]: p for p in report["policies"]}
     assert set(rows) == {"base", "reference (SFT warm start)", "pivotrl"}
     for p in rows.values():

@@ -41,8 +41,8 @@ def _table_rows(md: str) -> dict[str, list[str]]:
     rows = {}
     for line in md.splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if line.startswith("| ") and cells[0] in POLICIES:
-            rows[cells[0]] = cells[1:]
+        if line.startswith("| ") and cells[0] in POLICIES and cells[0] not in rows:
+            rows[cells[0]] = [c.split(", 95% CI")[0] for c in cells[1:]]
     return rows
 
 
@@ -63,6 +63,8 @@ def test_report_table_plots_and_json(tmp_path):
     assert rows["reference (SFT warm start)"][:3] == ["0.300 (12/40)", "0.100 (2/20)", "0.263 (21/80)"]
     assert rows["pivotrl"][:3] == ["0.475 (19/40)", "0.150 (3/20)", "0.325 (26/80)"]
     assert "## Known limits" in md and "Finite probing" in md and "Local correctness is not task success" in md
+    # Every rate carries its n and a 95% interval (Wilson: 12/40 → centre 0.3175 ± 0.1368 by hand).
+    assert "| reference (SFT warm start) | 0.300 (12/40), 95% CI 0.181–0.454 |" in md
     for png in (REWARD_PLOT, MU_PLOT, BARS_PLOT):
         data = (tmp_path / "rep" / png).read_bytes()
         assert data.startswith(PNG_MAGIC) and len(data) > 1000
@@ -88,7 +90,7 @@ def test_report_missing_policy_and_inputs(tmp_path):
     rows = _table_rows(md)
     assert rows["base"][:2] == ["not evaluated", "not evaluated"]
     assert rows["pivotrl"][:2] == ["0.500 (2/4)", "not evaluated"]
-    assert "| extra | not evaluated | 0.500 (1/2) | 0.750 (3/4) |" in md
+    assert "| extra | not evaluated | 0.500 (1/2), 95% CI 0.095–0.905 | 0.750 (3/4), 95% CI 0.301–0.954 |" in md
     assert "No training metrics were given." in md and "No pivot statistics were given." in md
     assert (tmp_path / BARS_PLOT).exists() and not (tmp_path / REWARD_PLOT).exists()
     report = json.loads(json_path.read_text())
@@ -106,7 +108,7 @@ def test_report_alias_and_pivot_set_column(tmp_path):
     rows = _table_rows(md)
     assert list(rows) == list(POLICIES)  # "reference" is the SFT warm-start row, no extra row
     assert rows["reference (SFT warm start)"][:2] == ["0.300 (12/40)", "0.100 (2/20)"]
-    assert rows["pivotrl"][4] == "0.625" and rows["base"][4] == "not evaluated"
+    assert rows["pivotrl"][4] == "0.625 (5/8)" and rows["base"][4] == "not evaluated"
 
 
 def test_report_rejects_bad_input(tmp_path):

@@ -99,6 +99,7 @@ def test_single_turn_state(by_id):
         "demo_calls": [{"id": "call_0", "type": "function", "function": {
             "name": "calculate_triangle_area", "arguments": '{"base":10,"height":5,"unit":"units"}'}}],
         "default_verifier": "arguments",
+        "candidate_kind": "call",
         "possible_answers": [{"name": "calculate_triangle_area",
                               "arguments": {"base": [10], "height": [5], "unit": ["units", ""]}}],
     }

@@ -69,14 +69,25 @@ def test_tool_name_verifier():
     ]
 
 
-def test_text_demo_accepts_any_text_and_rejects_calls():
-    state = _state(Message("assistant", "Done."))
+def test_stop_decision_accepts_no_call_and_rejects_calls():
+    state = _state(Message("assistant", "Done."), candidate_kind="stop")
     for name in ("tool_name", "arguments"):
         assert _rewards(name, state, ["All finished!", "[cd(folder='x')]", "[x"]) == [
-            (1.0, "text"),
+            (1.0, "stop"),
             (0.0, "wrong_kind"),
             (0.0, "parse_error"),
         ]
+
+
+def test_text_demo_without_a_rule_rewards_no_text():
+    # No reward for arbitrary text: without an explicit rule nothing is accepted (and such a state
+    # never becomes a pivot: tests/test_text_turns.py).
+    for ctx in ({}, {"candidate_kind": "text_no_rule"}):
+        state = _state(Message("assistant", "The answer is 42."), **ctx)
+        for name in ("tool_name", "arguments"):
+            assert _rewards(name, state, ["The answer is 42.", "anything", "[cd(folder='x')]"]) == [
+                (0.0, "no_rule"), (0.0, "no_rule"), (0.0, "wrong_kind"),
+            ]
 
 
 def test_arguments_without_possible_answers_uses_the_demo_values_exactly():
@@ -316,7 +327,8 @@ def test_auto_uses_execution_for_multi_turn_calls_and_tool_name_for_text(bfcl):
         ]
         closing = states["multi_turn_base_0#3"]  # the "Done." that ends the first user turn
         assert closing.verifier_context["default_verifier"] == "tool_name"
-        assert [r.reason for r in auto.score(closing, ["Moved it.", "[ls()]"])] == ["text", "wrong_kind"]
+        assert closing.verifier_context["candidate_kind"] == "stop"
+        assert [r.reason for r in auto.score(closing, ["Moved it.", "[ls()]"])] == ["stop", "wrong_kind"]
     finally:
         auto.close()
 

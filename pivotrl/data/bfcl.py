@@ -26,7 +26,10 @@ Single-turn categories (``simple_python``, ``multiple``, ``parallel``, ``paralle
     be done) is the user message followed by the closing message only. Positional arguments in
     ground-truth strings are named from the simulator method's signature. ``env`` =
     ``{"kind": "bfcl", "initial_config", "involved_classes"}``; tools = the schemas of the involved
-    classes; ``meta["ground_truth"]`` = the per-turn call strings.
+    classes; ``meta["ground_truth"]`` = the per-turn call strings; ``meta["stop_text"]`` = "Done."
+    (the closing turns are stop decisions, :mod:`pivotrl.verifiers.text_rules`). The gold calls are
+    replayed twice: failing calls and replays that do not reproduce are listed in
+    ``meta["audit_flags"]`` (:mod:`pivotrl.data.audit`).
 
 Tool schemas: BFCL writes object types as ``"dict"``; they are rewritten to JSON-schema ``"object"``
 (everywhere in the schema). Other BFCL type names (``"float"``, ``"tuple"``, ``"any"``) are kept.
@@ -45,7 +48,8 @@ import zipfile
 from pathlib import Path
 from typing import Any, Literal, Mapping, Sequence
 
-from pivotrl.actions import parse_call
+from pivotrl.actions import format_call, parse_call
+from pivotrl.data.audit import AUDIT_FLAGS_KEY, audit_bfcl_replay
 from pivotrl.data.schema import Message, ToolCall, ToolSpec, Trajectory, file_sha256
 from pivotrl.data.sources import validate_trajectory
 from pivotrl.envs.bfcl import BFCL_CLASSES, BFCLEnvironment, method_parameter_names
@@ -291,6 +295,9 @@ def _multi_turn(
         raise DataError(f"{where}.ground_truth: expected one call list per question turn ({len(questions or [])})")
     messages: list[Message] = []
     n_call = 0
+    gold: list[ToolCall] = []
+    outputs: list[str] = []
+    call_where: list[str] = []
     for turn, turn_calls in enumerate(gt):
         messages.extend(_question_messages(record, turn, where))
         if not isinstance(turn_calls, list):
@@ -306,10 +313,19 @@ def _multi_turn(
                 raise DataError(f"{field}: {text!r} calls an unknown tool or parameter ({unknown or parsed.name})")
             call = ToolCall(name=parsed.name, arguments=parsed.arguments, id=f"call_{n_call}")
             n_call += 1
+            output = env.execute(call)
+            gold.append(call)
+            outputs.append(output)
+            call_where.append(f"turn {turn} call {k}")
             messages.append(Message(role="assistant", tool_calls=(call,)))
-            messages.append(Message(role="tool", content=env.execute(call), tool_call_id=call.id, name=call.name))
+            messages.append(Message(role="tool", content=output, tool_call_id=call.id, name=call.name))
         messages.append(Message(role="assistant", content=CLOSING_TEXT))
-    meta: dict[str, Any] = {"ground_truth": [list(t) for t in gt]}
+    again = BFCLEnvironment.from_context(env_ctx, docs.root)
+    flags = audit_bfcl_replay((outputs, env.snapshot()), (again.execute_all(gold), again.snapshot()),
+                              call_where, [format_call(c) for c in gold])
+    meta: dict[str, Any] = {"ground_truth": [list(t) for t in gt], "stop_text": CLOSING_TEXT}
+    if flags:
+        meta[AUDIT_FLAGS_KEY] = flags
     if record.get("excluded_function"):
         meta["excluded_function"] = list(record["excluded_function"])
     return Trajectory(

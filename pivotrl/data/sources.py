@@ -9,7 +9,9 @@ Formats, chosen by the file name:
   optionally ``tools``, ``source``, ``category``, ``env``, ``meta``; the structured columns hold either
   a JSON string or the nested value itself.
 
-Every record is checked (:func:`validate_trajectory`). A bad record raises DataError naming the
+Every record is checked (:func:`validate_trajectory`, then the audit of
+:func:`pivotrl.data.audit.audit_chat_record`: no NaN/Infinity, actions parse, JSON-Schema tools and
+arguments). A bad record raises DataError naming the
 file, the record (line number or row, and id when known) and the field; with
 ``on_invalid="quarantine"`` it is skipped instead and described in the ``quarantine`` list.
 """
@@ -25,6 +27,7 @@ from typing import Any, Iterable, Iterator, Literal
 import fsspec
 
 from pivotrl.actions import is_action_name
+from pivotrl.data.audit import audit_chat_record
 from pivotrl.data.schema import Trajectory
 from pivotrl.errors import ConfigError, DataError, StorageError
 
@@ -178,6 +181,7 @@ def load_trajectories(
                 raise DataError(f"{where}: expected a JSON object, got {type(obj).__name__}")
             traj = Trajectory.from_dict(obj, where=where)
             validate_trajectory(traj, where=f"{where} {traj.id!r}")
+            audit_chat_record(traj, where=f"{where} {traj.id!r}")
             if traj.id in seen:
                 raise DataError(
                     f"{where} {traj.id!r}.id: duplicate trajectory id {traj.id!r} (first at {seen[traj.id]})"

@@ -11,7 +11,11 @@ history before it (``messages``), the tools, and the demonstration's action (``d
   trajectory has an executable environment (``env`` set, e.g. BFCL multi-turn), else ``"arguments"``;
 * ``"possible_answers"``: copied from ``trajectory.meta`` when present (single-turn BFCL);
 * ``"env"`` and ``"prior_calls"`` (every call of the earlier assistant messages, in order) when the
-  trajectory has an ``env``.
+  trajectory has an ``env``;
+* ``"candidate_kind"``: "call", "stop" (the text equals ``meta["stop_text"]``, e.g. BFCL's closing
+  "Done."), "text_rule" (``meta["answer_rules"][str(turn_index)]`` or, for the last assistant
+  message, ``meta["answer_rule"]`` gives an acceptance rule, copied to ``"answer_rule"``) or
+  "text_no_rule" (see :mod:`pivotrl.verifiers.text_rules`; :func:`candidate_kinds_for_pivots`).
 """
 
 from __future__ import annotations
@@ -24,7 +28,39 @@ import pandas as pd
 from pivotrl.data.schema import Trajectory, TurnState
 from pivotrl.errors import DataError
 
-__all__ = ["STATE_COLUMNS", "extract_turn_states", "frame_to_states", "states_to_frame"]
+__all__ = [
+    "STATE_COLUMNS",
+    "candidate_kinds_for_pivots",
+    "extract_turn_states",
+    "frame_to_states",
+    "states_to_frame",
+    "text_kind",
+]
+
+
+def candidate_kinds_for_pivots(include_stop_decisions: bool = False) -> tuple[str, ...]:
+    """Kinds of states that may be probed and become pivots: calls and text with an explicit rule,
+    plus stop decisions when asked. "text_no_rule" never is."""
+    return ("call", "text_rule", "stop") if include_stop_decisions else ("call", "text_rule")
+
+
+def text_kind(traj: Trajectory, turn_index: int, content: str, is_last: bool) -> tuple[str, dict[str, Any] | None]:
+    """``(kind, answer rule or None)`` of a text assistant message (module docstring). Raises
+    DataError naming the trajectory and field for a malformed rule."""
+    from pivotrl.verifiers.text_rules import validate_rule
+
+    meta = traj.meta or {}
+    stop = meta.get("stop_text")
+    if isinstance(stop, str) and content.strip() == stop.strip():
+        return "stop", None
+    rules = meta.get("answer_rules") or {}
+    if not isinstance(rules, dict):
+        raise DataError(f"trajectory {traj.id!r}.meta.answer_rules: expected an object of turn index -> rule")
+    if str(turn_index) in rules:
+        return "text_rule", validate_rule(rules[str(turn_index)], f"trajectory {traj.id!r}.meta.answer_rules.{turn_index}")
+    if is_last and meta.get("answer_rule") is not None:
+        return "text_rule", validate_rule(meta["answer_rule"], f"trajectory {traj.id!r}.meta.answer_rule")
+    return "text_no_rule", None
 
 #: Columns of :func:`states_to_frame`; the last four hold JSON strings.
 STATE_COLUMNS: tuple[str, ...] = (
@@ -48,6 +84,7 @@ def extract_turn_states(traj: Trajectory) -> list[TurnState]:
     states: list[TurnState] = []
     prior_calls: list[dict[str, Any]] = []
     turn_index = 0
+    last = max((i for i, m in enumerate(traj.messages) if m.role == "assistant"), default=-1)
     for pos, msg in enumerate(traj.messages):
         if msg.role != "assistant":
             continue
@@ -61,6 +98,12 @@ def extract_turn_states(traj: Trajectory) -> list[TurnState]:
         else:
             default = "arguments"
         ctx: dict[str, Any] = {"demo_calls": demo_calls, "default_verifier": default}
+        if msg.tool_calls:
+            ctx["candidate_kind"] = "call"
+        else:
+            ctx["candidate_kind"], rule = text_kind(traj, turn_index, msg.content, pos == last)
+            if rule is not None:
+                ctx["answer_rule"] = rule
         if "possible_answers" in traj.meta:
             ctx["possible_answers"] = traj.meta["possible_answers"]
         if traj.env is not None:

@@ -120,7 +120,8 @@ def _public_methods(instance: Any) -> list[str]:
 def _to_json(value: Any, stack: tuple[int, ...] = ()) -> Any:
     """JSON-able copy of a simulator value: objects become their public attributes (recursively);
     a reference back to an object being converted (e.g. a directory's parent) becomes
-    ``{"__ref__": <its name or class>}``; sets become sorted lists; other scalars their ``str``."""
+    ``{"__ref__": <its name or class>}``; sets become sorted lists; other scalars their ``str``; dict
+    keys their :func:`_key`."""
     if value is None or isinstance(value, (bool, int, str)):
         return value
     if isinstance(value, float):
@@ -129,7 +130,7 @@ def _to_json(value: Any, stack: tuple[int, ...] = ()) -> Any:
         return {"__ref__": str(getattr(value, "name", type(value).__name__))}
     inner = stack + (id(value),)
     if isinstance(value, Mapping):
-        return {str(k): _to_json(v, inner) for k, v in value.items()}
+        return {_key(k): _to_json(v, inner) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return [_to_json(v, inner) for v in value]
     if isinstance(value, (set, frozenset)):
@@ -142,6 +143,14 @@ def _to_json(value: Any, stack: tuple[int, ...] = ()) -> Any:
                 out[k] = _to_json(v, inner)
         return out
     return str(value)
+
+
+def _key(key: Any) -> str:
+    """A dict key as a string; an integral float key is written as the int it equals (``2.0`` → ``"2"``),
+    so states equal under Python's ``==`` (BFCL's state check: ``{2: x} == {2.0: x}``) give equal snapshots."""
+    if isinstance(key, float) and key.is_integer():
+        return str(int(key))
+    return str(key)
 
 
 def _tool_output(result: Any) -> str:

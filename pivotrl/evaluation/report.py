@@ -18,6 +18,7 @@ from typing import Any, Callable, Mapping, Sequence
 import pandas as pd
 
 from pivotrl.errors import ConfigError, StorageError
+from pivotrl.evaluation.comparison import comparison_markdown, format_rate, turn_interval
 
 __all__ = ["KNOWN_LIMITS", "POLICIES", "POLICY_ALIASES", "build_report"]
 
@@ -31,7 +32,7 @@ KNOWN_LIMITS: tuple[str, ...] = (
     "Finite probing misses states: a state whose m probes all failed may still have a non-zero "
     "success probability; the pivot set is an estimate.",
     "After updates a pivot may stop satisfying the filter (its success rate moves); the pivot set "
-    "is fixed before training and not re-probed.",
+    "is fixed before training and re-probed only after it (the pivot-drift table), not between epochs.",
     "Training sees demonstration histories only; the full-task run checks whether the policy copes "
     "with its own, possibly wrong, histories.",
 )
@@ -57,6 +58,8 @@ def build_report(
     out_dir: str | os.PathLike[str],
     reward_column: str | None = None,
     mu_column: str | None = None,
+    statistics: Mapping[str, Any] | None = None,
+    sections: Sequence[str] = (),
 ) -> tuple[Path, Path]:
     """Write ``report.json``, ``report.md`` and PNG plots into ``out_dir``.
 
@@ -76,6 +79,10 @@ def build_report(
             lambda_diff, num_probes); shown as a table. A ``lambda_diff`` entry is drawn on the
             histogram.
         meta: run description (model, config hash, data, dates...); shown as a table.
+        statistics: intervals and paired comparisons
+            (:func:`pivotrl.evaluation.comparison.compare_policies`); in report.json and as tables.
+        sections: further markdown lines (e.g. the judge, data audit and pivot-drift sections),
+            placed after the results.
         out_dir: output directory (created if missing).
 
     Returns:
@@ -128,12 +135,13 @@ def build_report(
             "mu_histogram": _histogram(mus, bins=10),
         },
         "plots": plots,
+        "statistics": None if statistics is None else dict(statistics),
         "known_limits": list(KNOWN_LIMITS),
     }
     json_path = out / "report.json"
     md_path = out / "report.md"
     _write_text(json_path, json.dumps(_jsonable(report), indent=2, sort_keys=True, allow_nan=False) + "\n")
-    _write_text(md_path, _markdown(report, rows, plots))
+    _write_text(md_path, _markdown(report, rows, plots, sections))
     return json_path, md_path
 
 
@@ -153,6 +161,10 @@ def _policy_row(name: str, res: Mapping[str, Any] | None) -> dict[str, Any]:
         "local_states": local.get("n_states"),
         "local_too_long": local.get("n_too_long"),
         "local_pivot_set_accuracy": _num(pivots.get("accuracy")),
+        "local_pivot_set_accepted": pivots.get("n_accepted"),
+        "local_pivot_set_samples": pivots.get("n_samples"),
+        "model_calls": full.get("model_calls"),
+        "format_errors": full.get("format_errors"),
         "full_task_success": _num(full.get("success_rate")),
         "tasks_succeeded": full.get("n_success"),
         "tasks": full.get("n_tasks"),
@@ -229,18 +241,15 @@ def _histogram(values: Sequence[float], bins: int) -> dict[str, list[float] | li
 # ---------------------------------------------------------------------------------------- markdown
 
 
-def _fmt_rate(rate: float | None, num: Any, den: Any) -> str:
-    if rate is None:
-        return "not evaluated"
-    frac = f" ({num}/{den})" if num is not None and den is not None else ""
-    return f"{rate:.3f}{frac}"
+_fmt_rate = format_rate
 
 
 def _md_cell(x: Any) -> str:
     return str(x).replace("|", "\\|").replace("\n", " ")
 
 
-def _markdown(report: Mapping[str, Any], rows: list[dict[str, Any]], plots: Mapping[str, str]) -> str:
+def _markdown(report: Mapping[str, Any], rows: list[dict[str, Any]], plots: Mapping[str, str],
+              sections: Sequence[str] = ()) -> str:
     lines = ["# PivotRL evaluation report", ""]
     meta = report["meta"]
     if meta:
@@ -268,16 +277,19 @@ def _markdown(report: Mapping[str, Any], rows: list[dict[str, Any]], plots: Mapp
             _md_cell(r["policy"]),
             _fmt_rate(r["local_pivot_accuracy"], r["local_accepted"], r["local_samples"]),
             _fmt_rate(r["full_task_success"], r["tasks_succeeded"], r["tasks"]),
-            _fmt_rate(r["turn_pass_rate"], r["turns_passed"], r["turns_total"]),
-            "n/a" if r["format_error_rate"] is None else f"{r['format_error_rate']:.3f}",
+            _fmt_rate(r["turn_pass_rate"], r["turns_passed"], r["turns_total"], turn_interval(report.get("statistics"), r["policy"])),
+            "n/a" if r["format_error_rate"] is None else _fmt_rate(r["format_error_rate"], r["format_errors"], r["model_calls"]),
         ]
         if with_pivots:
-            cells.append(_fmt_rate(r["local_pivot_set_accuracy"], None, None))
+            cells.append(_fmt_rate(r["local_pivot_set_accuracy"], r["local_pivot_set_accepted"], r["local_pivot_set_samples"]))
         cells.append("n/a" if r.get("local_too_long") is None else str(r["local_too_long"]))
         lines.append("| " + " | ".join(cells) + " |")
     lines.append("")
     if "local_vs_full_task" in plots:
         lines += [f"![local pivot accuracy vs full-task success]({plots['local_vs_full_task']})", ""]
+    if report.get("statistics"):
+        lines += comparison_markdown(dict(report["statistics"]))
+    lines += list(sections)
     stats = report["pivot_stats"]
     lines += ["## Pivot statistics", ""]
     if stats:

@@ -3,12 +3,17 @@
 Outputs (under ``demos/<key>/``):
 - ``trajectories.parquet``: one row per trajectory (id, source, category, split, record JSON);
 - ``quarantine.jsonl``: skipped invalid records (only when ``data.on_invalid = "quarantine"``);
+- ``flagged.jsonl``: tasks the data audit flagged (``pivotrl.data.audit``: failing gold calls,
+  replays that do not reproduce), one ``{"id", "category", "flags"}`` per line (only when some are);
+  unless ``quality.keep_flagged`` they get the split "flagged", so no warm start, pivot or
+  evaluation ever sees them;
 - ``candidates.parquet``: one row per assistant turn (see ``pivotrl.data.states``), with its split.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 from collections import Counter
 from pathlib import Path
@@ -22,6 +27,8 @@ from pivotrl.errors import DataError
 from pivotrl.storage import ArtifactStore
 
 DATA_FORMAT_VERSION = 1
+
+log = logging.getLogger(__name__)
 
 
 def cache_dir(cfg: RunConfig) -> Path:
@@ -39,7 +46,8 @@ def demos_key(cfg: RunConfig) -> str:
     # gives a new key.
     return "demos/" + content_hash(
         {"data": cfg.data.model_dump(mode="json"), "files": inputs_fingerprint(cfg)["data"],
-         "version": DATA_FORMAT_VERSION, "code": stage_code_digest("demonstrations")}
+         "version": DATA_FORMAT_VERSION, "keep_flagged": cfg.quality.keep_flagged,
+         "code": stage_code_digest("demonstrations")}
     )[:16]
 
 
@@ -66,6 +74,11 @@ def load_sources(cfg: RunConfig, quarantine: list[dict[str, Any]]) -> list[Traje
         if not got:
             bad = len(quarantine) - before
             first = quarantine[before].get("error", "") if bad else ""
+            if bad and cfg.data.on_invalid == "quarantine":  # reported (counts, quarantine.jsonl), not fatal
+                log.warning("data.sources.%d (%s): all %d records quarantined; the first: %s", i, name, bad, first)
+                quarantine.append({"source": name, "record": "source", "id": "", "field": "record",
+                                   "error": f"all {bad} records of data.sources.{i} were quarantined"})
+                continue
             raise DataError(f"data.sources.{i} ({name}) gave no trajectories"
                             + (f": all {bad} records were invalid; the first: {first}" if bad else
                                ": the source is empty"))
@@ -84,8 +97,10 @@ def build_demonstrations(cfg: RunConfig, store: ArtifactStore) -> dict[str, Any]
     Returns ``{"key", "trajectories", "candidates", "quarantine", "counts"}`` (URIs and counts).
     Reuses the artifacts if they already exist under the content-addressed key.
     """
+    from pivotrl.data.audit import AUDIT_FLAGS_KEY, is_flagged
     from pivotrl.data.split import split_trajectories
     from pivotrl.data.states import extract_turn_states, states_to_frame
+    from pivotrl.verifiers.text_rules import candidate_kind
 
     key = demos_key(cfg)
     if store.exists(f"{key}/candidates.parquet") and store.exists(f"{key}/counts.json"):
@@ -94,8 +109,14 @@ def build_demonstrations(cfg: RunConfig, store: ArtifactStore) -> dict[str, Any]
     quarantine: list[dict[str, Any]] = []
     trajs = load_sources(cfg, quarantine)
     sp = cfg.data.split
+    if not trajs:
+        raise DataError("data.sources: every record of every source was quarantined; nothing to train on "
+                        f"({len(quarantine)} entries in the quarantine)")
     splits = split_trajectories(trajs, (sp.warm_start, sp.pivot, sp.heldout), sp.seed)
     split_of = {t.id: name for name, ts in splits.items() for t in ts}
+    flagged = [t for t in trajs if is_flagged(t)]
+    if not cfg.quality.keep_flagged:
+        split_of.update({t.id: "flagged" for t in flagged})
 
     traj_df = pd.DataFrame(
         {
@@ -109,6 +130,7 @@ def build_demonstrations(cfg: RunConfig, store: ArtifactStore) -> dict[str, Any]
     states = [s for t in trajs for s in extract_turn_states(t)]
     cand_df = states_to_frame(states)
     cand_df["split"] = [split_of[s.trajectory_id] for s in states]
+    kinds = [candidate_kind(s) for s in states]
 
     counts = {
         "trajectories": len(trajs),
@@ -119,6 +141,11 @@ def build_demonstrations(cfg: RunConfig, store: ArtifactStore) -> dict[str, Any]
         "candidates_per_category": dict(Counter(s.category for s in states)),
         "candidates_per_split": dict(Counter(cand_df["split"])),
         "quarantined": len(quarantine),
+        "flagged": len(flagged),
+        "flagged_ids": sorted(t.id for t in flagged),
+        "flagged_kept": bool(cfg.quality.keep_flagged),
+        "candidates_per_kind": dict(Counter(kinds)),
+        "text_turns_skipped_no_rule": kinds.count("text_no_rule"),
     }
     config = {"data": cfg.data.model_dump(mode="json")}
     inputs = {f"source[{i}]": _source_uri(s) for i, s in enumerate(cfg.data.sources)}
@@ -127,6 +154,11 @@ def build_demonstrations(cfg: RunConfig, store: ArtifactStore) -> dict[str, Any]
     if quarantine:
         payload = "".join(json.dumps(q, ensure_ascii=False, default=str) + "\n" for q in quarantine).encode()
         store.write_artifact(f"{key}/quarantine.jsonl", payload, kind="quarantine", inputs=inputs, config=config)
+    if flagged:
+        payload = "".join(json.dumps({"id": t.id, "category": t.category, "flags": t.meta[AUDIT_FLAGS_KEY]},
+                                     ensure_ascii=False) + "\n" for t in flagged).encode()
+        store.write_artifact(f"{key}/flagged.jsonl", payload, kind="flagged", inputs=inputs, config=config,
+                             extra={"kept": bool(cfg.quality.keep_flagged)})
     store.write_artifact(
         f"{key}/candidates.parquet", cand_df, kind="candidates",
         inputs={"trajectories": store.url(f"{key}/trajectories.parquet")}, config=config, extra={"seed": sp.seed},
@@ -147,6 +179,7 @@ def _result(store: ArtifactStore, key: str, counts: dict[str, Any]) -> dict[str,
         "trajectories": store.url(f"{key}/trajectories.parquet"),
         "candidates": store.url(f"{key}/candidates.parquet"),
         "quarantine": store.url(f"{key}/quarantine.jsonl") if counts.get("quarantined") else None,
+        "flagged": store.url(f"{key}/flagged.jsonl") if counts.get("flagged") else None,
         "counts": counts,
     }
 

@@ -31,9 +31,27 @@ from pivotrl.errors import StateTooLongError, VerifierError
 PROBE_VERSION = 1
 
 
-def select_candidates(cand_df: pd.DataFrame, split: str, max_states: int | None, seed: int) -> pd.DataFrame:
-    """Rows of ``split``; if ``max_states`` is set, a seeded sample of that many (stable order)."""
+def candidate_kind_column(cand_df: pd.DataFrame) -> pd.Series:
+    """Each candidate row's kind ("call", "stop", "text_rule", "text_no_rule"), from its verifier
+    context (rows written before kinds existed: "call" if the demo calls tools, else "text_no_rule")."""
+    def kind(ctx: str, demo: str) -> str:
+        k = json.loads(ctx).get("candidate_kind")
+        if k:
+            return str(k)
+        return "call" if json.loads(demo).get("tool_calls") else "text_no_rule"
+
+    return pd.Series([kind(c, d) for c, d in zip(cand_df["verifier_context"], cand_df["demo_action"])],
+                     index=cand_df.index, dtype=object)
+
+
+def select_candidates(cand_df: pd.DataFrame, split: str, max_states: int | None, seed: int,
+                      kinds: Sequence[str] | None = None) -> pd.DataFrame:
+    """Rows of ``split`` (and, when ``kinds`` is given, of those candidate kinds: see
+    ``pivotrl.data.states.candidate_kinds_for_pivots``); if ``max_states`` is set, a seeded sample
+    of that many (stable order)."""
     df = cand_df[cand_df["split"] == split]
+    if kinds is not None:
+        df = df[candidate_kind_column(df).isin(list(kinds))]
     if max_states is not None and len(df) > max_states:
         df = df.sample(n=max_states, random_state=seed)
     return df.sort_values("state_id").reset_index(drop=True)

@@ -106,7 +106,7 @@ def reference_dir(cfg: RunConfig, store: ArtifactStore, ref: dict[str, Any]) -> 
 def stage_probe(cfg: RunConfig, store: ArtifactStore, demos: dict[str, Any], ref: dict[str, Any]) -> dict[str, Any]:
     """Probe π_ref on the pivot-candidate split, then apply the pivot rule (λ_diff)."""
     from pivotrl.data.bfcl import ensure_bfcl
-    from pivotrl.data.states import frame_to_states
+    from pivotrl.data.states import candidate_kinds_for_pivots, frame_to_states
     from pivotrl.models import load_tokenizer
     from pivotrl.pipeline.probe import (
         apply_pivot_filter, pivot_stats, probe_key, probe_states, select_candidates, stats_markdown,
@@ -116,11 +116,13 @@ def stage_probe(cfg: RunConfig, store: ArtifactStore, demos: dict[str, Any], ref
     pkey = probe_key(cand_manifest.sha256, ref["ref_hash"], cfg.probing.model_dump(mode="json"),
                      cfg.verifier.model_dump(mode="json"), cfg.prompt.model_dump(mode="json"),
                      {"engine": cfg.rollout.engine, "max_tokens": cfg.rollout.max_tokens,
-                      "dtype": cfg.model.dtype, "max_context": cfg.model.max_context})
+                      "dtype": cfg.model.dtype, "max_context": cfg.model.max_context,
+                      "include_stop_decisions": cfg.quality.include_stop_decisions})
     probes_uri = store.url(f"{pkey}/probes.parquet")
     if not store.exists(f"{pkey}/probes.parquet"):
         cand = select_candidates(store.read_parquet(f"{demos['key']}/candidates.parquet"), "pivot",
-                                 cfg.probing.max_states, cfg.probing.seed)
+                                 cfg.probing.max_states, cfg.probing.seed,
+                                 kinds=candidate_kinds_for_pivots(cfg.quality.include_stop_decisions))
         states = frame_to_states(cand)
         rdir = reference_dir(cfg, store, ref)
         tok = load_tokenizer(rdir)
@@ -460,15 +462,18 @@ def stage_evaluate(cfg: RunConfig, store: ArtifactStore, demos: dict[str, Any], 
     from pivotrl.data.states import frame_to_states
     from pivotrl.evaluation.full_task import evaluate_full_tasks
     from pivotrl.evaluation.local import evaluate_local
+    from pivotrl.evaluation.comparison import compare_policies
     from pivotrl.evaluation.report import build_report
+    from pivotrl.evaluation.trust import full_task_metric, out_of_domain_states, trust_sections
     from pivotrl.models import load_tokenizer
-    from pivotrl.pipeline.probe import select_candidates
+    from pivotrl.evaluation.drift import drift_markdown, drift_table, zero_variance_summary
+    from pivotrl.pipeline.probe import probe_states, select_candidates
 
     ev = cfg.evaluation
     ekey = "eval/" + content_hash({"demos": demos["key"], "base": ref["base_hash"], "ref": ref["ref_hash"],
                                    "train": train["train_key"], "evaluation": ev.model_dump(mode="json"),
                                    "prompt": cfg.prompt.model_dump(mode="json"), "rollout": cfg.rollout.model_dump(mode="json"),
-                                   "code": stage_code_digest("evaluate")})[:16]
+                                   "quality": cfg.quality.model_dump(mode="json"), "code": stage_code_digest("evaluate")})[:16]
     if store.exists(f"{ekey}/report.json"):
         return {"eval_key": ekey, "report_json": store.url(f"{ekey}/report.json"),
                 "report_md": store.url(f"{ekey}/report.md"), "report": store.read_json(f"{ekey}/report.json")}
@@ -477,7 +482,11 @@ def stage_evaluate(cfg: RunConfig, store: ArtifactStore, demos: dict[str, Any], 
     heldout = [t for t in read_trajectories(store, demos["key"], split="heldout") if t.env is not None]
     heldout = sorted(heldout, key=lambda t: t.id)[: ev.num_tasks]
     cand = store.read_parquet(f"{demos['key']}/candidates.parquet")
-    local_states = frame_to_states(select_candidates(cand, "heldout", max(ev.num_tasks * 4, 32), cfg.run.seed))
+    n_local = max(min(ev.num_tasks * 4, 40), 32)  # held-out states for local accuracy (m samples each)
+    local_states = frame_to_states(select_candidates(cand, "heldout", n_local, cfg.run.seed, kinds=("call", "text_rule")))
+    # Stop decisions (BFCL's closing "Done.") are scored apart; text turns without a rule never.
+    stop_states = frame_to_states(select_candidates(cand, "heldout", n_local, cfg.run.seed, kinds=("stop",)))
+    ood_states = out_of_domain_states(cfg, cache)  # BFCL categories never trained on
     pivots = frame_to_states(store.read_parquet(f"{probe['pivots_key']}/pivots.parquet"))
     text_turn = {st.state_id: not st.demo_action.tool_calls for st in local_states}
     policies = {"base": Path(ref["base_dir"]),
@@ -500,7 +509,7 @@ def stage_evaluate(cfg: RunConfig, store: ArtifactStore, demos: dict[str, Any], 
                 df, summ = evaluate_full_tasks(engine, tok, heldout, bfcl_root=str(bfcl_root),
                                                max_steps_per_turn=ev.max_steps_per_turn, sampling=samp, seed=seed,
                                                max_context=cfg.model.max_context - cfg.rollout.max_tokens,
-                                               **prompt_kwargs(cfg))
+                                               judge=cfg.quality.judge, **prompt_kwargs(cfg))
                 df["policy"], df["seed"] = name, seed
                 per_task.append(df)
                 res.setdefault("full_task_runs", []).append(summ)
@@ -511,9 +520,16 @@ def stage_evaluate(cfg: RunConfig, store: ArtifactStore, demos: dict[str, Any], 
                 sampled = sampling_for(cfg, n=cfg.probing.num_probes, temperature=cfg.probing.temperature, seed=seed)
                 sdf, ssum = evaluate_local(engine, tok, local_states, verifier, sampling=sampled, **lkw)
                 res.setdefault("local_sampled_runs", []).append(ssum)
-                for kind, frame in (("heldout_greedy", ldf), ("heldout_sampled", sdf)):
+                stdf, stsum = (evaluate_local(engine, tok, stop_states, verifier, sampling=samp, **lkw) if stop_states
+                               else (ldf.iloc[:0], None))
+                res.setdefault("local_stop_runs", []).append(stsum)
+                odf, osum = (evaluate_local(engine, tok, ood_states, verifier, sampling=samp, **lkw) if ood_states
+                             else (ldf.iloc[:0], None))
+                res.setdefault("out_of_domain_runs", []).append(osum)
+                for kind, frame in (("heldout_greedy", ldf), ("heldout_sampled", sdf), ("stop_decisions_greedy", stdf),
+                                    ("out_of_domain_greedy", odf)):
                     local_frames.append(frame.assign(policy=name, seed=seed, kind=kind))
-                # Per category, with BFCL's closing "Done." turns (text actions) apart from tool calls.
+                # Per category, tool calls apart from text turns with an answer rule (stop decisions: above).
                 res["local_by_category"] = {
                     kind: {c: float(g["n_accepted"].sum() / max(1, g["n_samples"].sum()))
                            for c, g in frame[frame["status"] == "ok"].assign(
@@ -527,9 +543,19 @@ def stage_evaluate(cfg: RunConfig, store: ArtifactStore, demos: dict[str, Any], 
             res["local"] = res["local_heldout_runs"][0] if len(ev.seeds) == 1 else _mean_summ(res["local_heldout_runs"])
             res["local_sampled"] = (res["local_sampled_runs"][0] if len(ev.seeds) == 1
                                     else _mean_summ(res["local_sampled_runs"]))
+            res["local_stop"] = (None if not stop_states else res["local_stop_runs"][0] if len(ev.seeds) == 1
+                                 else _mean_summ(res["local_stop_runs"]))
+            res["out_of_domain"] = (None if not ood_states else res["out_of_domain_runs"][0] if len(ev.seeds) == 1
+                                    else _mean_summ(res["out_of_domain_runs"]))
             if ev.local_pivots:
                 res["local_pivots"] = res["local_pivot_runs"][0] if len(ev.seeds) == 1 else _mean_summ(res["local_pivot_runs"])
             results[name] = res
+        # Pivot drift: the pivot set re-probed under the trained policy (last in `policies`), same m.
+        reprobe = probe_states(engine, tok, pivots, verifier, num_probes=cfg.probing.num_probes,
+                               sampling=sampling_for(cfg, n=cfg.probing.num_probes, temperature=cfg.probing.temperature,
+                                                     seed=cfg.probing.seed, top_p=cfg.probing.top_p, top_k=cfg.probing.top_k),
+                               max_context=cfg.model.max_context, max_tokens=cfg.rollout.max_tokens,
+                               prompt_kwargs=prompt_kwargs(cfg), progress=False) if pivots else None
     finally:
         engine.close()
         _close(verifier)
@@ -539,12 +565,24 @@ def stage_evaluate(cfg: RunConfig, store: ArtifactStore, demos: dict[str, Any], 
             "note": "SmolLM2-135M-Instruct here is dequantised from a Q4_1 GGUF, not the original bf16 weights"
             if "smollm2" in cfg.model.source.lower() else "",
             "heldout_tasks": [t.id for t in heldout], "local_states": len(local_states), "pivots": len(pivots),
+            "stop_decision_states": len(stop_states), "out_of_domain": list(cfg.quality.out_of_domain),
+            "out_of_domain_states": len(ood_states),
             "sft": ref.get("sft"), "training": train.get("summary")}
+    per_task_df, local_df = pd.concat(per_task), pd.concat(local_frames)
+    statistics = compare_policies(per_task_df, local_df, list(policies), seed=cfg.run.seed)
+    sections = trust_sections(cfg, demos.get("counts") or {}, heldout, bfcl_total=200)
+    drift = None if reprobe is None else drift_table(reprobe, cfg.probing.lambda_diff)
+    pivot_mus = [float(x) for x in store.read_parquet(f"{probe['pivots_key']}/pivots.parquet").get("mu", [])]
+    zero_var = zero_variance_summary(metrics_df, cfg.training.group_size, pivot_mus)
+    sections += drift_markdown(drift, zero_var, cfg.probing.num_probes)
+    statistics["pivot_drift"], statistics["zero_variance"] = drift, zero_var
+    meta["full_task_metric"], meta["full_task_metric_differs_from_bfcl"] = full_task_metric(
+        cfg.quality.judge, ev.max_steps_per_turn, len(heldout))
     with tempfile.TemporaryDirectory(dir=cache) as tmp:
         rj, rm = build_report(results, metrics_df=metrics_df, probe_df=probe_df, pivot_stats=probe["stats"],
-                              meta=meta, out_dir=tmp)
-        pd.concat(per_task).to_parquet(Path(tmp) / "full_task.parquet")
-        pd.concat(local_frames).to_parquet(Path(tmp) / "local.parquet")
+                              meta=meta, out_dir=tmp, statistics=statistics, sections=sections)
+        per_task_df.to_parquet(Path(tmp) / "full_task.parquet")
+        local_df.to_parquet(Path(tmp) / "local.parquet")
         for f in sorted(Path(tmp).iterdir()):
             if f.name != "report.json":
                 store.write_bytes(f"{ekey}/{f.name}", f.read_bytes())

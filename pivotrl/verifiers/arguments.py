@@ -179,7 +179,7 @@ class ArgumentsVerifier:
         expected, lenient = expected_calls(state)
         out = []
         for parsed in parse_actions(state, actions):
-            verdict = kind_check(tuple(ToolCall(name) for name, _ in expected), parsed)
+            verdict = kind_check(tuple(ToolCall(name) for name, _ in expected), parsed, state)
             if verdict is None:
                 reason = match_calls(parsed.calls, expected, state.tools, lenient=lenient)
                 verdict = VerifierResult.accept() if reason is None else VerifierResult.reject(reason)

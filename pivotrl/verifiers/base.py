@@ -6,8 +6,10 @@ with :func:`pivotrl.actions.parse_action`; output that does not parse is a rewar
 retries) it raises :class:`~pivotrl.errors.VerifierError`, never a reward of 0.
 
 Acceptance rules are explicit (tool names, argument rules, functional equivalence), never text
-similarity. Every verifier accepts a text action when the demonstration's action is text (the
-"end the turn / answer" step), and rejects a text action when the demonstration calls tools.
+similarity. A text action is rejected when the demonstration calls tools. When the demonstration's
+action is text, every verifier applies the state's text rule (:mod:`pivotrl.verifiers.text_rules`):
+a stop decision accepts any action without a tool call, an answer with an explicit rule must satisfy
+it, and a text turn with no rule accepts nothing (no reward for arbitrary text).
 """
 
 from __future__ import annotations
@@ -136,16 +138,30 @@ def demo_calls(state: TurnState) -> tuple[ToolCall, ...]:
     return tuple(ToolCall.from_dict(d, f"turn state {state.state_id!r}.demo_calls[{i}]") for i, d in enumerate(raw))
 
 
-def kind_check(demo: Sequence[ToolCall], parsed: ParsedAction) -> VerifierResult | None:
+def kind_check(demo: Sequence[ToolCall], parsed: ParsedAction, state: TurnState | None = None) -> VerifierResult | None:
     """The verdict every verifier shares, or None if the calls must be compared.
 
-    Unparsable → reject "parse_error"; text demo → accept a text action ("text"), reject calls
-    ("wrong_kind"); call demo → reject a text action ("wrong_kind").
+    Unparsable → reject "parse_error"; call demo → reject a text action ("wrong_kind"); text demo →
+    reject calls ("wrong_kind") and judge a text action by the state's kind
+    (:func:`pivotrl.verifiers.text_rules.candidate_kind`): "stop" → accept ("stop"); "text_rule" →
+    the rule in ``verifier_context["answer_rule"]`` ("rule" / "rule_failed"); otherwise (or without
+    ``state``) → reject ("no_rule").
     """
+    from pivotrl.verifiers.text_rules import candidate_kind, check_answer
+
     if parsed.message is None:
         return VerifierResult.reject("parse_error")
     if not demo:
-        return VerifierResult.accept("text") if parsed.is_text else VerifierResult.reject("wrong_kind")
+        if not parsed.is_text:
+            return VerifierResult.reject("wrong_kind")
+        kind = "text_no_rule" if state is None else candidate_kind(state)
+        if kind == "stop":
+            return VerifierResult.accept("stop")
+        rule = None if state is None else state.verifier_context.get("answer_rule")
+        if kind == "text_rule" and isinstance(rule, dict):
+            ok, reason = check_answer(rule, parsed.message.content)
+            return VerifierResult(float(ok), ok, reason)
+        return VerifierResult.reject("no_rule")
     if parsed.is_text:
         return VerifierResult.reject("wrong_kind")
     return None

@@ -16,7 +16,8 @@ process. All m actions of one state go in ONE request: the worker rebuilds the s
 replaying ``verifier_context["prior_calls"]`` on a fresh environment (``replay``), then runs the
 demonstration and each distinct candidate on its own deep copy. A failed request (timeout, crash,
 memory) is retried (``retries``, exponential ``backoff_s``); if it still fails the verifier raises
-VerifierError, never a reward of 0. A text demonstration accepts any text action, as everywhere.
+VerifierError, never a reward of 0. A text demonstration is judged by its text rule, as everywhere
+(:mod:`pivotrl.verifiers.text_rules`).
 """
 
 from __future__ import annotations
@@ -109,7 +110,7 @@ class ExecutionVerifier:
         pending: dict[str, list[int]] = {}  # canonical calls → indices of actions with those calls
         candidates: list[list[dict[str, Any]]] = []
         for i, parsed in enumerate(parse_actions(state, actions)):
-            verdict = kind_check(demo, parsed)
+            verdict = kind_check(demo, parsed, state)
             if verdict is None and any(c.name not in tool_names for c in parsed.calls):
                 verdict = VerifierResult.reject("unknown_tool")
             results.append(verdict)

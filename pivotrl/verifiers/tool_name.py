@@ -1,7 +1,8 @@
 """The ``tool_name`` verifier: the cheapest local signal (PivotRL §3.2; one of the paper's settings).
 
 Accept iff the list of called tool names, in order, equals the demonstration's (arguments are not
-looked at). A text demonstration action accepts any text action. Known limit: a correct tool with
+looked at). A text demonstration action is judged by its text rule (stop decision, explicit answer
+rule, or nothing accepted: :mod:`pivotrl.verifiers.text_rules`). Known limit: a correct tool with
 wrong arguments is accepted; the full task decides.
 """
 
@@ -17,7 +18,7 @@ __all__ = ["ToolNameVerifier"]
 
 @VERIFIERS.register("tool_name")
 class ToolNameVerifier:
-    """Reasons: "match", "text", "parse_error", "wrong_kind", "wrong_tool"."""
+    """Reasons: "match", "stop", "rule", "rule_failed", "no_rule", "parse_error", "wrong_kind", "wrong_tool"."""
 
     def score(self, state: TurnState, actions: Sequence[str]) -> list[VerifierResult]:
         """One result per action (length m or K). Raises DataError for a malformed state."""
@@ -25,7 +26,7 @@ class ToolNameVerifier:
         want = [c.name for c in demo]
         out = []
         for parsed in parse_actions(state, actions):
-            verdict = kind_check(demo, parsed)
+            verdict = kind_check(demo, parsed, state)
             if verdict is None:
                 got = [c.name for c in parsed.calls]
                 verdict = VerifierResult.accept() if got == want else VerifierResult.reject("wrong_tool")

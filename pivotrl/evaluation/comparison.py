@@ -1,0 +1,188 @@
+"""Intervals on every evaluation rate and paired comparisons between policies (for the report).
+
+Inputs are the per-unit tables the evaluation writes: ``full_task.parquet`` (one row per task, policy
+and seed: ``task_id``, ``success``, ``turns_passed``, ``n_turns``, ``policy``, ``seed``) and
+``local.parquet`` (one row per state, policy, seed and kind: ``state_id``, ``status``, ``n_samples``,
+``n_accepted``, ``policy``, ``seed``, ``kind``). The statistics come from
+:mod:`pivotrl.evaluation.stats`:
+
+* full-task success: with one seed, k/n over tasks with a Wilson interval, and exact McNemar between
+  two policies on the same tasks; with several seeds, each task's mean success over seeds, a
+  bootstrap interval over tasks and a paired bootstrap between policies;
+* turns passed / turns (per-turn measure: consecutive turns passed from the start, as BFCL's checker
+  stops at the first failing turn): ratio of sums with a bootstrap interval over tasks; paired
+  bootstrap of each task's fraction between policies;
+* local accuracy: greedy (one sample per state) Wilson + exact McNemar on the same states; sampled
+  (m per state) bootstrap over states + paired bootstrap of per-state accuracy.
+
+Pairs are formed on units both policies have (inner join), so a comparison is always paired.
+"""
+
+from __future__ import annotations
+
+from itertools import combinations
+from typing import Any, Sequence
+
+import pandas as pd
+
+from pivotrl.evaluation.stats import (
+    PairedResult,
+    bootstrap_mean_interval,
+    paired_binary,
+    paired_bootstrap,
+    wilson_interval,
+)
+
+__all__ = ["compare_policies", "comparison_markdown", "format_rate", "rate_with_interval", "turn_interval"]
+
+
+def rate_with_interval(k: int, n: int) -> dict[str, Any]:
+    """``{"rate", "k", "n", "low", "high", "interval": "Wilson 95%"}`` (rate None when n = 0)."""
+    lo, hi = wilson_interval(int(k), int(n))
+    return {"rate": k / n if n else None, "k": int(k), "n": int(n), "low": lo if n else None,
+            "high": hi if n else None, "interval": "Wilson 95%"}
+
+
+def _boot(values: Sequence[float], weights: Sequence[float] | None, seed: int) -> dict[str, Any]:
+    est, lo, hi = bootstrap_mean_interval(values, weights, seed=seed)
+    n = len(values)
+    return {"rate": est if n else None, "n": n, "low": lo if n else None, "high": hi if n else None,
+            "interval": "bootstrap over units 95%"}
+
+
+def _paired(r: PairedResult) -> dict[str, Any]:
+    out = {"n": r.n, "difference": r.difference, "p_value": r.p_value, "test": r.test,
+           "significant": r.significant, "verdict": r.verdict}
+    if r.b is not None:
+        out.update({"only_a": r.b, "only_b": r.c})
+    else:
+        out.update({"low": r.low, "high": r.high})
+    return out
+
+
+def _full_task(per_task: pd.DataFrame, policies: Sequence[str], seed: int) -> dict[str, Any]:
+    df = per_task[per_task["policy"].isin(policies)]
+    n_seeds = int(df["seed"].nunique()) if len(df) else 0
+    by = df.groupby(["policy", "task_id"]).agg(success=("success", "mean"), turns_passed=("turns_passed", "mean"),
+                                               n_turns=("n_turns", "first")).reset_index()
+    out: dict[str, Any] = {"seeds": n_seeds, "per_policy": {}, "pairs": []}
+    for p in policies:
+        g = by[by["policy"] == p]
+        if not len(g):
+            continue
+        if n_seeds == 1:
+            success = rate_with_interval(int(g["success"].sum()), len(g))
+        else:
+            success = _boot(list(g["success"]), None, seed)
+        out["per_policy"][p] = {"task_success": success,
+                                "turn_pass": {**_boot(list(g["turns_passed"]), list(g["n_turns"]), seed),
+                                              "turns_passed": float(g["turns_passed"].sum()),
+                                              "turns": int(g["n_turns"].sum())}}
+    for a, b in combinations([p for p in policies if p in out["per_policy"]], 2):
+        j = by[by["policy"] == a].merge(by[by["policy"] == b], on="task_id", suffixes=("_a", "_b"))
+        if n_seeds == 1:
+            succ = paired_binary([bool(x) for x in j["success_a"]], [bool(x) for x in j["success_b"]])
+        else:
+            succ = paired_bootstrap(list(j["success_a"]), list(j["success_b"]), seed=seed)
+        turns = paired_bootstrap(list(j["turns_passed_a"] / j["n_turns_a"]), list(j["turns_passed_b"] / j["n_turns_b"]),
+                                 seed=seed)
+        out["pairs"].append({"a": a, "b": b, "task_success": _paired(succ), "turn_fraction": _paired(turns)})
+    return out
+
+
+def _local(local: pd.DataFrame, kind: str, policies: Sequence[str], seed: int) -> dict[str, Any]:
+    df = local[(local["kind"] == kind) & (local["status"] == "ok") & local["policy"].isin(policies)]
+    unit = ["state_id", "seed"]
+    out: dict[str, Any] = {"per_policy": {}, "pairs": []}
+    greedy = len(df) > 0 and bool((df["n_samples"] == 1).all())
+    for p in policies:
+        g = df[df["policy"] == p]
+        if not len(g):
+            continue
+        if greedy:
+            out["per_policy"][p] = rate_with_interval(int(g["n_accepted"].sum()), len(g))
+        else:
+            out["per_policy"][p] = _boot(list(g["n_accepted"]), list(g["n_samples"]), seed)
+    for a, b in combinations(list(out["per_policy"]), 2):
+        j = df[df["policy"] == a].merge(df[df["policy"] == b], on=unit, suffixes=("_a", "_b"))
+        if greedy:
+            r = paired_binary([x > 0 for x in j["n_accepted_a"]], [x > 0 for x in j["n_accepted_b"]])
+        else:
+            r = paired_bootstrap(list(j["n_accepted_a"] / j["n_samples_a"]), list(j["n_accepted_b"] / j["n_samples_b"]),
+                                 seed=seed)
+        out["pairs"].append({"a": a, "b": b, **_paired(r)})
+    return out
+
+
+def compare_policies(per_task: pd.DataFrame | None, local: pd.DataFrame | None, policies: Sequence[str],
+                     seed: int = 0) -> dict[str, Any]:
+    """Intervals and paired comparisons (module docstring) as a JSON-able dict.
+
+    ``{"full_task": {...}, "local": {kind: {...}}}`` where each block has ``per_policy`` (rate, n,
+    low, high, interval) and ``pairs`` (a, b, n, difference = a - b, p_value, test, verdict).
+    """
+    out: dict[str, Any] = {"confidence": 0.95}
+    if per_task is not None and len(per_task):
+        out["full_task"] = _full_task(per_task, policies, seed)
+    if local is not None and len(local):
+        out["local"] = {k: _local(local, k, policies, seed) for k in sorted(local["kind"].unique())}
+    return out
+
+
+def _ci(r: dict[str, Any]) -> str:
+    if r.get("rate") is None:
+        return "n/a (n = 0)"
+    frac = f"{r['k']}/{r['n']}, " if "k" in r else f"n = {r['n']}, "
+    return f"{r['rate']:.3f} ({frac}95% CI {r['low']:.3f}–{r['high']:.3f})"
+
+
+def _pair_line(label: str, d: dict[str, Any]) -> str:
+    extra = f"only A {d['only_a']}, only B {d['only_b']}" if "only_a" in d else f"95% CI {d['low']:+.3f}–{d['high']:+.3f}"
+    return (f"| {label} | {d['n']} | {d['difference']:+.3f} | {extra} | {d['test']} | {d['p_value']:.3g} | "
+            f"{d['verdict']} |")
+
+
+def comparison_markdown(stats: dict[str, Any]) -> list[str]:
+    """Markdown lines: one table of rates with intervals and one of paired comparisons per measure."""
+    lines = ["## Intervals and paired comparisons", "",
+             "Every rate with its n and a 95% interval; every comparison paired on the same tasks/states "
+             "(A − B), two-sided p-value; \"no significant difference\" unless p < 0.05.", ""]
+    full = stats.get("full_task")
+    if full:
+        lines += [f"### Full task (seeds: {full['seeds']})", "", "| policy | task success | turns passed / turns |", "|---|---|---|"]
+        for p, r in full["per_policy"].items():
+            lines.append(f"| {p} | {_ci(r['task_success'])} | {_ci(r['turn_pass'])} |")
+        lines += ["", "| A vs B (measure) | n | A − B | discordant / interval | test | p | verdict |", "|---|---|---|---|---|---|---|"]
+        for pair in full["pairs"]:
+            lines.append(_pair_line(f"{pair['a']} vs {pair['b']} (task success)", pair["task_success"]))
+            lines.append(_pair_line(f"{pair['a']} vs {pair['b']} (turn fraction)", pair["turn_fraction"]))
+        lines.append("")
+    for kind, block in (stats.get("local") or {}).items():
+        if not block["per_policy"]:
+            lines += [f"### Local accuracy: {kind}", "", "No state evaluated (none, or all too long).", ""]
+            continue
+        lines += [f"### Local accuracy: {kind}", "", "| policy | accuracy |", "|---|---|"]
+        lines += [f"| {p} | {_ci(r)} |" for p, r in block["per_policy"].items()]
+        lines += ["", "| A vs B | n | A − B | discordant / interval | test | p | verdict |", "|---|---|---|---|---|---|---|"]
+        lines += [_pair_line(f"{pair['a']} vs {pair['b']}", pair) for pair in block["pairs"]]
+        lines.append("")
+    return lines
+
+
+def format_rate(rate: float | None, num: Any, den: Any, interval: tuple[float, float] | None = None) -> str:
+    """``0.175 (7/40), 95% CI 0.087–0.320`` (Wilson on num/den unless ``interval`` is given);
+    "not evaluated" for a missing rate."""
+    if rate is None:
+        return "not evaluated"
+    frac = f" ({num}/{den})" if num is not None and den is not None else ""
+    if interval is None and num is not None and den:
+        interval = wilson_interval(int(num), int(den))
+    ci = f", 95% CI {interval[0]:.3f}–{interval[1]:.3f}" if interval is not None else ""
+    return f"{rate:.3f}{frac}{ci}"
+
+
+def turn_interval(statistics: dict[str, Any] | None, policy: str) -> tuple[float, float] | None:
+    """The bootstrap-over-tasks interval of a policy's turns passed / turns, if computed."""
+    per = (((statistics or {}).get("full_task") or {}).get("per_policy") or {}).get(policy) or {}
+    tp = per.get("turn_pass") or {}
+    return None if tp.get("low") is None else (tp["low"], tp["high"])

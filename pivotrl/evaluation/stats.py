@@ -1,0 +1,164 @@
+"""Statistics for reports: intervals on rates and paired tests between policies (pure Python).
+
+* :func:`wilson_interval` - Wilson score interval for a proportion k/n (Wilson 1927). Used for every
+  rate over independent units (tasks, greedy states).
+* :func:`bootstrap_mean_interval` - percentile bootstrap over units for a mean (or a ratio of sums,
+  e.g. turns passed / turns over tasks), resampling whole units (tasks), seeded.
+* :func:`mcnemar_exact` - exact (binomial) McNemar test on paired binary outcomes: with b = pairs
+  where only A succeeds and c = pairs where only B does, p = min(1, 2·P[X ≤ min(b, c)]),
+  X ~ Binomial(b + c, 1/2); p = 1 when b + c = 0.
+* :func:`paired_bootstrap` - paired bootstrap of the mean difference of per-unit values, with a
+  two-sided p-value 2·min(P*[Δ ≤ 0], P*[Δ ≥ 0]) (capped at 1).
+
+All intervals are two-sided at ``confidence`` (default 0.95). Empty inputs give NaN bounds.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+from statistics import NormalDist
+from typing import Sequence
+
+from pivotrl.errors import ConfigError
+
+__all__ = [
+    "PairedResult",
+    "bootstrap_mean_interval",
+    "mcnemar_exact",
+    "paired_bootstrap",
+    "paired_binary",
+    "wilson_interval",
+]
+
+
+def _z(confidence: float) -> float:
+    if not 0.0 < confidence < 1.0:
+        raise ConfigError(f"confidence={confidence!r}: must be in (0, 1)")
+    return NormalDist().inv_cdf(0.5 + confidence / 2)
+
+
+def wilson_interval(k: int, n: int, confidence: float = 0.95) -> tuple[float, float]:
+    """Wilson score interval ``(low, high)`` for k successes in n trials; ``(nan, nan)`` when n = 0.
+
+    low/high = (p̂ + z²/2n ∓ z·sqrt(p̂(1-p̂)/n + z²/4n²)) / (1 + z²/n). Raises ConfigError unless
+    0 ≤ k ≤ n.
+    """
+    if not (isinstance(k, int) and isinstance(n, int)) or k < 0 or n < 0 or k > n:
+        raise ConfigError(f"wilson_interval: need integers 0 <= k <= n, got k={k!r}, n={n!r}")
+    if n == 0:
+        return float("nan"), float("nan")
+    z = _z(confidence)
+    p = k / n
+    denom = 1 + z * z / n
+    centre = (p + z * z / (2 * n)) / denom
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def bootstrap_mean_interval(
+    values: Sequence[float],
+    weights: Sequence[float] | None = None,
+    *,
+    n_boot: int = 2000,
+    seed: int = 0,
+    confidence: float = 0.95,
+) -> tuple[float, float, float]:
+    """``(estimate, low, high)``: percentile bootstrap over units of a (weighted) mean.
+
+    With ``weights`` the statistic is Σ values / Σ weights over the resampled units (a ratio of
+    sums: pass ``turns_passed`` as values and ``n_turns`` as weights for turns passed / turns).
+    Units are resampled with replacement ``n_boot`` times from ``random.Random(seed)``.
+    """
+    n = len(values)
+    if weights is not None and len(weights) != n:
+        raise ConfigError(f"bootstrap_mean_interval: {n} values but {len(weights)} weights")
+    if n == 0:
+        return float("nan"), float("nan"), float("nan")
+    w = [1.0] * n if weights is None else [float(x) for x in weights]
+    v = [float(x) for x in values]
+
+    def stat(idx: Sequence[int]) -> float:
+        den = sum(w[i] for i in idx)
+        return sum(v[i] for i in idx) / den if den else float("nan")
+
+    est = stat(range(n))
+    rng = random.Random(seed)
+    boots = sorted(s for s in (stat([rng.randrange(n) for _ in range(n)]) for _ in range(n_boot)) if s == s)
+    if not boots:
+        return est, float("nan"), float("nan")
+    alpha = (1 - confidence) / 2
+    lo = boots[min(len(boots) - 1, int(math.floor(alpha * len(boots))))]
+    hi = boots[min(len(boots) - 1, int(math.ceil((1 - alpha) * len(boots))) - 1)]
+    return est, lo, hi
+
+
+def mcnemar_exact(b: int, c: int) -> float:
+    """Two-sided exact McNemar p-value for b and c discordant pairs (see the module docstring)."""
+    if b < 0 or c < 0:
+        raise ConfigError(f"mcnemar_exact: counts must be >= 0, got b={b}, c={c}")
+    n = b + c
+    if n == 0:
+        return 1.0
+    tail = sum(math.comb(n, i) for i in range(min(b, c) + 1)) / 2 ** n
+    return min(1.0, 2 * tail)
+
+
+@dataclass(frozen=True)
+class PairedResult:
+    """A paired comparison of policy A against policy B on the same n units.
+
+    ``difference`` = mean(A) - mean(B); ``low``/``high`` its interval (NaN for McNemar);
+    ``b``/``c`` = units where only A / only B succeeded (McNemar only); ``p_value`` two-sided;
+    ``test`` = "exact McNemar" or "paired bootstrap"; ``significant`` = p < 1 - confidence.
+    """
+
+    n: int
+    difference: float
+    p_value: float
+    test: str
+    significant: bool
+    low: float = float("nan")
+    high: float = float("nan")
+    b: int | None = None
+    c: int | None = None
+
+    @property
+    def verdict(self) -> str:
+        """"A better" / "B better" when significant, else "no significant difference"."""
+        if not self.significant:
+            return "no significant difference"
+        return "A better" if self.difference > 0 else "B better"
+
+
+def paired_binary(a: Sequence[bool], b: Sequence[bool], confidence: float = 0.95) -> PairedResult:
+    """Exact McNemar test on paired 0/1 outcomes (``a[i]``, ``b[i]`` on the same unit i)."""
+    if len(a) != len(b):
+        raise ConfigError(f"paired_binary: {len(a)} outcomes for A but {len(b)} for B (must be paired)")
+    only_a = sum(1 for x, y in zip(a, b) if x and not y)
+    only_b = sum(1 for x, y in zip(a, b) if y and not x)
+    n = len(a)
+    p = mcnemar_exact(only_a, only_b)
+    diff = (only_a - only_b) / n if n else float("nan")
+    return PairedResult(n, diff, p, "exact McNemar", p < 1 - confidence, b=only_a, c=only_b)
+
+
+def paired_bootstrap(
+    a: Sequence[float], b: Sequence[float], *, n_boot: int = 2000, seed: int = 0, confidence: float = 0.95
+) -> PairedResult:
+    """Paired bootstrap of mean(a - b) over units; interval and two-sided p (module docstring)."""
+    if len(a) != len(b):
+        raise ConfigError(f"paired_bootstrap: {len(a)} values for A but {len(b)} for B (must be paired)")
+    d = [float(x) - float(y) for x, y in zip(a, b)]
+    n = len(d)
+    if n == 0:
+        return PairedResult(0, float("nan"), 1.0, "paired bootstrap", False)
+    est, lo, hi = bootstrap_mean_interval(d, n_boot=n_boot, seed=seed, confidence=confidence)
+    if all(x == 0 for x in d):
+        p = 1.0
+    else:
+        rng = random.Random(seed + 1)
+        means = [sum(d[rng.randrange(n)] for _ in range(n)) / n for _ in range(n_boot)]
+        p = min(1.0, 2 * min(sum(m <= 0 for m in means), sum(m >= 0 for m in means)) / n_boot)
+    return PairedResult(n, est, p, "paired bootstrap", p < 1 - confidence, low=lo, high=hi)

@@ -1,0 +1,110 @@
+"""Report statistics against hand-computed values (pivotrl.evaluation.stats)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from pivotrl.errors import ConfigError
+from pivotrl.evaluation.stats import (
+    bootstrap_mean_interval,
+    mcnemar_exact,
+    paired_binary,
+    paired_bootstrap,
+    wilson_interval,
+)
+
+Z = 1.959963984540054
+
+
+def test_wilson_known_bounds():
+    # 0/10: low 0, high z²/(n+z²) = 3.84146/13.84146.
+    lo, hi = wilson_interval(0, 10)
+    assert lo == pytest.approx(0.0, abs=1e-12) and hi == pytest.approx(Z * Z / (10 + Z * Z), abs=1e-12) and hi == pytest.approx(0.27753, abs=1e-5)
+    # 5/10: symmetric around 0.5, the textbook [0.2366, 0.7634].
+    lo, hi = wilson_interval(5, 10)
+    assert (lo, hi) == (pytest.approx(0.23659, abs=1e-5), pytest.approx(0.76341, abs=1e-5))
+    # 7/40 (the old report's local accuracy): centre 0.203477, half-width 0.116022 by hand.
+    lo, hi = wilson_interval(7, 40)
+    assert (lo, hi) == (pytest.approx(0.08745, abs=1e-5), pytest.approx(0.31950, abs=1e-5))
+    assert wilson_interval(10, 10)[1] == 1.0
+    assert all(math.isnan(x) for x in wilson_interval(0, 0))
+    with pytest.raises(ConfigError, match="0 <= k <= n"):
+        wilson_interval(11, 10)
+
+
+def test_mcnemar_exact_values():
+    assert mcnemar_exact(0, 0) == 1.0
+    assert mcnemar_exact(0, 5) == pytest.approx(2 / 32)  # 2·(1/2)^5
+    assert mcnemar_exact(1, 6) == pytest.approx(2 * 8 / 128)  # 2·(C(7,0)+C(7,1))/2^7 = 0.125
+    assert mcnemar_exact(6, 1) == mcnemar_exact(1, 6)
+    assert mcnemar_exact(2, 2) == 1.0  # 2·11/16 capped at 1
+    assert mcnemar_exact(0, 10) == pytest.approx(2 / 1024)
+
+
+def test_paired_binary_counts_discordant_pairs_only():
+    a = [True, True, True, False, False, True, True, True]
+    b = [False, False, False, False, True, True, False, False]
+    r = paired_binary(a, b)
+    assert (r.n, r.b, r.c) == (8, 5, 1)
+    assert r.p_value == pytest.approx(2 * (1 + 6) / 64)  # 0.21875
+    assert r.difference == pytest.approx(4 / 8) and not r.significant
+    assert r.verdict == "no significant difference"
+    strong = paired_binary([True] * 10, [False] * 10)
+    assert strong.significant and strong.verdict == "A better"
+    with pytest.raises(ConfigError, match="paired"):
+        paired_binary([True], [True, False])
+
+
+def test_bootstrap_interval_is_seeded_and_covers_the_estimate():
+    values = [0, 1, 2, 1, 0, 3, 1, 2]
+    weights = [3, 2, 4, 1, 2, 3, 2, 3]
+    est, lo, hi = bootstrap_mean_interval(values, weights, n_boot=500, seed=1)
+    assert est == pytest.approx(10 / 20) and lo <= est <= hi
+    assert bootstrap_mean_interval(values, weights, n_boot=500, seed=1) == (est, lo, hi)
+    # A constant gives a zero-width interval.
+    assert bootstrap_mean_interval([0.25] * 5) == (0.25, 0.25, 0.25)
+    assert all(math.isnan(x) for x in bootstrap_mean_interval([]))
+
+
+def test_paired_bootstrap_identical_and_shifted():
+    same = paired_bootstrap([0.1, 0.5, 0.9], [0.1, 0.5, 0.9])
+    assert same.p_value == 1.0 and same.difference == 0.0 and not same.significant
+    up = paired_bootstrap([1.0] * 30, [0.0] * 15 + [1.0] * 15, n_boot=1000)
+    assert up.difference == pytest.approx(0.5) and up.p_value < 0.01 and up.verdict == "A better"
+    assert up.low > 0
+
+
+# ------------------------------------------------------------------------ report comparisons
+def test_compare_policies_pairs_on_the_same_tasks_and_states():
+    import pandas as pd
+
+    from pivotrl.evaluation.comparison import compare_policies, comparison_markdown
+
+    a = [1, 1, 1, 1, 1, 0, 0, 0, 0, 0]  # pivotrl: 5/10
+    b = [1, 0, 0, 0, 0, 0, 0, 0, 0, 0]  # reference: 1/10; only-a 4, only-b 0 → p = 2/16
+    rows = []
+    for policy, succ in (("pivotrl", a), ("reference", b)):
+        for i, s in enumerate(succ):
+            rows.append({"policy": policy, "seed": 0, "task_id": f"t{i}", "success": bool(s),
+                         "turns_passed": 2 * s, "n_turns": 4})
+    local = pd.DataFrame([{"policy": p, "seed": 0, "kind": "heldout_greedy", "state_id": f"s{i}", "status": "ok",
+                           "n_samples": 1, "n_accepted": int(i < k)} for p, k in (("pivotrl", 3), ("reference", 3))
+                          for i in range(6)])
+    stats = compare_policies(pd.DataFrame(rows), local, ["pivotrl", "reference"])
+    full = stats["full_task"]
+    ts = full["per_policy"]["pivotrl"]["task_success"]
+    assert (ts["k"], ts["n"], ts["rate"]) == (5, 10, 0.5)
+    assert (ts["low"], ts["high"]) == (pytest.approx(0.23659, abs=1e-5), pytest.approx(0.76341, abs=1e-5))
+    assert full["per_policy"]["pivotrl"]["turn_pass"]["rate"] == pytest.approx(10 / 40)
+    (pair,) = full["pairs"]
+    assert pair["task_success"]["test"] == "exact McNemar"
+    assert (pair["task_success"]["only_a"], pair["task_success"]["only_b"]) == (4, 0)
+    assert pair["task_success"]["p_value"] == pytest.approx(0.125)
+    assert pair["task_success"]["verdict"] == "no significant difference"
+    assert pair["turn_fraction"]["test"] == "paired bootstrap" and pair["turn_fraction"]["difference"] == pytest.approx(0.2)
+    (lp,) = stats["local"]["heldout_greedy"]["pairs"]
+    assert (lp["only_a"], lp["only_b"], lp["p_value"], lp["verdict"]) == (0, 0, 1.0, "no significant difference")
+    md = "\n".join(comparison_markdown(stats))
+    assert "| pivotrl | 0.500 (5/10, 95% CI 0.237–0.763) |" in md and "no significant difference" in md
