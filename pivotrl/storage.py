@@ -239,6 +239,19 @@ def is_transient(exc: BaseException) -> bool:
     return False
 
 
+def _storage_error(action: str, url: str, e: BaseException) -> StorageError:
+    """The StorageError for a failed ``action`` on ``url``: StorageAccessError (never retried) when
+    the store refuses access (no credentials, permission denied, no such bucket)."""
+    from pivotrl.storage_check import access_problem
+
+    if (reason := access_problem(e)) is not None:
+        hint = "; set AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY (and AWS_ENDPOINT_URL_S3)" if url.startswith("s3") else ""
+        return StorageAccessError(f"cannot {action} {url}: access refused ({reason}){hint}")
+    if isinstance(e, FileNotFoundError):
+        return StorageError(f"cannot {action} {url}: not found")
+    return StorageError(f"cannot {action} {url}: {type(e).__name__}: {e}")
+
+
 # ---------------------------------------------------------------------------------- manifest
 @dataclass(frozen=True)
 class Manifest:
@@ -427,16 +440,8 @@ class ArtifactStore:
             yield
         except PivotRLError:
             raise
-        except FileNotFoundError as e:
-            raise StorageError(f"cannot {action} {url}: not found") from e
         except Exception as e:  # fsspec drivers raise OSError subclasses and their own errors
-            from pivotrl.storage_check import access_problem
-
-            if (reason := access_problem(e)) is not None:  # no retry can fix these
-                hint = ("; set AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY (and AWS_ENDPOINT_URL_S3)"
-                        if url.startswith("s3") else "")
-                raise StorageAccessError(f"cannot {action} {url}: access refused ({reason}){hint}") from e
-            raise StorageError(f"cannot {action} {url}: {type(e).__name__}: {e}") from e
+            raise _storage_error(action, url, e) from e
 
     def _fresh(self, path: str) -> None:
         if not self._local:
@@ -529,7 +534,7 @@ class ArtifactStore:
             raise
         except OSError as e:
             self._discard(tmp)
-            raise StorageError(f"cannot write {url}: {type(e).__name__}: {e}") from e
+            raise _storage_error("write", url, e) from e
         except BaseException:
             self._discard(tmp)
             raise

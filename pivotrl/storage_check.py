@@ -39,6 +39,8 @@ def access_problem(exc: BaseException) -> str | None:
         for code in _ACCESS_CODES:
             if code in text:
                 return code
+        if "specified bucket does not exist" in text:
+            return "NoSuchBucket"
         e = e.__cause__ or e.__context__
     return None
 
@@ -105,7 +107,7 @@ def _check_s3(url: str, options: dict[str, Any], timeout_s: float) -> None:
     cfg = dict(options.get("config_kwargs") or {})
     cfg.update({"connect_timeout": timeout_s, "read_timeout": timeout_s, "retries": {"max_attempts": 1}})
     try:
-        fs = s3fs.S3FileSystem(**{**options, "config_kwargs": cfg, "retries": 1, "skip_instance_cache": True})
+        fs = s3fs.S3FileSystem(**{**options, "config_kwargs": cfg, "skip_instance_cache": True})
         fs.ls(bucket, refresh=True)
     except FileNotFoundError as e:
         raise StorageAccessError(f"storage root {url}: bucket {bucket!r} does not exist (NoSuchBucket) at "
