@@ -10,15 +10,25 @@ HOST=${PREFECT_SERVER_API_HOST:-127.0.0.1}
 PORT=${PREFECT_SERVER_API_PORT:-4200}
 export PREFECT_API_URL=${PREFECT_API_URL:-http://$HOST:$PORT/api}
 export PIVOTRL_HOME=${PIVOTRL_HOME:-$PWD}
-PIDS=()
+# The server runs in its own session, so a Ctrl-C reaches this script and the worker only: the
+# worker stops first (while the server still answers it), then the server.
+SERVER=
+WORKER=
+stop_pid() {  # stop_pid PID: SIGTERM, up to 30 s, then SIGKILL
+  [ -n "$1" ] || return 0
+  kill -TERM "$1" 2>/dev/null || return 0
+  for _ in $(seq 1 60); do kill -0 "$1" 2>/dev/null || return 0; sleep 0.5; done
+  kill -KILL "$1" 2>/dev/null || true
+}
 stop() {
   trap - INT TERM EXIT
-  for pid in "${PIDS[@]}"; do kill -TERM "$pid" 2>/dev/null || true; done
-  wait || true
+  stop_pid "$WORKER"
+  stop_pid "$SERVER"
+  wait 2>/dev/null || true
 }
 trap stop INT TERM EXIT
-"$BIN/prefect" server start --host "$HOST" --port "$PORT" &
-PIDS+=($!)
+setsid "$BIN/prefect" server start --host "$HOST" --port "$PORT" &
+SERVER=$!
 for _ in $(seq 1 90); do
   "$BIN/python" -c "import urllib.request; urllib.request.urlopen('$PREFECT_API_URL/health')" 2>/dev/null && break
   sleep 1
@@ -27,5 +37,5 @@ done
 "$BIN/prefect" --no-prompt deploy --prefect-file infra/prefect.yaml --all
 echo "deployed; trigger a run now with: $BIN/prefect deployment run 'pivotrl-nightly/nightly'"
 "$BIN/prefect" worker start --pool pivotrl-process &
-PIDS+=($!)
-wait
+WORKER=$!
+wait "$WORKER"

@@ -23,6 +23,8 @@ STEP_COLUMNS = ("step", "pivots", "groups", "dropped_groups", "reward_mean", "re
 
 
 def _fmt(v: Any) -> str:
+    if isinstance(v, float) and v.is_integer() and abs(v) < 1e15:
+        return str(int(v))
     if isinstance(v, float):
         return "nan" if math.isnan(v) else f"{v:.4g}"
     return str(v)
@@ -65,7 +67,7 @@ def train(out: Mapping[str, Any], metrics: "Any") -> None:
     rows = metrics.to_dict("records") if metrics is not None else []
     cols = [c for c in STEP_COLUMNS if rows and c in rows[0]]
     for r in rows:
-        logger.info("train step %s: %s", r.get("step"), ", ".join(f"{c}={_fmt(r[c])}" for c in cols if c != "step"))
+        logger.info("train step %d: %s", int(r["step"]), ", ".join(f"{c}={_fmt(r[c])}" for c in cols if c != "step"))
     s = out["summary"] or {}
     logger.info("train: %s steps on %s pivots, final reward %s, policy %s", s.get("steps"), s.get("pivots"),
                 _fmt(s.get("final_reward_mean")), s.get("policy"))

@@ -25,13 +25,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _session_pids(sid: int) -> list[int]:
+def _pids_with(home: str) -> list[int]:
+    """Processes whose environment holds PREFECT_HOME=home (the script, the server, the worker and
+    anything they started), whatever session or process group they moved to."""
+    needle = f"PREFECT_HOME={home}".encode()
     pids = []
     for entry in os.listdir("/proc"):
-        if entry.isdigit():
+        if entry.isdigit() and int(entry) != os.getpid():
             try:
-                if os.getsid(int(entry)) == sid:
-                    pids.append(int(entry))
+                with open(f"/proc/{entry}/environ", "rb") as f:
+                    if needle in f.read().split(b"\0"):
+                        pids.append(int(entry))
             except OSError:
                 continue
     return pids
@@ -39,7 +43,8 @@ def _session_pids(sid: int) -> list[int]:
 
 def test_serve_comes_up_and_ctrl_c_leaves_nothing_running(tmp_path):
     port = _free_port()
-    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "home"), "PREFECT_SERVER_API_PORT": str(port),
+    home = str(tmp_path / "home")
+    env = {**os.environ, "PREFECT_HOME": home, "PREFECT_SERVER_API_PORT": str(port),
            "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "VENV": str(Path(sys.executable).parent.parent)}
     env.pop("PREFECT_API_URL", None)
     log = open(tmp_path / "serve.log", "w")
@@ -53,19 +58,21 @@ def test_serve_comes_up_and_ctrl_c_leaves_nothing_running(tmp_path):
         text = (tmp_path / "serve.log").read_text()
         assert "deployed; trigger a run now" in text and "Worker" in text, text[-3000:]
         urllib.request.urlopen(f"http://127.0.0.1:{port}/api/health", timeout=5)
-        assert len(_session_pids(proc.pid)) >= 3  # the script, the server, the worker
-        os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C
-        proc.wait(timeout=60)
+        assert len(_pids_with(home)) >= 3  # the script, the server, the worker
+        t0 = time.time()
+        os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C: SIGINT to the terminal's foreground process group
+        proc.wait(timeout=90)
         deadline = time.time() + 30
-        while _session_pids(proc.pid) and time.time() < deadline:
+        while _pids_with(home) and time.time() < deadline:
             time.sleep(0.5)
-        assert _session_pids(proc.pid) == []
+        assert _pids_with(home) == []
+        print(f"Ctrl-C: everything stopped after {time.time() - t0:.1f} s")
         with socket.socket() as s:
             assert s.connect_ex(("127.0.0.1", port)) != 0  # nothing listens any more
     finally:
-        if proc.poll() is None or _session_pids(proc.pid):
+        for pid in _pids_with(home):
             try:
-                os.killpg(proc.pid, signal.SIGKILL)
+                os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
         log.close()
