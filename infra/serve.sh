@@ -14,11 +14,17 @@ export PIVOTRL_HOME=${PIVOTRL_HOME:-$PWD}
 # worker stops first (while the server still answers it), then the server.
 SERVER=
 WORKER=
-stop_pid() {  # stop_pid PID: SIGTERM, up to 30 s, then SIGKILL
+alive() {  # alive PID: running and not a zombie awaiting its exit status
+  local stat
+  stat=$(ps -o stat= -p "$1" 2>/dev/null) || return 1
+  [ "${stat:0:1}" != Z ]
+}
+stop_pid() {  # stop_pid PID: SIGTERM, up to 30 s, then SIGKILL; reaps it
   [ -n "$1" ] || return 0
   kill -TERM "$1" 2>/dev/null || return 0
-  for _ in $(seq 1 60); do kill -0 "$1" 2>/dev/null || return 0; sleep 0.5; done
-  kill -KILL "$1" 2>/dev/null || true
+  for _ in $(seq 1 60); do alive "$1" || break; sleep 0.5; done
+  if alive "$1"; then kill -KILL "$1" 2>/dev/null || true; fi
+  wait "$1" 2>/dev/null || true
 }
 stop() {
   trap - INT TERM EXIT

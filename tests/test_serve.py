@@ -61,7 +61,7 @@ def test_serve_comes_up_and_ctrl_c_leaves_nothing_running(tmp_path):
         assert len(_pids_with(home)) >= 3  # the script, the server, the worker
         t0 = time.time()
         os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C: SIGINT to the terminal's foreground process group
-        proc.wait(timeout=90)
+        proc.wait(timeout=120)
         deadline = time.time() + 30
         while _pids_with(home) and time.time() < deadline:
             time.sleep(0.5)
