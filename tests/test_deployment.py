@@ -166,6 +166,8 @@ def test_nightly_schedule_fires_and_the_run_completes(prefect_server, tmp_path):
     assert states[0] == "SCHEDULED" and "RUNNING" in states and states[-1] == "COMPLETED", states
     errors, known_race = _server_errors(Path(env["PREFECT_HOME"]) / "server.log")
     assert errors == [], errors[:3]
+    # the retried readiness update did succeed: the polled deployment is READY
+    assert _api(f"{api}/deployments/{dep['id']}")["status"] == "READY"
     print(f"server log: no errors; {known_race} retried SQLite lock races in mark_deployments_ready")
 
     reports = sorted(root.glob("eval/*/report.md"))
