@@ -18,6 +18,22 @@ import typer
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="PivotRL post-training pipeline.")
 
+
+def _version(value: bool) -> None:
+    if value:
+        from importlib.metadata import version
+
+        from pivotrl.storage import code_version
+
+        typer.echo(f"pivotrl {version('pivotrl')} (code {code_version()})")
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(show_version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+                                            help="Print the version and exit.")) -> None:
+    """PivotRL post-training pipeline."""
+
 ConfigOpt = typer.Option("configs/default.yaml", "--config", "-c", help="YAML run config (path or fsspec URL).")
 SetOpt = typer.Option(None, "--set", "-s", help="Override a config key: --set training.beta=0.01 (repeatable).")
 
@@ -34,14 +50,21 @@ def _load(config: str, overrides: Optional[list[str]]):
 
 
 def _preflight(cfg) -> None:
-    """Checks that need no stage to run: the model source exists (a local one) — before Prefect starts."""
-    from pivotrl.errors import ModelError
+    """Checks that need no stage to run: the model source exists (a local one), the storage root's
+    credentials, endpoint and bucket work — before Prefect starts."""
+    from pivotrl.errors import ModelError, StorageError
     from pivotrl.models import check_model_source
+    from pivotrl.storage_check import check_storage
 
     try:
         check_model_source(cfg.model.source)
     except ModelError as e:
         typer.echo(f"model error: {e}\n(the smoke config's tiny model is created by `make smoke`)", err=True)
+        raise typer.Exit(2)
+    try:
+        check_storage(cfg.run.storage_root, cfg.run.storage_options)
+    except StorageError as e:
+        typer.echo(f"storage error: {e}", err=True)
         raise typer.Exit(2)
 
 

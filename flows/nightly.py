@@ -11,16 +11,26 @@ from typing import Any
 from prefect import flow, get_run_logger
 
 
+def _checked_config(config_path: str, overrides: list[str] | None) -> dict[str, Any]:
+    """The validated config as JSON, after checking its storage root (credentials, endpoint, bucket)
+    so that a root that cannot work fails before any stage runs (StorageAccessError, not retried)."""
+    from pivotrl.config import load_config
+    from pivotrl.storage_check import check_storage
+
+    cfg = load_config(config_path, overrides or [])
+    check_storage(cfg.run.storage_root, cfg.run.storage_options)
+    return cfg.model_dump(mode="json")
+
+
 @flow(name="pivotrl-nightly", log_prints=True)
 def nightly(config_path: str = "configs/default.yaml", overrides: list[str] | None = None) -> dict[str, Any]:
     """Run the whole pipeline for the config at ``config_path`` (with ``--set``-style overrides).
 
     Returns the evaluation result: ``report_md``/``report_json`` URIs and the report dict.
     """
-    from pivotrl.config import load_config
     from pivotrl.tasks.stages import pipeline_tasks
 
-    config = load_config(config_path, overrides or []).model_dump(mode="json")
+    config = _checked_config(config_path, overrides)
     t = pipeline_tasks(config)
     demos = t.demonstrations(config)
     ref = t.reference(config, {"demos": demos})
@@ -34,10 +44,9 @@ def nightly(config_path: str = "configs/default.yaml", overrides: list[str] | No
 @flow(name="pivotrl-probe", log_prints=True)
 def probe_only(config_path: str = "configs/default.yaml", overrides: list[str] | None = None) -> dict[str, Any]:
     """Demonstrations → warm start → probing → pivot set, without training (for inspecting pivots)."""
-    from pivotrl.config import load_config
     from pivotrl.tasks.stages import pipeline_tasks
 
-    config = load_config(config_path, overrides or []).model_dump(mode="json")
+    config = _checked_config(config_path, overrides)
     t = pipeline_tasks(config)
     demos = t.demonstrations(config)
     ref = t.reference(config, {"demos": demos})

@@ -10,6 +10,8 @@ Catch the narrowest class you can act on::
     ├── ToolExecutionError     a tool call could not be executed (crash, timeout, resource limit)
     ├── VerifierError          a verifier could not decide (crash or timeout); never a reward of 0
     ├── StorageError           an artifact could not be read or written
+    │   └── StorageAccessError the store refuses us: no credentials, permission denied, no such
+    │                          bucket (a retry cannot help)
     ├── ModelError             a model source cannot be resolved or a checkpoint is unreadable
     └── TrainingError          a training invariant failed (non-finite loss, refresh mismatch)
 """
@@ -47,6 +49,11 @@ class VerifierError(PivotRLError, RuntimeError):
 
 class StorageError(PivotRLError, OSError):
     """An artifact could not be read from or written to the run root."""
+
+
+class StorageAccessError(StorageError):
+    """The store cannot be used at all: credentials missing or refused, permission denied, the
+    bucket does not exist. Never retried; the message names what to set."""
 
 
 class ModelError(PivotRLError, RuntimeError):

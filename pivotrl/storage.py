@@ -45,7 +45,7 @@ from typing import IO, TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping
 
 from pivotrl.config import is_credential_key
 from pivotrl.data.schema import content_hash, file_sha256
-from pivotrl.errors import PivotRLError, StorageError
+from pivotrl.errors import PivotRLError, StorageAccessError, StorageError
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -239,6 +239,19 @@ def is_transient(exc: BaseException) -> bool:
     return False
 
 
+def _storage_error(action: str, url: str, e: BaseException) -> StorageError:
+    """The StorageError for a failed ``action`` on ``url``: StorageAccessError (never retried) when
+    the store refuses access (no credentials, permission denied, no such bucket)."""
+    from pivotrl.storage_check import access_problem
+
+    if (reason := access_problem(e)) is not None:
+        hint = "; set AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY (and AWS_ENDPOINT_URL_S3)" if url.startswith("s3") else ""
+        return StorageAccessError(f"cannot {action} {url}: access refused ({reason}){hint}")
+    if isinstance(e, FileNotFoundError):
+        return StorageError(f"cannot {action} {url}: not found")
+    return StorageError(f"cannot {action} {url}: {type(e).__name__}: {e}")
+
+
 # ---------------------------------------------------------------------------------- manifest
 @dataclass(frozen=True)
 class Manifest:
@@ -427,10 +440,8 @@ class ArtifactStore:
             yield
         except PivotRLError:
             raise
-        except FileNotFoundError as e:
-            raise StorageError(f"cannot {action} {url}: not found") from e
         except Exception as e:  # fsspec drivers raise OSError subclasses and their own errors
-            raise StorageError(f"cannot {action} {url}: {type(e).__name__}: {e}") from e
+            raise _storage_error(action, url, e) from e
 
     def _fresh(self, path: str) -> None:
         if not self._local:
@@ -523,7 +534,7 @@ class ArtifactStore:
             raise
         except OSError as e:
             self._discard(tmp)
-            raise StorageError(f"cannot write {url}: {type(e).__name__}: {e}") from e
+            raise _storage_error("write", url, e) from e
         except BaseException:
             self._discard(tmp)
             raise
@@ -794,7 +805,7 @@ class ArtifactStore:
         payload: Any,
         *,
         kind: str,
-        inputs: Mapping[str, str] | None = None,
+        inputs: "Mapping[str, str | Mapping[str, Any]] | None" = None,
         config: "RunConfig | Mapping[str, Any] | None" = None,
         extra: Mapping[str, Any] | None = None,
     ) -> Manifest:
@@ -803,7 +814,8 @@ class ArtifactStore:
         ``payload``: bytes (written as is), a pandas DataFrame (Parquet), a dict or list (JSON),
         a str (UTF-8 text) or a local directory path (``os.PathLike``, published with :meth:`put_dir`).
         ``inputs``: name → URI of what the artifact was made from; each input's content hash is
-        read from its manifest when it has one (else recorded as None). ``config``: the RunConfig or
+        read from its manifest when it has one (else recorded as None); a source without a
+        manifest may be given as ``{"uri", "sha256"}`` with its content hash. ``config``: the RunConfig or
         the part of it that produced the artifact (storage options and credential-like keys are
         dropped before hashing and recording). ``extra``: free JSON-able facts; keys named
         ``seed``/``seeds``/``*_seed`` (and those found in ``config``) are also collected in ``seeds``.
@@ -848,7 +860,7 @@ class ArtifactStore:
             kind=kind,
             sha256=digest,
             size=size,
-            inputs={name: self._input_record(str(u)) for name, u in sorted((inputs or {}).items())},
+            inputs={name: self._input_record(u) for name, u in sorted((inputs or {}).items())},
             config_hash=content_hash(cfg_dict) if cfg_dict is not None else None,
             config=cfg_dict,
             code_version=code_version(),
@@ -893,9 +905,11 @@ class ArtifactStore:
         except Exception:  # not a URL fsspec knows, no manifest, unreadable: no recorded hash
             return None
 
-    def _input_record(self, uri: str) -> dict[str, Any]:
-        manifest = self.read_manifest_url(uri)
-        return {"uri": uri, "sha256": manifest.sha256 if manifest else None}
+    def _input_record(self, uri: "str | Mapping[str, Any]") -> dict[str, Any]:
+        if isinstance(uri, Mapping):  # a source without a manifest, with its content hash given
+            return {"uri": str(uri["uri"]), "sha256": uri.get("sha256")}
+        manifest = self.read_manifest_url(str(uri))
+        return {"uri": str(uri), "sha256": manifest.sha256 if manifest else None}
 
 
 def lineage(store: ArtifactStore, key: str) -> dict[str, Any]:

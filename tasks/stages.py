@@ -1,8 +1,9 @@
 """Prefect tasks of the nightly pipeline: one per stage, each a thin wrapper.
 
 Every task takes the run config (as JSON) and the small result dicts of earlier tasks (URIs,
-hashes, counts — never tensors or tables), runs one ``pivotrl.pipeline`` stage, publishes a
-Prefect artifact and registers the artifacts it wrote as Prefect assets. Cache keys are content
+hashes, counts — never tensors or tables), runs one ``pivotrl.pipeline`` stage under a lease on
+its key (:func:`_once`: a concurrent run on the same root waits and reuses it), and publishes its
+facts, Prefect artifacts and asset events (:mod:`pivotrl.tasks.publish`). Cache keys are content
 hashes of the config and the inputs (not the default policy, which includes the run id and never
 hits across runs); stages are also idempotent on their own content-addressed artifact keys, so a
 cache miss on unchanged inputs costs a lookup. Heavy stages run in a child process (engine and
@@ -14,9 +15,9 @@ cache too, so a cache hit never points at deleted artifacts. :func:`pipeline_tas
 tasks bound to a config's result storage; flows call those.
 
 Assets: each artifact is an asset keyed by its URI (content-addressed, so an artifact reused on a
-later night is the same asset), with its manifest's inputs as upstream assets, so the Prefect UI
-draws sources → trajectories → candidates → probes → pivots → policy → report (with π_ref feeding
-probes and training). A cached task run emits no asset events (Prefect skips them on cache hits).
+later night is the same asset), with its manifest's inputs as upstream assets: sources →
+trajectories → candidates → probes → pivots → policy → report (with π_ref feeding probes and
+training). The events come from the stage task itself; a cached or reused stage emits none.
 """
 
 from __future__ import annotations
@@ -25,12 +26,11 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Mapping
 
-from prefect import Task, task
-from prefect.artifacts import create_link_artifact, create_markdown_artifact, create_table_artifact
-from prefect.assets import Asset, AssetProperties, add_asset_metadata, materialize
+from prefect import Task, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from pivotrl.data.schema import content_hash
+from pivotrl.tasks import publish
 
 #: Folder under the run root that holds Prefect's task results (the task cache).
 RESULTS_DIR = ".prefect-results"
@@ -61,13 +61,6 @@ def _artifact_uris(obj: Any, root: str) -> list[str]:
     if isinstance(obj, (list, tuple)):
         return [u for v in obj for u in _artifact_uris(v, root)]
     return []
-
-
-def _record_outputs(stage: str, config: Mapping[str, Any], inputs: Any, out: Mapping[str, Any]) -> None:
-    """Write the list of artifacts a task run produced, checked before its cache is trusted."""
-    store = _store(config)
-    uris = sorted(set(_artifact_uris(out, store.root_url)))
-    store.write_json(_index_key(_base_key(stage, config, inputs)), {"artifacts": uris})
 
 
 def _cache_key(stage: str):
@@ -175,43 +168,36 @@ def pipeline_tasks(config: Mapping[str, Any]) -> PipelineTasks:
     })
 
 
-# ------------------------------------------------------------------------------------- assets
-@materialize("pivotrl://artifact", name="register-asset", cache_policy=NO_CACHE, persist_result=False)
-def _register(key: str, metadata: dict[str, Any]) -> str:
-    """Record one artifact's materialisation (the asset itself is set per call with_options)."""
-    add_asset_metadata(key, metadata)
-    return key
+# ------------------------------------------------------------------------------------- lease
+def _once(stage: str, config: Mapping[str, Any], inputs: Any, compute: Any) -> tuple[dict[str, Any], bool]:
+    """``(result, computed)``: run ``compute()`` under the lease on the stage's key, or reuse the
+    result another run computed meanwhile (two runs on one storage root never compute, or write,
+    the same stage at once; see :mod:`pivotrl.lease`). The result and the artifacts it points at
+    are recorded under ``.prefect-results/outputs`` while the lease is held."""
+    from prefect.runtime import flow_run
 
+    from pivotrl.lease import stage_lease
 
-def register_assets(config: Mapping[str, Any], uris: list[str | None]) -> list[str]:
-    """Register the artifacts at ``uris`` (each with a manifest) as Prefect assets, in order.
+    store, base = _store(config), _base_key(stage, config, inputs)
+    logger = get_run_logger()
 
-    The asset key is the artifact's URI — for a checkpoint summary, the checkpoint directory named
-    in its manifest's ``extra.checkpoint`` — and the upstream assets are the manifest's inputs
-    (sources such as ``pypi:…`` or a local model path become ``pypi://…`` / ``file://…``).
-    Metadata: kind, sha256, size, config hash, code version and the manifest's ``extra``.
-    Returns the asset keys registered; URIs without a manifest are skipped.
-    """
-    from pivotrl.lineage import asset_key
+    def waiting(holder: dict[str, Any]) -> None:
+        logger.info("stage %s is being computed by another run (flow run %s, pid %s on %s): waiting for it",
+                    stage, holder.get("flow_run_id"), holder.get("pid"), holder.get("host"))
 
-    store = _store(config)
-    keys: list[str] = []
-    for uri in uris:
-        m = store.read_manifest_url(uri) if uri else None
-        if m is None:
-            continue
-        key = asset_key(str(m.extra.get("checkpoint") or m.uri))
-        if key is None:
-            continue
-        deps = [d for d in (asset_key(str(r.get("uri", ""))) for r in m.inputs.values()) if d and d != key]
-        asset = Asset(key=key, properties=AssetProperties(name=f"{m.kind}: {key.rsplit('/', 2)[-2]}",
-                                                          description=f"pivotrl {m.kind} artifact"))
-        meta = {"kind": m.kind, "sha256": m.sha256, "size": m.size, "config_hash": m.config_hash,
-                "code_version": m.code_version, "manifest": m.uri + ".manifest.json", **m.extra}
-        _register.with_options(assets=[asset], asset_deps=sorted(set(deps)),
-                               task_run_name=f"asset-{m.kind}")(key, meta)
-        keys.append(key)
-    return keys
+    with stage_lease(store, base, describe={"stage": stage, "flow_run_id": str(flow_run.id)}, on_wait=waiting):
+        index = _index_key(base)
+        record = store.read_json(index) if store.exists(index) else {}
+        root = store.root_url + "/"
+        if "result" in record and all(store.exists(u[len(root):]) for u in record.get("artifacts", [])):
+            logger.info("stage %s: reused the result computed by flow run %s", stage, record.get("flow_run_id"))
+            return record["result"], False
+        logger.info("stage %s: computing", stage)
+        out = compute()
+        uris = sorted(set(_artifact_uris(out, store.root_url)))
+        store.write_json(index, {"artifacts": uris, "result": out, "flow_run_id": str(flow_run.id)})
+        logger.info("stage %s: computed", stage)
+        return out, True
 
 
 # -------------------------------------------------------------------------------------- tasks
@@ -220,13 +206,11 @@ def demonstrations(config: dict[str, Any], inputs: dict[str, Any] | None = None)
     """Load + validate demonstrations, split by trajectory, extract turn-state candidates."""
     from pivotrl.pipeline.demos import build_demonstrations
 
-    out = build_demonstrations(_config_obj(config), _store(config))
-    create_table_artifact(
-        key="demonstrations", description="Demonstrations and turn-state candidates",
-        table=[{"item": k, "value": str(v)} for k, v in out["counts"].items()],
-    )
-    register_assets(config, [out["trajectories"], out["candidates"]] + ([out["flagged"]] if out.get("flagged") else []))
-    _record_outputs("demonstrations", config, inputs, out)
+    out, computed = _once("demonstrations", config, inputs,
+                          lambda: build_demonstrations(_config_obj(config), _store(config)))
+    publish.demonstrations(out)
+    if computed:
+        publish.emit_assets(_store(config), [out["trajectories"], out["candidates"]] + ([out["flagged"]] if out.get("flagged") else []))
     return out
 
 
@@ -240,51 +224,53 @@ def _stage_process(stage: str, config: dict[str, Any], inputs: dict[str, Any]) -
     return run_stage_process(stage, config, inputs, threads=_config_obj(config).rollout.num_threads, attempt=attempt)
 
 
+def _run(stage: str, config: dict[str, Any], inputs: dict[str, Any]) -> tuple[dict[str, Any], bool]:
+    return _once(stage, config, inputs, lambda: _stage_process(stage, config, inputs))
+
+
 @_task("reference", retries=1)
 def reference(config: dict[str, Any], inputs: dict[str, Any]) -> dict[str, Any]:
     """Resolve the base model; supervised warm start on the warm-start split → π_ref."""
-    out = _stage_process("reference", config, inputs)
-    if out.get("ref_key"):
-        register_assets(config, [_store(config).url(f"{out['ref_key']}.sft.json")])
-    _record_outputs("reference", config, inputs, out)
+    out, computed = _run("reference", config, inputs)
+    publish.reference(out)
+    if computed and out.get("ref_key"):
+        publish.emit_assets(_store(config), [_store(config).url(f"{out['ref_key']}.sft.json")])
     return out
 
 
 @_task("probe", retries=2)
 def probe(config: dict[str, Any], inputs: dict[str, Any]) -> dict[str, Any]:
     """Probe π_ref (m samples per candidate, verifier-scored) and select the pivot set."""
-    out = _stage_process("probe", config, inputs)
-    create_markdown_artifact(key="pivot-set", markdown=out["summary_md"], description="Pivot filter statistics")
-    t = out["stats"]["total"]
-    create_table_artifact(key="pivot-counts", table=[{"count": k, "value": v} for k, v in t.items()],
-                          description="Pivot filter counts")
-    register_assets(config, [out["probes"], out["pivots"]])
-    _record_outputs("probe", config, inputs, out)
+    out, computed = _run("probe", config, inputs)
+    publish.probe(out)
+    if computed:
+        publish.emit_assets(_store(config), [out["probes"], out["pivots"]])
     return out
 
 
 @_task("train", retries=2)
 def train(config: dict[str, Any], inputs: dict[str, Any]) -> dict[str, Any]:
     """PivotRL epochs on the pivot set; resumes from the latest checkpoint on retry."""
-    out = _stage_process("train", config, inputs)
-    create_markdown_artifact(key="training", markdown="## PivotRL training\n\n" + "\n".join(
-        f"- {k}: {v}" for k, v in out["summary"].items()), description="Training summary")
-    register_assets(config, [out["metrics"], _store(config).url(f"{out['train_key']}/summary.json")])
-    _record_outputs("train", config, inputs, out)
+    out, computed = _run("train", config, inputs)
+    store = _store(config)
+    publish.train(out, store.read_parquet(f"{out['train_key']}/metrics.parquet"))
+    if computed:
+        publish.emit_assets(store, [out["metrics"], store.url(f"{out['train_key']}/summary.json")])
     return out
 
 
 @_task("evaluate", retries=1)
 def evaluate(config: dict[str, Any], inputs: dict[str, Any]) -> dict[str, Any]:
     """Full multi-turn task + local evaluation of base, π_ref and PivotRL; report."""
-    out = _stage_process("evaluate", config, inputs)
-    create_link_artifact(key="report", link=out["report_md"], link_text="PivotRL report (markdown)")
-    register_assets(config, [out["report_json"]])
-    _record_outputs("evaluate", config, inputs, out)
+    out, computed = _run("evaluate", config, inputs)
+    store = _store(config)
+    publish.evaluate(out, store.read_text(f"{out['eval_key']}/report.md"))
+    if computed:
+        publish.emit_assets(store, [out["report_json"]])
     return out
 
 
 __all__ = [
     "demonstrations", "reference", "probe", "train", "evaluate", "pipeline_tasks", "PipelineTasks",
-    "result_storage", "register_assets", "RESULTS_DIR", "NO_CACHE",
+    "result_storage", "RESULTS_DIR", "NO_CACHE",
 ]

@@ -32,7 +32,8 @@ def _write_set(store: ArtifactStore, name: str, rewards: dict[str, list[int]], *
     μ̂ = mean reward, σ̂² = μ̂(1 − μ̂); pivots = σ̂² > 0 and μ̂ < λ_diff (PivotRL §3.2).
     """
     traj = store.write_artifact(f"{name}/trajectories.parquet", pd.DataFrame({"id": sorted(rewards)}),
-                                kind="trajectories", inputs={"source[0]": "pypi:bfcl-eval==2026.3.23#simple"})
+                                kind="trajectories",
+                                inputs={"source[0]": {"uri": "pypi:bfcl-eval==2026.3.23#simple", "sha256": "c" * 64}})
     cand_df = pd.DataFrame({"state_id": sorted(rewards), "split": "pivot"})
     cand = store.write_artifact(f"{name}/candidates.parquet", cand_df, kind="candidates",
                                 inputs={"trajectories": traj.uri}, extra={"seed": 0})
@@ -105,7 +106,7 @@ def test_lineage_of_a_pivot_set_reaches_the_sources(store, tmp_path):
                         "verifier=arguments  num_pivots=2  lambda_diff=0.5  num_probes=4")
     assert lines[1].startswith(f"├── candidates: [candidates] {u}/A/candidates.parquet")
     assert lines[2].startswith(f"│   └── trajectories: [trajectories] {u}/A/trajectories.parquet")
-    assert lines[3] == "│       └── source[0]: [source] pypi:bfcl-eval==2026.3.23#simple  sha256:unknown"
+    assert lines[3] == "│       └── source[0]: [source] pypi:bfcl-eval==2026.3.23#simple  sha256:cccccccccccc"
     assert lines[4].startswith(f"└── probes: [probes] {u}/A/probes.parquet")
     assert lines[4].endswith(f"verifier={label}  num_probes=4  seed=3")
     assert lines[5].endswith("(inputs shown above)")  # candidates again, not expanded twice
@@ -210,6 +211,51 @@ def test_cli_lineage_and_pivots_diff(store):
     assert doc["unchanged"] == 1 and [c["state_id"] for c in doc["changes"]] == ["s2", "s3"]
     out = runner.invoke(app, ["lineage", store.url("A/none.parquet")])
     assert out.exit_code == 2 and "has no manifest" in out.output
+
+
+def test_cli_lineage_accepts_the_report_and_policy_paths_a_run_prints(store, tmp_path):
+    """`pivotrl run` prints report.md (no manifest of its own: report.json beside it describes it)
+    and the policy checkpoint directory (described by train/<key>/summary.json)."""
+    a = _write_set(store, "A", BASE)
+    src = tmp_path / "policy"
+    src.mkdir()
+    (src / "model.safetensors").write_bytes(b"\x03" * 8)
+    policy = store.put_dir(src, "train/k/policy")
+    store.write_artifact("train/k/metrics.parquet", pd.DataFrame({"step": [1]}), kind="training_metrics",
+                         inputs={"pivots": store.url(a)})
+    store.write_artifact("train/k/summary.json", {"steps": 1}, kind="policy_checkpoint",
+                         inputs={"pivots": store.url(a)}, extra={"checkpoint": policy})
+    store.write_text("eval/e/report.md", "# report\n")
+    store.write_artifact("eval/e/report.json", {"x": 1}, kind="report", inputs={"policy": policy})
+    runner = CliRunner()
+    for uri, kind in ((store.url("eval/e/report.md"), "report"), (policy, "policy_checkpoint"),
+                      (policy.removeprefix("file://"), "policy_checkpoint")):
+        out = runner.invoke(app, ["lineage", uri])
+        assert out.exit_code == 0, out.output
+        assert out.output.splitlines()[0].startswith(f"[{kind}]"), out.output
+        assert "[pivots]" in out.output
+    out = runner.invoke(app, ["lineage", store.url("train/k/none.bin")])
+    assert out.exit_code == 2 and "has no manifest" in out.output
+
+
+def test_bfcl_source_records_the_pinned_wheel_hash(tmp_path):
+    from pivotrl.config import BFCLSource, ChatSource
+    from pivotrl.data.bfcl import BFCL_WHEEL_SHA256
+    from pivotrl.pipeline.demos import _source_uri
+
+    rec = _source_uri(BFCLSource(kind="bfcl", categories=["simple_python"]))
+    assert rec == {"uri": "pypi:bfcl-eval==2026.3.23#simple_python", "sha256": BFCL_WHEEL_SHA256}
+    f = tmp_path / "demos.jsonl"
+    f.write_text('{"messages": []}\n')
+    import hashlib
+
+    rec = _source_uri(ChatSource(kind="chat", url=str(f)))
+    assert rec["sha256"] == hashlib.sha256(f.read_bytes()).hexdigest()
+
+
+def test_version():
+    out = CliRunner().invoke(app, ["--version"])
+    assert out.exit_code == 0 and out.output.startswith("pivotrl 0.1.0")
 
 
 # ------------------------------------------------------------------------------------- assets

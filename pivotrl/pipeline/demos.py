@@ -167,10 +167,34 @@ def build_demonstrations(cfg: RunConfig, store: ArtifactStore) -> dict[str, Any]
     return _result(store, key, counts)
 
 
-def _source_uri(src: Any) -> str:
+def _source_uri(src: Any) -> dict[str, Any]:
+    """A source as a manifest input: its URI and content hash (the pinned wheel's sha256 for BFCL,
+    the sha256 of the file — or of the sorted file hashes of a directory — for anything else)."""
+    from pivotrl.data.bfcl import BFCL_VERSION, BFCL_WHEEL_SHA256
+
     if src.kind == "bfcl":
-        return f"pypi:bfcl-eval==2026.3.23#{','.join(src.categories)}"
-    return src.url
+        return {"uri": f"pypi:bfcl-eval=={BFCL_VERSION}#{','.join(src.categories)}", "sha256": BFCL_WHEEL_SHA256}
+    return {"uri": src.url, "sha256": _url_sha256(src.url)}
+
+
+def _url_sha256(url: str) -> str:
+    import hashlib
+
+    import fsspec
+
+    fs, path = fsspec.core.url_to_fs(os.path.expanduser(url))
+
+    def one(p: str) -> str:
+        digest = hashlib.sha256()
+        with fs.open(p, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                digest.update(block)
+        return digest.hexdigest()
+
+    if fs.isdir(path):
+        files = sorted(fs.find(path))
+        return content_hash({p[len(path.rstrip("/")) + 1:]: one(p) for p in files})
+    return one(path)
 
 
 def _result(store: ArtifactStore, key: str, counts: dict[str, Any]) -> dict[str, Any]:

@@ -19,7 +19,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from pivotrl.errors import ConfigError, DataError, ModelError, PivotRLError, TrainingError
+from pivotrl.errors import ConfigError, DataError, ModelError, PivotRLError, StorageAccessError, TrainingError
 
 STAGES = ("reference", "probe", "train", "evaluate")
 
@@ -38,11 +38,12 @@ class StageError(PivotRLError, RuntimeError):
 
 def is_permanent(exc: BaseException) -> bool:
     """True for failures a retry cannot fix: config, data, model and training-invariant errors,
-    and stage processes that exited with PERMANENT_FAILURE_EXIT. Storage, tool and verifier
+    a store that refuses access (StorageAccessError), and stage processes that exited with
+    PERMANENT_FAILURE_EXIT. Other storage, tool and verifier
     failures (and crashes) are transient."""
     if isinstance(exc, StageError):
         return exc.permanent
-    return isinstance(exc, (ConfigError, DataError, ModelError, TrainingError))
+    return isinstance(exc, (ConfigError, DataError, ModelError, TrainingError, StorageAccessError))
 
 
 def run_stage(stage: str, config: dict[str, Any], inputs: dict[str, Any], *, attempt: int = 0) -> dict[str, Any]:

@@ -1,0 +1,135 @@
+"""Fail fast on a storage root that cannot work: an s3:// root without credentials, or with a bucket
+that does not exist, on a real S3 API server (moto on 127.0.0.1), fails `pivotrl run` in seconds
+with one line naming what to set, before Prefect or any stage starts; such errors are never retried."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from pivotrl.errors import StorageAccessError
+from pivotrl.pipeline.entry import is_permanent
+from pivotrl.storage import ArtifactStore
+from pivotrl.storage_check import check_storage
+
+pytestmark = pytest.mark.integration
+
+REPO = Path(__file__).resolve().parents[1]
+PIVOTRL = str(Path(sys.executable).parent / "pivotrl")
+
+
+@pytest.fixture(scope="module")
+def s3_endpoint():
+    pytest.importorskip("s3fs")
+    from test_s3_flow import S3Server
+
+    server = S3Server()
+    try:
+        yield server.endpoint
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    from pivotrl.testing import save_tiny_checkpoint
+
+    return save_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "model")
+
+
+def _env(tmp_path: Path, endpoint: str, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+    # no ~/.aws of the machine running the tests
+    return {**env, "HOME": str(tmp_path), "AWS_ENDPOINT_URL_S3": endpoint, "AWS_EC2_METADATA_DISABLED": "true",
+            "PREFECT_HOME": str(tmp_path / "prefect"), **extra}
+
+
+def _run(env: dict[str, str], root: str, model: Path) -> tuple[subprocess.CompletedProcess, float]:
+    t0 = time.monotonic()
+    out = subprocess.run([PIVOTRL, "run", "--config", "configs/smoke.yaml", "--set", f"run.storage_root={root}",
+                          "--set", f"model.source={model}"], cwd=REPO, env=env, capture_output=True, text=True,
+                         timeout=60)
+    return out, time.monotonic() - t0
+
+
+def test_s3_root_without_credentials_fails_in_seconds_with_one_line(s3_endpoint, tiny, tmp_path):
+    out, wall = _run(_env(tmp_path, s3_endpoint), "s3://pivotrl-preflight/runs", tiny)
+    assert out.returncode == 2, out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in out.stderr, out.stderr
+    assert "no AWS credentials" in lines[0] and "AWS_ACCESS_KEY_ID" in lines[0] and "AWS_SECRET_ACCESS_KEY" in lines[0]
+    assert "AWS_ENDPOINT_URL_S3" in lines[0]
+    assert wall < 5, wall
+    print(f"missing credentials: exit 2 after {wall:.2f} s: {lines[0]}")
+
+
+def test_s3_bucket_that_does_not_exist_fails_in_seconds_with_one_line(s3_endpoint, tiny, tmp_path):
+    env = _env(tmp_path, s3_endpoint, AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing")
+    out, wall = _run(env, "s3://no-such-bucket-here/runs", tiny)
+    assert out.returncode == 2, out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and "NoSuchBucket" in lines[0] and "no-such-bucket-here" in lines[0], out.stderr
+    assert wall < 5, wall
+
+
+def test_access_errors_are_permanent_and_not_retried(s3_endpoint, monkeypatch, tmp_path):
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", s3_endpoint)
+    with pytest.raises(StorageAccessError, match="NoSuchBucket"):
+        check_storage("s3://missing-bucket/x")
+    store = ArtifactStore("s3://missing-bucket/x", {"skip_instance_cache": True})
+    t0 = time.monotonic()
+    with pytest.raises(StorageAccessError) as err:
+        store.write_json("a.json", {"x": 1})  # the store's retry policy would wait seconds per retry
+    assert time.monotonic() - t0 < 3 and is_permanent(err.value)
+    check_storage(str(tmp_path / "local-root"))  # a writable local root passes
+
+
+def test_flow_checks_storage_before_any_stage(s3_endpoint, tiny, tmp_path, monkeypatch):
+    """A deployment run has no CLI in front of it: the flow itself fails first, not retried."""
+    from pivotrl.flows.nightly import nightly
+
+    for k in [k for k in os.environ if k.startswith("AWS_")]:
+        monkeypatch.delenv(k)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", s3_endpoint)
+    with pytest.raises(StorageAccessError, match="AWS_ACCESS_KEY_ID"):
+        nightly.fn(config_path=str(REPO / "configs" / "smoke.yaml"),
+                   overrides=["run.storage_root=s3://pivotrl-preflight/runs", f"model.source={tiny}"])
+
+
+def test_stage_lease_is_exclusive_on_s3(s3_endpoint, monkeypatch):
+    """The lease's exclusive create is a conditional put (If-None-Match) on an object store."""
+    import threading
+
+    import s3fs
+
+    from pivotrl.lease import stage_lease
+
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", s3_endpoint)
+    s3fs.S3FileSystem(skip_instance_cache=True).mkdir("pivotrl-lease")
+    store = ArtifactStore("s3://pivotrl-lease/root", {"skip_instance_cache": True})
+    events: list[tuple[str, int]] = []
+
+    def hold(i: int) -> None:
+        with stage_lease(store, "pivotrl-train-k", poll=0.1):
+            events.append(("in", i))
+            time.sleep(0.3)
+            events.append(("out", i))
+
+    threads = [threading.Thread(target=hold, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert len(events) == 6 and all(events[k][0] == "in" and events[k + 1] == ("out", events[k][1])
+                                     for k in range(0, 6, 2)), events
+    assert store.list("leases") == []
