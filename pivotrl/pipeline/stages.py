@@ -25,6 +25,8 @@ from pivotrl.pipeline.common import (
     local_checkpoint, make_rollout_engine, make_verifier, prompt_kwargs, sampling_for, verify_checkpoint,
 )
 from pivotrl.pipeline.demos import cache_dir, read_trajectories
+from pivotrl.fingerprints import capture_hashes
+from pivotrl.rollouts import record_evaluation, record_train_step
 from pivotrl.storage import ArtifactStore
 
 log = logging.getLogger("pivotrl.pipeline")
@@ -144,7 +146,7 @@ def stage_probe(cfg: RunConfig, store: ArtifactStore, demos: dict[str, Any], ref
             config={**{k: getattr(cfg, k).model_dump(mode="json") for k in ("verifier", "prompt", "rollout", "model")},
                     "probing": cfg.probing.model_dump(mode="json", exclude={"lambda_diff"})},
             extra={"seed": cfg.probing.seed, "reference_hash": ref["ref_hash"], "verifier": cfg.verifier.name,
-                   "wall_s": round(time.time() - t0, 2)},
+                   "wall_s": round(time.time() - t0, 2), **capture_hashes(cfg, tok)},
         )
     lam = cfg.probing.lambda_diff
     vkey = pkey.replace("probes/", "pivots/") + "-" + content_hash({"lambda_diff": lam})[:8]
@@ -266,7 +268,7 @@ def stage_train(cfg: RunConfig, store: ArtifactStore, probe: dict[str, Any], ref
             if lead:
                 _maybe_kill(cfg, store, tkey, step)
             idx = schedule[step]
-            groups, dropped, retries = [], 0, 0
+            groups, dropped, retries, scored = [], 0, 0, []
             if lead:
                 retries0 = _retries(verifier)
                 gens = engine.generate([prompts[i] for i in idx],
@@ -281,10 +283,13 @@ def stage_train(cfg: RunConfig, store: ArtifactStore, probe: dict[str, Any], ref
                         continue
                     groups.append(Group(state_id=pivots[i].state_id, prompt_ids=prompts[i],
                                         actions=[list(g.token_ids) for g in samples], rewards=[r.reward for r in res]))
+                    scored.append((pivots[i].state_id, samples, res))
                 retries = _retries(verifier) - retries0
             groups, dropped, retries = _broadcast((groups, dropped, retries), world)
             t_roll = time.time() - t0
             metrics = trainer.train_step(groups) if groups else {}
+            if lead:  # every sampled action of the step, kept (pivotrl.rollouts)
+                record_train_step(store, tkey, step + 1, scored, trainer, groups, world, tr.advantage_estimator, tr.delta)
             # Refresh π_old inside the running engine (no restart), then check that it took: the
             # engine's log-probs of a fixed action must match the trainer's.
             export = work / f"policy-{step}"
@@ -489,6 +494,7 @@ def stage_evaluate(cfg: RunConfig, store: ArtifactStore, demos: dict[str, Any], 
     results: dict[str, Any] = {}
     per_task: list[pd.DataFrame] = []
     local_frames: list[pd.DataFrame] = []
+    pivot_frames: list[pd.DataFrame] = []
     try:
         for name, mdir in policies.items():
             if name != "base":
@@ -520,7 +526,8 @@ def stage_evaluate(cfg: RunConfig, store: ArtifactStore, demos: dict[str, Any], 
                                                 for c, sid in zip(f["category"], f["state_id"])]).groupby("group")}
                     for kind, frame in (("greedy", ldf), ("sampled", sdf))}
                 if ev.local_pivots:
-                    _, psum = evaluate_local(engine, tok, pivots, verifier, sampling=samp, **lkw)
+                    pdf, psum = evaluate_local(engine, tok, pivots, verifier, sampling=samp, **lkw)
+                    pivot_frames.append(pdf.assign(policy=name, seed=seed))
                     res.setdefault("local_pivot_runs", []).append(psum)
             res["full_task"] = res["full_task_runs"][0] if len(ev.seeds) == 1 else _mean_summ(res["full_task_runs"])
             res["local"] = res["local_heldout_runs"][0] if len(ev.seeds) == 1 else _mean_summ(res["local_heldout_runs"])
@@ -542,6 +549,8 @@ def stage_evaluate(cfg: RunConfig, store: ArtifactStore, demos: dict[str, Any], 
     with tempfile.TemporaryDirectory(dir=cache) as tmp:
         rj, rm = build_report(results, metrics_df=metrics_df, probe_df=probe_df, pivot_stats=probe["stats"],
                               meta=meta, out_dir=tmp)
+        record_evaluation(store, ekey, pivot_frames, probes_key=probe["probes_key"], train_key=train["train_key"],
+                          train_steps=int((train.get("summary") or {}).get("steps") or 0), report_md=rm)
         pd.concat(per_task).to_parquet(Path(tmp) / "full_task.parquet")
         pd.concat(local_frames).to_parquet(Path(tmp) / "local.parquet")
         for f in sorted(Path(tmp).iterdir()):
