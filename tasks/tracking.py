@@ -9,6 +9,7 @@ a small uncached task that never fails the flow (a tracker failure is a warning,
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
@@ -62,12 +63,20 @@ def tracking_hooks(config: dict[str, Any]) -> TrackingHooks:
     box: dict[str, str] = {"run_id": ""}
 
     def start() -> None:
+        from pivotrl.tracking.live import ENV_RUN_ID
+
         box["run_id"] = track_start(config)
+        if box["run_id"]:  # the stage processes inherit it and send training steps live
+            os.environ[ENV_RUN_ID] = box["run_id"]
 
     def stage(name: str, result: dict[str, Any]) -> None:
         track_stage(config, box["run_id"], name, result)
 
     def end(status: str = "FINISHED") -> None:
+        from pivotrl.tracking.live import ENV_RUN_ID
+
+        if os.environ.get(ENV_RUN_ID) == box["run_id"]:
+            os.environ.pop(ENV_RUN_ID, None)
         track_end(config, box["run_id"], status)
 
     return TrackingHooks(start=start, stage=stage, end=end)

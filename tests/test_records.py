@@ -109,6 +109,8 @@ def smoke_flow(mlflow_server, tiny_model, tmp_path_factory):
 def test_smoke_flow_is_recorded_in_a_real_mlflow_server(smoke_flow, mlflow_server, tiny_model, tmp_path):
     from mlflow.tracking import MlflowClient
 
+    from pivotrl.data.bfcl import BFCL_WHEEL_SHA256
+
     result, flow_run_id, store, overrides = smoke_flow
     client = MlflowClient(tracking_uri=mlflow_server)
     exp = client.get_experiment_by_name("pivotrl-test")
@@ -130,6 +132,8 @@ def test_smoke_flow_is_recorded_in_a_real_mlflow_server(smoke_flow, mlflow_serve
     assert [p.step for p in history] == list(m["step"]) == [1, 2]
     assert [p.value for p in history] == pytest.approx(list(m["reward_mean"]))
     assert len(client.get_metric_history(run.info.run_id, "train/refresh_max_abs_delta")) == 2
+    # Sent live, step by step, by the training process (and not sent again at the end of the stage).
+    assert store.read_json(f"{_train_key(store)}/tracking/{run.info.run_id}.json") == {"steps": [1, 2]}
     # Stage summaries and evaluation.
     data = run.data.metrics
     assert data["probe/kept"] == result["report"]["meta"]["pivots"]
@@ -158,7 +162,7 @@ def test_smoke_flow_is_recorded_in_a_real_mlflow_server(smoke_flow, mlflow_serve
     assert len(sources) == 2
     for i, (name, rec) in enumerate(sorted(sources.items())):
         assert tags[f"pivotrl.source.{i}.uri"] == rec["uri"]
-        assert tags[f"pivotrl.source.{i}.sha256"] == str(rec["sha256"])
+        assert tags[f"pivotrl.source.{i}.sha256"] == (rec["sha256"] or BFCL_WHEEL_SHA256)
     assert tags["pivotrl.verifier.name"] == cfg.verifier.name == pivots.extra["verifier"]
     assert len(tags["pivotrl.verifier.code_hash"]) == 16
     assert tags["pivotrl.code_version"] == report.code_version

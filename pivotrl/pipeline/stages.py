@@ -28,6 +28,7 @@ from pivotrl.pipeline.demos import cache_dir, read_trajectories
 from pivotrl.fingerprints import capture_hashes
 from pivotrl.rollouts import record_evaluation, record_train_step
 from pivotrl.storage import ArtifactStore
+from pivotrl.tracking.live import step_logger
 
 log = logging.getLogger("pivotrl.pipeline")
 
@@ -259,6 +260,7 @@ def stage_train(cfg: RunConfig, store: ArtifactStore, probe: dict[str, Any], ref
     verifier = make_verifier(cfg, ensure_bfcl(cache)) if lead else None
     engine = make_rollout_engine(cfg, policy_dir) if lead else None
     tol_max = tr.refresh_tolerance if tr.refresh_tolerance is not None else (1e-4 if cfg.model.dtype == "fp32" else 0.3)
+    log_step = step_logger(cfg, store, tkey)
     try:
         from tqdm.auto import tqdm
 
@@ -309,6 +311,8 @@ def stage_train(cfg: RunConfig, store: ArtifactStore, probe: dict[str, Any], ref
                    "rollout_s": round(t_roll, 3), "step_time_s": round(time.time() - t0, 3),
                    "refresh_max_abs_delta": d_max, "refresh_mean_abs_delta": d_mean}
             rows.append(row)
+            if lead:
+                log_step(row)  # to the experiment tracker, live (a no-op unless tracking is on)
             bar.update(1)
             bar.set_postfix(reward=f"{row.get('reward_mean', float('nan')):.2f}", refresh=f"{d_max:.1e}")
             _check_refresh(step + 1, d_max, d_mean, tol_max, cfg.model.dtype)

@@ -14,7 +14,8 @@ Per run:
 
 * **params**: the resolved config, one dotted key each (``training.group_size`` = ``4``);
 * **metrics**: demonstration and pivot-filter counts and the warm start's losses (step 0); every
-  numeric column of ``metrics.parquet`` as a series with one point per training step
+  numeric column of ``metrics.parquet`` as a series with one point per training step, sent live as
+  each step finishes (``pivotrl.tracking.live``)
   (``train/<column>``: reward, zero-variance fraction, clip fractions, ratio statistics, KL,
   entropy, grad norm, tokens/s, refresh Δ — whatever the trainer recorded); the evaluation's
   numbers per policy (``eval/<policy>/<metric>``);
@@ -45,7 +46,7 @@ from pivotrl.tracking.base import TRACKERS, MetricPoint, Tracker
 
 log = logging.getLogger("pivotrl.tracking")
 
-__all__ = ["RunRecorder", "flatten_params", "make_tracker", "verifier_code_hash", "STAGES"]
+__all__ = ["RunRecorder", "flatten_params", "make_tracker", "metric_key", "verifier_code_hash", "STAGES"]
 
 #: The stages whose results :meth:`RunRecorder.stage` understands, in flow order.
 STAGES = ("demonstrations", "reference", "probe", "train", "evaluate")
@@ -88,7 +89,7 @@ def _numbers(obj: Any, prefix: str) -> list[MetricPoint]:
     return out
 
 
-def _key(name: str) -> str:
+def metric_key(name: str) -> str:
     """An MLflow-safe metric key (letters, digits, ``_ - . / space``)."""
     return "".join(c if c.isalnum() or c in "_-./ " else "_" for c in name)
 
@@ -170,7 +171,7 @@ class RunRecorder:
         for name, rec in sorted((m.inputs if m else {}).items()):
             i = name.removeprefix("source[").rstrip("]")
             tags[f"pivotrl.source.{i}.uri"] = rec.get("uri")
-            tags[f"pivotrl.source.{i}.sha256"] = rec.get("sha256")
+            tags[f"pivotrl.source.{i}.sha256"] = rec.get("sha256") or source_sha256(str(rec.get("uri", "")))
         self.tracker.set_tags(self.run_id, {k: str(v) for k, v in tags.items() if v is not None})
         self.tracker.log_metrics(self.run_id, _numbers(out.get("counts", {}), "demos"))
 
@@ -199,21 +200,24 @@ class RunRecorder:
         self.tracker.set_tags(self.run_id, {k: str(v) for k, v in {
             "pivotrl.metrics.sha256": self._manifest_sha(out.get("metrics")),
             "pivotrl.policy.uri": self.store.url(out["policy_key"]) if out.get("policy_key") else "reference"}.items()})
+        from pivotrl.tracking.live import logged_steps
+
         df = self.store.read_parquet(out["metrics"].removeprefix(self.store.root_url + "/"))
+        sent = logged_steps(self.store, out["train_key"], self.run_id)  # already sent live, step by step
         points: list[MetricPoint] = []
         for col in df.columns:
             if col == "step" or not _is_numeric(df[col]):
                 continue
             for step, v in zip(df["step"], df[col]):
-                if v is not None and math.isfinite(float(v)):
-                    points.append((f"train/{_key(col)}", float(v), int(step)))
+                if int(step) not in sent and v is not None and math.isfinite(float(v)):
+                    points.append((f"train/{metric_key(col)}", float(v), int(step)))
         self.tracker.log_metrics(self.run_id, points)
 
     def _evaluate(self, out: Mapping[str, Any]) -> None:
         report = out.get("report") or {}
         points: list[MetricPoint] = []
         for p in report.get("policies", []):
-            name = _key(str(p.get("policy", "?")).split(" (")[0])
+            name = metric_key(str(p.get("policy", "?")).split(" (")[0])
             points += _numbers({k: v for k, v in p.items() if k != "policy"}, f"eval/{name}")
         self.tracker.log_metrics(self.run_id, points)
         self.tracker.set_tags(self.run_id, {"pivotrl.report.sha256": str(self._manifest_sha(out.get("report_json"))),
@@ -232,6 +236,27 @@ class RunRecorder:
 
     def _upload_text(self, name: str, text: str, artifact_dir: str) -> None:
         self._upload_bytes(name, text.encode("utf-8"), artifact_dir)
+
+
+def source_sha256(uri: str) -> str | None:
+    """sha256 of a demonstration source: the pinned, hash-checked BFCL wheel for ``pypi:bfcl-eval``,
+    else the file's bytes as they are now (None if unreadable)."""
+    if uri.startswith("pypi:bfcl-eval=="):
+        from pivotrl.data.bfcl import BFCL_WHEEL_SHA256
+
+        return BFCL_WHEEL_SHA256
+    try:
+        import hashlib
+
+        import fsspec
+
+        digest = hashlib.sha256()
+        with fsspec.open(uri, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                digest.update(chunk)
+        return digest.hexdigest()
+    except Exception:  # an unreadable source leaves the tag out; the manifest still names it
+        return None
 
 
 def _is_numeric(series: Any) -> bool:
