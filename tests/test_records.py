@@ -299,6 +299,13 @@ def test_nemo_rows_round_trip_as_a_demonstration_source(smoke_flow, tiny_model, 
         assert prof["rewards"] == json.loads(probes.loc[p.state_id, "rewards"]) and len(set(prof["rewards"])) == 2
         assert prof["mean_reward"] == pytest.approx(probes.loc[p.state_id, "mu"])
         assert prof["pivots_sha256"] == store.read_manifest(pivots_key).sha256
+    # The command line writes the same rows.
+    cli = subprocess.run([sys.executable, "-m", "pivotrl.flows.cli", "pivots", "export", store.url(pivots_key),
+                          "--out", str(tmp_path / "cli.jsonl"), "--config", str(REPO / "configs" / "smoke.yaml"),
+                          *[a for o in overrides for a in ("--set", o)]], capture_output=True, text=True)
+    assert cli.returncode == 0, cli.stderr
+    assert (tmp_path / "cli.jsonl").read_bytes() == (tmp_path / "rows.jsonl").read_bytes()
+    assert f"{len(rows)} rows" in cli.stdout
     # Read back through the ordinary demonstration loader: the last state of each trajectory is the pivot.
     trajs = load_trajectories(str(tmp_path / "rows.jsonl"))
     assert [t.id for t in trajs] == [p.state_id for p in pivots]

@@ -34,9 +34,17 @@ def _names(ids: list[str]) -> str:
     return shown + (f" and {len(ids) - _SHOWN} more" if len(ids) > _SHOWN else "")
 
 
+def _open(uri: str) -> tuple[Any, str]:
+    """(store, key) of the artifact at ``uri`` wherever it lives (its manifest sits beside it)."""
+    from pivotrl.lineage import open_artifact
+
+    return open_artifact(uri)
+
+
 def _inputs(store: Any, uri: str, name: str, where: str) -> str:
-    m = store.read_manifest_url(uri)
-    if m is None or name not in m.inputs:
+    s, k = _open(uri)
+    m = s.read_manifest(k)
+    if name not in m.inputs:
         raise DataError(f"{where}: its manifest records no {name!r} input; re-run `pivotrl probe` to rebuild it")
     return str(m.inputs[name]["uri"])
 
@@ -50,8 +58,8 @@ def check_pivots(store: Any, pivots_key: str, cfg: Any, tokenizer: Any) -> dict[
     where = store.url(pivots_key)
     pm = store.read_manifest(pivots_key)
     probes_uri = _inputs(store, pm.uri, "probes", where)
-    probes_m = store.read_manifest_url(probes_uri)
-    probes = store.read_parquet(probes_uri.removeprefix(store.root_url + "/"))
+    ps, pk = _open(probes_uri)
+    probes_m, probes = ps.read_manifest(pk), ps.read_parquet(pk)
     by_state = {r["state_id"]: r for r in probes.to_dict("records")}
     pivots_df = store.read_parquet(pivots_key)
     states = frame_to_states(pivots_df)
@@ -63,15 +71,15 @@ def check_pivots(store: Any, pivots_key: str, cfg: Any, tokenizer: Any) -> dict[
         problems.append(f"pivot(s) {_names(one_outcome)}: fewer than two distinct probe rewards (σ̂² = 0); "
                         "every group on them would have zero advantage. Rebuild the pivot set (pivotrl probe).")
 
-    rec_v = (probes_m.extra if probes_m else {}).get("verifier_hash")
+    rec_v = probes_m.extra.get("verifier_hash")
     now_v = verifier_hash(cfg.verifier.model_dump(mode="json"))
     if rec_v != now_v:
         problems.append(f"pivot(s) {_names([s.state_id for s in states])}: profiled with verifier hash {rec_v} "
-                        f"({(probes_m.extra or {}).get('verifier') if probes_m else '?'}), but the online verifier "
+                        f"({probes_m.extra.get('verifier')}), but the online verifier "
                         f"is {cfg.verifier.name} with hash {now_v}; export with the verifier settings the "
                         "pivots were probed with, or re-probe.")
 
-    rec_t = (probes_m.extra if probes_m else {}).get("chat_template_hash")
+    rec_t = probes_m.extra.get("chat_template_hash")
     now_t = chat_template_hash(tokenizer, cfg.prompt.model_dump(mode="json"))
     if rec_t != now_t:
         problems.append(f"pivot(s) {_names([s.state_id for s in states])}: captured with chat template hash "
@@ -80,9 +88,10 @@ def check_pivots(store: Any, pivots_key: str, cfg: Any, tokenizer: Any) -> dict[
 
     cand_uri = _inputs(store, pm.uri, "candidates", where)
     traj_uri = _inputs(store, cand_uri, "trajectories", cand_uri)
-    trajs = store.read_parquet(traj_uri.removeprefix(store.root_url + "/"))
+    ts, tk = _open(traj_uri)
+    trajs = ts.read_parquet(tk)
     records = {str(i): json.loads(r) for i, r in zip(trajs["id"], trajs["record"])}
-    trained = {cfg.model.source, (probes_m.extra or {}).get("reference_hash") if probes_m else None} - {None}
+    trained = {cfg.model.source, probes_m.extra.get("reference_hash")} - {None}
     sampled: list[str] = []
     for s in states:
         rec = records.get(s.trajectory_id)
