@@ -441,3 +441,27 @@ def test_train_records_hold_group_advantages_and_whole_turn_ratios():
     assert set(df["policy_step"]) == {2} and set(df["step"]) == {3}
     lines = render_rollouts(df)
     assert len(lines) == 5 and "wrong_tool" in lines[3] and "+" in lines[2]
+
+
+def test_pivot_changes_rank_pivots_by_reward_change_and_the_report_names_them():
+    import pandas as pd
+
+    from pivotrl.rollouts import ROLLOUT_COLUMNS, changes_markdown, pivot_changes
+
+    def rows(stage, policy, step, sid, rewards):
+        return [{"stage": stage, "policy": policy, "policy_step": step, "step": step, "state_id": sid, "sample_index": k,
+                 "action_text": "x", "action_tokens": 1, "reward": r, "reason": "match" if r else "wrong_tool",
+                 "advantage": float("nan"), "ratio": float("nan")} for k, r in enumerate(rewards)]
+
+    recs = (rows("probe", "reference", 0, "a#0", [0, 1]) + rows("train", "policy", 1, "a#0", [1, 1])
+            + rows("evaluate", "reference", 0, "a#0", [0]) + rows("evaluate", "pivotrl", 2, "a#0", [1])
+            + rows("probe", "reference", 0, "b#1", [1, 0]) + rows("evaluate", "reference", 0, "b#1", [1])
+            + rows("evaluate", "pivotrl", 2, "b#1", [0])
+            + rows("probe", "reference", 0, "c#0", [0, 1, 1, 1]) + rows("train", "policy", 2, "c#0", [0, 0]))
+    ch = pivot_changes(pd.DataFrame(recs, columns=ROLLOUT_COLUMNS), ["a#0", "b#1", "c#0"])
+    assert list(ch["state_id"]) == ["a#0", "c#0", "b#1"]
+    assert list(ch["change"]) == [1.0, -0.75, -1.0]  # c has no evaluation: probes vs its last training group
+    assert list(ch["trained_at_steps"]) == ["1", "2", ""]
+    md = changes_markdown(ch, "runs/x", n=1)
+    assert "| improved most | `a#0` | 0.00 | 1.00 | +1.00 |" in md
+    assert "| improved least | `b#1` | 1.00 | 0.00 | -1.00 |" in md and "pivotrl rollouts runs/x --state" in md
