@@ -122,8 +122,9 @@ def read_rollouts(store: Any, prefix: str = "", *, step: int | None = None, stat
             frames.append(store.read_parquet(key))
     frames = [f for f in frames if len(f)]
     if not frames:
-        raise StorageError(f"{store.url(prefix)}: no rollout records (probes.parquet, rollouts/step-*.parquet "
-                           "or rollouts.parquet) under it")
+        where = store.url(prefix) if prefix else store.root_url
+        raise StorageError(f"{where}: no rollout records (probes.parquet, rollouts/step-*.parquet or "
+                           "rollouts.parquet) under it")
     df = pd.concat(frames, ignore_index=True)
     if step is not None:
         df = df[df["step"] == step]
