@@ -165,9 +165,9 @@ def record_train_step(store: Any, train_key: str, step: int, scored: Sequence[tu
                       trainer: Any, groups: Sequence[Any], world: int, estimator: str, delta: float) -> str | None:
     """Write training step ``step``'s records (called by rank 0 after the step's updates).
 
-    Ratios need the updated policy's log-probs of every action: one no-grad forward per group (the
-    state once, its K actions on the shared prefix), about a tenth to a fifth of a step's compute;
-    computed for a single-process trainer only (under ZeRO-3 every rank would have to join), else NaN.
+    Ratios need the updated policy's log-probs of every action: one extra no-grad forward per group
+    (the state once, its K actions on the shared prefix; not yet benchmarked); computed for a
+    single-process trainer only (under ZeRO-3 every rank would have to join), else NaN.
     """
     if not scored:
         return None
