@@ -6,6 +6,8 @@
     pivotrl config  --config ... [--set ...] validate and print the resolved config
     pivotrl lineage URI                     the tree of an artifact's inputs back to the raw sources
     pivotrl pivots diff A B                 states that entered/left between two pivot sets, and why
+    pivotrl pivots export PIVOTS --out F    the pivot set as NeMo Gym PivotRL rows (flows/cli_records.py)
+    pivotrl rollouts URI [--step N] [--state ID]  every sampled action, per step (flows/cli_records.py)
 """
 
 from __future__ import annotations
@@ -189,6 +191,11 @@ def pivots_diff(a: str = typer.Argument(..., help="URI of the first pivots.parqu
                                "changes": [dataclasses.asdict(c) for c in diff.changes]}, indent=2))
     else:
         typer.echo("\n".join(render_diff(diff)))
+
+
+from pivotrl.flows.cli_records import register as _register_records  # noqa: E402 - rollouts, pivots export
+
+_register_records(app, pivots_app)
 
 
 def main() -> None:

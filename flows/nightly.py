@@ -30,13 +30,27 @@ def nightly(config_path: str = "configs/default.yaml", overrides: list[str] | No
     """
     from pivotrl.tasks.stages import pipeline_tasks
 
+    from pivotrl.tasks.tracking import tracking_hooks
+
     config = _checked_config(config_path, overrides)
     t = pipeline_tasks(config)
-    demos = t.demonstrations(config)
-    ref = t.reference(config, {"demos": demos})
-    probe = t.probe(config, {"demos": demos, "reference": ref})
-    train = t.train(config, {"probe": probe, "reference": ref})
-    result = t.evaluate(config, {"demos": demos, "reference": ref, "probe": probe, "train": train})
+    track = tracking_hooks(config)  # no-ops unless tracking.backend is set
+    track.start()
+    try:
+        demos = t.demonstrations(config)
+        track.stage("demonstrations", demos)
+        ref = t.reference(config, {"demos": demos})
+        track.stage("reference", ref)
+        probe = t.probe(config, {"demos": demos, "reference": ref})
+        track.stage("probe", probe)
+        train = t.train(config, {"probe": probe, "reference": ref})
+        track.stage("train", train)
+        result = t.evaluate(config, {"demos": demos, "reference": ref, "probe": probe, "train": train})
+        track.stage("evaluate", result)
+    except BaseException:
+        track.end("FAILED")
+        raise
+    track.end("FINISHED")
     get_run_logger().info("report: %s", result["report_md"])
     return result
 

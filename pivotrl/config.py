@@ -453,6 +453,30 @@ class FaultsSection(Section):
     )
 
 
+# ------------------------------------------------------------------------------------ tracking
+class TrackingSection(Section):
+    backend: Literal["none", "mlflow"] = Field(
+        "none", description="Experiment tracker: none (records nothing, imports nothing) or mlflow."
+    )
+    uri: str | None = Field(
+        None, description=(
+            "Tracking server or store URI (e.g. http://127.0.0.1:5000); null = a local store under the run "
+            "root (<storage_root>/mlflow). Credentials come from the environment (MLFLOW_TRACKING_USERNAME/"
+            "PASSWORD or MLFLOW_TRACKING_TOKEN), never from here."),
+    )
+    experiment: str | None = Field(
+        None, min_length=1, description="Experiment the runs are recorded in; null = 'pivotrl-<run.name>'."
+    )
+    run_name: str | None = Field(None, min_length=1, description="Name of the tracker run; null = run.name.")
+
+    @model_validator(mode="after")
+    def _no_credentials_in_uri(self) -> "TrackingSection":
+        if self.uri and re.match(r"^[A-Za-z][A-Za-z0-9+.-]*://[^/@]*:[^/@]*@", self.uri):
+            raise _rule("uri", "<hidden>", "contains a password; set MLFLOW_TRACKING_USERNAME and "
+                        "MLFLOW_TRACKING_PASSWORD in the environment instead")
+        return self
+
+
 # ------------------------------------------------------------------------------------------ run
 class RunConfig(Section):
     """A whole run. Load with :func:`load_config`; every section has defaults (the embedded CPU run)."""
@@ -469,6 +493,7 @@ class RunConfig(Section):
     evaluation: EvaluationSection = Field(default_factory=EvaluationSection, description="Evaluation.")
     quality: QualitySection = Field(default_factory=QualitySection, description="Judge, text turns, data audit.")
     faults: FaultsSection = Field(default_factory=FaultsSection, description="Fault injection (tests only).")
+    tracking: TrackingSection = Field(default_factory=TrackingSection, description="Experiment tracking (MLflow).")
 
     @model_validator(mode="before")
     @classmethod
@@ -772,9 +797,11 @@ def load_config(path_or_url: str | None, overrides: Sequence[str] = ()) -> RunCo
 
 # ---------------------------------------------------------------------------------- hashing
 def public_config(cfg: RunConfig) -> dict[str, Any]:
-    """The config as JSON-compatible data without ``run.storage_options`` (what hashes and manifests see)."""
+    """The config as JSON-compatible data without ``run.storage_options`` and ``tracking`` (what hashes and
+    manifests see)."""
     data = cfg.model_dump(mode="json")
     data["run"].pop("storage_options", None)
+    data.pop("tracking", None)  # where a run is recorded changes no result
     return data
 
 

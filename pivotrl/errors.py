@@ -13,7 +13,8 @@ Catch the narrowest class you can act on::
     │   └── StorageAccessError the store refuses us: no credentials, permission denied, no such
     │                          bucket (a retry cannot help)
     ├── ModelError             a model source cannot be resolved or a checkpoint is unreadable
-    └── TrainingError          a training invariant failed (non-finite loss, refresh mismatch)
+    ├── TrainingError          a training invariant failed (non-finite loss, refresh mismatch)
+    └── TrackingError          an experiment tracker could not record a run (the run goes on)
 """
 
 from __future__ import annotations
@@ -62,3 +63,7 @@ class ModelError(PivotRLError, RuntimeError):
 
 class TrainingError(PivotRLError, RuntimeError):
     """A training invariant failed: non-finite loss, refresh mismatch, inconsistent ranks."""
+
+
+class TrackingError(PivotRLError, RuntimeError):
+    """An experiment tracker (e.g. an MLflow server) could not record a run; names the URI and call."""

@@ -44,6 +44,7 @@ def _base_key(stage: str, config: Mapping[str, Any], inputs: Any) -> str:
     from pivotrl.storage import code_version
 
     cfg = _config_obj(config)
+    config = {k: v for k, v in config.items() if k != "tracking"}  # where a run is recorded changes no result
     return f"pivotrl-{stage}-" + content_hash({"config": dict(config), "inputs": inputs,
                                               "files": inputs_fingerprint(cfg), "code": code_version()})
 

@@ -30,6 +30,7 @@ from pivotrl.actions import is_action_name
 from pivotrl.data.audit import audit_chat_record
 from pivotrl.data.schema import Trajectory
 from pivotrl.errors import ConfigError, DataError, StorageError
+from pivotrl.interop.nemo import is_nemo_row, row_to_record
 
 __all__ = ["load_trajectories", "save_trajectories_jsonl", "validate_trajectory"]
 
@@ -179,6 +180,8 @@ def load_trajectories(
                 raise obj
             if not isinstance(obj, dict):
                 raise DataError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+            if is_nemo_row(obj):  # a NeMo Gym PivotRL row (e.g. from `pivotrl pivots export`)
+                obj = row_to_record(obj, where)
             traj = Trajectory.from_dict(obj, where=where)
             validate_trajectory(traj, where=f"{where} {traj.id!r}")
             audit_chat_record(traj, where=f"{where} {traj.id!r}")

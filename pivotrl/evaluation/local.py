@@ -8,6 +8,7 @@ never instead of, full-task success (a locally correct action does not guarantee
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections import Counter
 from typing import Any, Sequence
 
@@ -22,7 +23,7 @@ __all__ = ["evaluate_local"]
 
 _COLUMNS = [
     "state_id", "trajectory_id", "turn_index", "category", "status", "n_samples", "n_accepted",
-    "accuracy", "parse_errors", "tokens_generated", "reasons",
+    "accuracy", "parse_errors", "tokens_generated", "reasons", "samples",
 ]
 
 
@@ -100,7 +101,7 @@ def evaluate_local(
             ids = None
         if ids is None:
             rows[i] = {**base, "status": "too_long", "n_samples": 0, "n_accepted": 0, "accuracy": float("nan"),
-                       "parse_errors": 0, "tokens_generated": 0, "reasons": {}}
+                       "parse_errors": 0, "tokens_generated": 0, "reasons": {}, "samples": "[]"}
         else:
             rows[i] = {**base, "status": "ok"}
             todo.append((i, ids))
@@ -119,6 +120,9 @@ def evaluate_local(
                 parse_errors=reasons.get("parse_error", 0),
                 tokens_generated=sum(len(g.token_ids) for g in gens),
                 reasons=dict(reasons),
+                # every sample, for the rollout records (pivotrl.rollouts)
+                samples=json.dumps([{"text": g.text, "tokens": len(g.token_ids), "reward": float(r.reward),
+                                     "reason": r.reason} for g, r in zip(gens, results)], ensure_ascii=False),
             )
 
     df = pd.DataFrame([rows[i] for i in range(len(states))], columns=_COLUMNS)

@@ -125,6 +125,7 @@ def probe_states(
                     var=float(var),
                     action_tokens_mean=float(np.mean([len(g.token_ids) for g in samples])),
                     samples=texts,
+                    sample_tokens=[len(g.token_ids) for g in samples],
                     reasons=[r.reason for r in results],
                     status="ok",
                     verifier_retries=verifier_retries(verifier) - before,
@@ -138,6 +139,7 @@ def probe_states(
 PROBE_COLUMNS = [
     "state_id", "trajectory_id", "category", "turn_index", "prompt_tokens", "rewards", "mu", "var",
     "action_tokens_mean", "samples", "reasons", "status", "reason", "decision", "verifier_retries",
+    "sample_tokens",
 ]
 
 
@@ -164,6 +166,7 @@ def _row(s: TurnState, **kw: Any) -> dict[str, Any]:
         "reason": kw.get("reason", ""),
         "decision": kw.get("decision", ""),
         "verifier_retries": int(kw.get("verifier_retries", 0)),
+        "sample_tokens": json.dumps(kw.get("sample_tokens", [])),
     }
     return row
 

@@ -26,7 +26,10 @@ from pivotrl.pipeline.common import (
     local_checkpoint, make_rollout_engine, make_verifier, prompt_kwargs, sampling_for, verify_checkpoint,
 )
 from pivotrl.pipeline.demos import cache_dir, read_trajectories
+from pivotrl.fingerprints import capture_hashes
+from pivotrl.rollouts import record_evaluation, record_train_step
 from pivotrl.storage import ArtifactStore
+from pivotrl.tracking.live import step_logger
 
 log = logging.getLogger("pivotrl.pipeline")
 
@@ -147,7 +150,7 @@ def stage_probe(cfg: RunConfig, store: ArtifactStore, demos: dict[str, Any], ref
             config={**{k: getattr(cfg, k).model_dump(mode="json") for k in ("verifier", "prompt", "rollout", "model")},
                     "probing": cfg.probing.model_dump(mode="json", exclude={"lambda_diff"})},
             extra={"seed": cfg.probing.seed, "reference_hash": ref["ref_hash"], "verifier": cfg.verifier.name,
-                   "wall_s": round(time.time() - t0, 2)},
+                   "wall_s": round(time.time() - t0, 2), **capture_hashes(cfg, tok)},
         )
     lam = cfg.probing.lambda_diff
     vkey = pkey.replace("probes/", "pivots/") + "-" + content_hash({"lambda_diff": lam})[:8]
@@ -260,6 +263,7 @@ def stage_train(cfg: RunConfig, store: ArtifactStore, probe: dict[str, Any], ref
     verifier = make_verifier(cfg, ensure_bfcl(cache)) if lead else None
     engine = make_rollout_engine(cfg, policy_dir) if lead else None
     tol_max = tr.refresh_tolerance if tr.refresh_tolerance is not None else (1e-4 if cfg.model.dtype == "fp32" else 0.3)
+    log_step = step_logger(cfg, store, tkey)
     try:
         from tqdm.auto import tqdm
 
@@ -269,7 +273,7 @@ def stage_train(cfg: RunConfig, store: ArtifactStore, probe: dict[str, Any], ref
             if lead:
                 _maybe_kill(cfg, store, tkey, step)
             idx = schedule[step]
-            groups, dropped, retries = [], 0, 0
+            groups, dropped, retries, scored = [], 0, 0, []
             if lead:
                 retries0 = _retries(verifier)
                 gens = engine.generate([prompts[i] for i in idx],
@@ -284,10 +288,13 @@ def stage_train(cfg: RunConfig, store: ArtifactStore, probe: dict[str, Any], ref
                         continue
                     groups.append(Group(state_id=pivots[i].state_id, prompt_ids=prompts[i],
                                         actions=[list(g.token_ids) for g in samples], rewards=[r.reward for r in res]))
+                    scored.append((pivots[i].state_id, samples, res))
                 retries = _retries(verifier) - retries0
             groups, dropped, retries = _broadcast((groups, dropped, retries), world)
             t_roll = time.time() - t0
             metrics = trainer.train_step(groups) if groups else {}
+            if lead:  # every sampled action of the step, kept (pivotrl.rollouts)
+                record_train_step(store, tkey, step + 1, scored, trainer, groups, world, tr.advantage_estimator, tr.delta)
             # Refresh π_old inside the running engine (no restart), then check that it took: the
             # engine's log-probs of a fixed action must match the trainer's.
             export = work / f"policy-{step}"
@@ -307,6 +314,8 @@ def stage_train(cfg: RunConfig, store: ArtifactStore, probe: dict[str, Any], ref
                    "rollout_s": round(t_roll, 3), "step_time_s": round(time.time() - t0, 3),
                    "refresh_max_abs_delta": d_max, "refresh_mean_abs_delta": d_mean}
             rows.append(row)
+            if lead:
+                log_step(row)  # to the experiment tracker, live (a no-op unless tracking is on)
             bar.update(1)
             bar.set_postfix(reward=f"{row.get('reward_mean', float('nan')):.2f}", refresh=f"{d_max:.1e}")
             _check_refresh(step + 1, d_max, d_mean, tol_max, cfg.model.dtype)
@@ -499,6 +508,7 @@ def stage_evaluate(cfg: RunConfig, store: ArtifactStore, demos: dict[str, Any], 
     results: dict[str, Any] = {}
     per_task: list[pd.DataFrame] = []
     local_frames: list[pd.DataFrame] = []
+    pivot_frames: list[pd.DataFrame] = []
     try:
         for name, mdir in policies.items():
             if name != "base":
@@ -537,7 +547,8 @@ def stage_evaluate(cfg: RunConfig, store: ArtifactStore, demos: dict[str, Any], 
                                                 for c, sid in zip(f["category"], f["state_id"])]).groupby("group")}
                     for kind, frame in (("greedy", ldf), ("sampled", sdf))}
                 if ev.local_pivots:
-                    _, psum = evaluate_local(engine, tok, pivots, verifier, sampling=samp, **lkw)
+                    pdf, psum = evaluate_local(engine, tok, pivots, verifier, sampling=samp, **lkw)
+                    pivot_frames.append(pdf.assign(policy=name, seed=seed))
                     res.setdefault("local_pivot_runs", []).append(psum)
             res["full_task"] = res["full_task_runs"][0] if len(ev.seeds) == 1 else _mean_summ(res["full_task_runs"])
             res["local"] = res["local_heldout_runs"][0] if len(ev.seeds) == 1 else _mean_summ(res["local_heldout_runs"])
@@ -581,6 +592,8 @@ def stage_evaluate(cfg: RunConfig, store: ArtifactStore, demos: dict[str, Any], 
     with tempfile.TemporaryDirectory(dir=cache) as tmp:
         rj, rm = build_report(results, metrics_df=metrics_df, probe_df=probe_df, pivot_stats=probe["stats"],
                               meta=meta, out_dir=tmp, statistics=statistics, sections=sections)
+        record_evaluation(store, ekey, pivot_frames, probes_key=probe["probes_key"], train_key=train["train_key"],
+                          train_steps=int((train.get("summary") or {}).get("steps") or 0), report_md=rm)
         per_task_df.to_parquet(Path(tmp) / "full_task.parquet")
         local_df.to_parquet(Path(tmp) / "local.parquet")
         for f in sorted(Path(tmp).iterdir()):

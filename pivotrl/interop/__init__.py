@@ -1,0 +1,1 @@
+"""Exchange formats with other RL frameworks (``nemo``: NeMo Gym / NeMo RL PivotRL rows)."""
