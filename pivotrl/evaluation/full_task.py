@@ -39,7 +39,7 @@ from typing import Any, Callable, Mapping, Protocol, Sequence
 
 import pandas as pd
 
-from pivotrl.actions import parse_action
+from pivotrl.chat_format import action_parser
 from pivotrl.prompts import encode_state
 from pivotrl.rollout.base import SamplingConfig
 from pivotrl.data.schema import Message, ToolCall, ToolSpec, Trajectory, TurnState
@@ -329,6 +329,8 @@ def evaluate_full_tasks(
     max_context: int = 8192,
     tool_style: str = "compact",
     max_tool_output_chars: int | None = None,
+    format: str = "pythonic",
+    tool_parser: str = "pythonic",
     executor: EnvFactory | None = None,
 ) -> tuple[pd.DataFrame, dict[str, Any]]:
     """Play every task from scratch with the policy behind ``engine`` and judge it as BFCL does.
@@ -399,10 +401,11 @@ def evaluate_full_tasks(
             )
         )
 
-    encode_opts: dict[str, Any] = {"tool_style": tool_style}
+    encode_opts: dict[str, Any] = {"tool_style": tool_style, "format": format, "tool_parser": tool_parser}
     if max_tool_output_chars is not None:
         encode_opts["max_tool_output_chars"] = max_tool_output_chars
 
+    parser = action_parser(tokenizer, format, tool_parser)
     base_seed = sampling.seed if sampling.seed is not None else seed
     step = 0
     while True:
@@ -422,7 +425,7 @@ def evaluate_full_tasks(
         if len(outs) != len(prompts):
             raise ConfigError(f"engine returned {len(outs)} results for {len(prompts)} prompts")
         for run, gens in zip(ready, outs):
-            _advance(run, gens[0], max_steps_per_turn)
+            _advance(run, gens[0], max_steps_per_turn, parser)
         step += 1
 
     df = pd.DataFrame([r.row() for r in runs], columns=_COLUMNS)
@@ -457,14 +460,14 @@ def _encode(run: _TaskRun, tokenizer: Any, budget: int, opts: dict[str, Any]) ->
     return ids
 
 
-def _advance(run: _TaskRun, gen: Any, max_steps_per_turn: int) -> None:
+def _advance(run: _TaskRun, gen: Any, max_steps_per_turn: int, parser: Any) -> None:
     """Apply one generated action to a task: execute its calls, extend the history, maybe end the turn."""
     tools: Sequence[ToolSpec] = run.trajectory.tools
     run.model_calls += 1
     run.steps_in_turn += 1
     run.tokens_generated += len(gen.token_ids)
     try:
-        message = parse_action(gen.text, tools)
+        message = parser.parse(gen.text, tools)
     except ActionParseError:
         run.format_errors += 1
         run.history.append(Message(role="assistant", content=gen.text))

@@ -173,11 +173,19 @@ def make_rollout_engine(cfg: RunConfig, model_dir: Path | str, *, engine: str | 
 
 
 def prompt_kwargs(cfg: RunConfig) -> dict[str, Any]:
-    return {"tool_style": cfg.prompt.tool_style, "max_tool_output_chars": cfg.prompt.max_tool_output_chars}
+    return {"tool_style": cfg.prompt.tool_style, "max_tool_output_chars": cfg.prompt.max_tool_output_chars,
+            "format": cfg.prompt.format, "tool_parser": cfg.prompt.tool_parser}
+
+
+def prompt_format(cfg: RunConfig, tokenizer: Any) -> Any:
+    """The run's resolved prompt format for ``tokenizer`` (``pivotrl.chat_format.ResolvedFormat``)."""
+    from pivotrl.chat_format import resolve_format
+
+    return resolve_format(tokenizer, cfg.prompt.format, cfg.prompt.tool_parser)
 
 
 def make_verifier(cfg: RunConfig, bfcl_root: Path | str, *, backoff_s: float | None = None,
-                  pool: Any = None) -> Any:
+                  pool: Any = None, tokenizer: Any = None) -> Any:
     """The configured verifier (``verifier.name``) with the run's time limit (``verifier.timeout_s``),
     retry policy (``verifier.retries``; ``backoff_s`` overrides the verifier's default first wait)
     and tool-fault injection (``faults.tool_failure_rate``/``tool_latency_s``, seeded by ``run.seed``).
@@ -192,6 +200,8 @@ def make_verifier(cfg: RunConfig, bfcl_root: Path | str, *, backoff_s: float | N
     faults = FaultInjector.from_config(cfg)
     if faults is not None:
         opts["faults"] = faults
+    if tokenizer is not None:  # the run's tool-call parser (prompt.tool_parser, resolved for this tokenizer)
+        opts["tool_parser"] = prompt_format(cfg, tokenizer).tool_parser
     if backoff_s is not None:
         opts["backoff_s"] = backoff_s
     if pool is not None:
