@@ -318,7 +318,11 @@ def resolve_format(tokenizer: Any, format: str = "auto", tool_parser: str = "aut
         if tool_parser not in ("auto", "pythonic"):
             raise ConfigError(f"prompt.tool_parser = {tool_parser!r}: the pythonic format writes pythonic calls; "
                               "use tool_parser: pythonic, or format: chat_template")
-        check_chat_template(tokenizer)
+        try:
+            check_chat_template(tokenizer)
+        except ConfigError as e:
+            raise ConfigError(f"prompt.format = pythonic writes ChatML, which this tokenizer does not speak ({e}); "
+                              "use prompt.format: chat_template or auto") from None
         resolved = ResolvedFormat("pythonic", "pythonic", False, True, thash, stops)
     else:
         if not has_template:

@@ -13,8 +13,13 @@ the agreement with vLLM's classes on a corpus of outputs).
     (Qwen2.5, Hermes). Text before the first block is the message's content; a last block may be
     left unclosed (as vLLM reads it).
 ``llama3_json``
-    ``{"name": "f", "parameters": {"x": 1}}``, optionally after ``<|python_tag|>``; several calls
-    separated by ``"; "`` (Llama 3.1/3.2). ``"arguments"`` is accepted for ``"parameters"``.
+    ``{"name": "f", "parameters": {"x": 1}}``; several calls separated by ``"; "`` (Llama 3.1/3.2).
+    ``"arguments"`` is accepted for ``"parameters"``. As vLLM reads it, every top-level JSON
+    object in the text is a call and text around them is ignored.
+
+A text without the parser's call marker (``[`` first for pythonic, ``<tool_call>`` for hermes,
+``{`` for llama3_json) is a text action; a marked call that does not decode is an
+ActionParseError where vLLM returns the text as content with no calls (both: no calls).
 
 Every parser has ``format(message) -> str`` (the text the model should write, without the end-of-turn
 token), ``parse(text, tools) -> Message`` (raises :class:`~pivotrl.errors.ActionParseError`, never
@@ -103,11 +108,10 @@ def _call_from_json(obj: Any, arg_keys: tuple[str, ...]) -> ToolCall:
     name = obj.get("name")
     if not isinstance(name, str) or not name:
         raise ActionParseError("a tool call needs a non-empty string 'name'")
-    args: Any = {}
-    for key in arg_keys:
-        if key in obj:
-            args = obj[key]
-            break
+    key = next((k for k in arg_keys if k in obj), None)
+    if key is None:
+        raise ActionParseError(f"{name}: a tool call needs {' or '.join(repr(k) for k in arg_keys)}")
+    args = obj[key]
     if isinstance(args, str):  # OpenAI style: arguments as a JSON string
         args = _loads_object(args)
     if not isinstance(args, dict):
@@ -169,7 +173,7 @@ class HermesParser:
         calls = []
         for closed, open_ in _HERMES_BLOCK.findall(text):
             body = (closed or open_).strip()
-            calls.append(_call_from_json(_loads_object(body), ("arguments", "parameters")))
+            calls.append(_call_from_json(_loads_object(body), ("arguments",)))
         content = text[: text.index("<tool_call>")].strip()
         return Message(role="assistant", content=content, tool_calls=tuple(calls))
 
@@ -200,29 +204,21 @@ class Llama3JsonParser:
     def parse(self, text: str, tools: Sequence[ToolSpec] | None = None) -> Message:
         if not isinstance(text, str):
             raise ActionParseError(f"an action must be a string, got {type(text).__name__}")
-        body = text.strip()
-        if body.startswith("<|python_tag|>"):
-            body = body[len("<|python_tag|>"):].lstrip()
-        if not body.startswith("{"):
+        if "{" not in text:
             return _text_action(text)
+        # As vLLM reads it: every top-level JSON object in the text is a call; other text is ignored.
         decoder = json.JSONDecoder(parse_constant=_reject_constant)
         calls: list[ToolCall] = []
-        pos = 0
-        while True:
+        end = -1
+        for start in (i for i, ch in enumerate(text) if ch == "{"):
+            if start <= end:
+                continue
             try:
-                obj, end = decoder.raw_decode(body, pos)
+                obj, length = decoder.raw_decode(text[start:])
             except (ValueError, RecursionError) as e:
-                raise ActionParseError(f"not valid JSON at character {pos}: {e}") from None
-            calls.append(_call_from_json(obj, ("parameters", "arguments")))
-            rest = body[end:]
-            stripped = rest.lstrip()
-            if not stripped:
-                break
-            if not stripped.startswith(";"):
-                raise ActionParseError(f"unexpected text after a call: {stripped[:40]!r}")
-            pos = len(body) - len(stripped) + 1
-            while pos < len(body) and body[pos].isspace():
-                pos += 1
+                raise ActionParseError(f"not valid JSON at character {start}: {e}") from None
+            end = start + length
+            calls.append(_call_from_json(obj, ("arguments", "parameters")))
         return Message(role="assistant", tool_calls=tuple(calls))
 
     def is_viable_prefix(self, text: str) -> bool:
