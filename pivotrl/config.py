@@ -260,6 +260,9 @@ class RolloutSection(Section):
     enable_prefix_caching: bool = Field(
         True, description="Reuse the KV cache of a shared prompt prefix across samples of one state."
     )
+    tensor_parallel_size: Int = Field(
+        1, ge=1, description="vLLM tensor parallelism: GPUs one rollout engine spans (1 on CPU)."
+    )
 
 
 # ---------------------------------------------------------------------------------- warm_start

@@ -169,6 +169,8 @@ def make_rollout_engine(cfg: RunConfig, model_dir: Path | str, *, engine: str | 
         kwargs.update(kv_cache_gib=cfg.rollout.kv_cache_gib,
                       enable_prefix_caching=cfg.rollout.enable_prefix_caching, seed=cfg.run.seed,
                       cpu_threads=cfg.rollout.num_threads)
+        if cfg.rollout.tensor_parallel_size > 1:
+            kwargs["tensor_parallel_size"] = cfg.rollout.tensor_parallel_size
     return make_engine(name, str(model_dir), **kwargs)
 
 
