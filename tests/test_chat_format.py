@@ -200,3 +200,10 @@ def test_gemma_states_put_tools_in_the_first_user_turn_and_alternate(toks):
     assert "<start_of_turn>model\n[get_weather(city='Paris', days=2)]<end_of_turn>\n" in text
     assert "<start_of_turn>user\nTool result:\n{\"temp\": 20}<end_of_turn>" in text
     assert text.endswith("<start_of_turn>model\n")
+
+
+def test_a_tokenizer_without_template_that_is_not_chatml_is_refused_clearly():
+    tok = tiny_chat_tokenizer("gemma3", "")
+    tok.chat_template = None
+    with pytest.raises(ConfigError, match="has no chat template and is not ChatML"):
+        resolve_format(tok, "auto", "auto")

