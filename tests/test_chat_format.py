@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from pivotrl.chat_format import resolve_format, template_hash
-from pivotrl.data.schema import Message, ToolCall, ToolSpec, Trajectory, TurnState
+from pivotrl.data.schema import Message, ToolCall, ToolSpec, Trajectory
 from pivotrl.data.states import extract_turn_states
 from pivotrl.errors import ConfigError
 from pivotrl.models import load_tokenizer
