@@ -1,8 +1,12 @@
-"""The one prompt renderer: turn states and demonstrations → ChatML text and token ids.
+"""The one prompt renderer: turn states and demonstrations → text and token ids.
 
 Every consumer (probing, SFT, GRPO, evaluation) renders prompts here, so a state's prompt is
 byte-identical wherever it is used (PivotRL §3: the state ``s`` is the complete history before one
 model call, including the system prompt and the tool schemas).
+
+``format``/``tool_parser`` (``prompt.format``, ``prompt.tool_parser``) choose between the model's own
+chat template (:mod:`pivotrl.chat_format`, :mod:`pivotrl.chat_render`) and the ``pythonic`` ChatML
+layout below, which is what ``auto`` picks for SmolLM2-style templates that ignore ``tools=``.
 
 Layout (ChatML, as SmolLM2's chat template writes it)::
 
