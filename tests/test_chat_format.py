@@ -94,6 +94,8 @@ def test_rendered_state_equals_apply_chat_template(toks, name):
         want = tok.apply_chat_template(_openai(state.messages), tools=[t.to_dict() for t in TOOLS], tokenize=False,
                                        add_generation_prompt=True)
         assert tok.decode(ids, skip_special_tokens=False) == want
+        # Pieces are cut at special tokens, so here they tokenise as the whole text does.
+        assert ids == tok(want, add_special_tokens=False)["input_ids"]
 
 
 def test_qwen_state_is_written_in_its_native_hermes_format(toks):
