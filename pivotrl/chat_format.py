@@ -233,3 +233,76 @@ def action_parser(tokenizer: Any, format: str = "pythonic", tool_parser: str = "
     if format == "pythonic" and tool_parser == "pythonic":
         return get_tool_parser("pythonic")
     return get_tool_parser(resolve_format(tokenizer, format, tool_parser).tool_parser)
+
+
+def attach_chat_template(checkpoint: str | Path, template_file: str | Path, cache: str | Path) -> Path:
+    """A copy of ``checkpoint`` whose tokenizer uses the chat template in ``template_file``.
+
+    For models that ship without a template (a base model's GGUF) or with one to replace. The copy
+    lives under ``<cache>/models/tmpl-<hash>`` (weights hard-linked where possible), keyed by the
+    checkpoint's files and the template, and carries the template as ``chat_template.jinja``; the
+    template's end-of-turn token is added to ``generation_config.json``'s ``eos_token_id`` so both
+    engines stop there. Written to a temporary sibling and renamed. Returns the copy's directory.
+
+    Raises ConfigError: the template file is missing, or it writes no end-of-turn special token.
+    """
+    import os
+    import shutil
+    import tempfile
+
+    from transformers import AutoTokenizer
+
+    src, tpl = Path(checkpoint), Path(template_file).expanduser()
+    if not tpl.is_file():
+        raise ConfigError(f"prompt.chat_template = {str(template_file)!r}: no such file")
+    template = tpl.read_text(encoding="utf-8")
+    listing = sorted((p.name, p.stat().st_size, int(p.stat().st_mtime)) for p in src.iterdir() if p.is_file())
+    key = hashlib.sha256(json.dumps([str(src.resolve()), listing, template]).encode()).hexdigest()[:16]
+    target = Path(cache).expanduser() / "models" / f"tmpl-{key}"
+    if (target / "config.json").is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        for p in src.iterdir():
+            if p.is_file() and p.name != "chat_template.jinja":
+                try:
+                    os.link(p, tmp / p.name)
+                except OSError:
+                    shutil.copy2(p, tmp / p.name)
+        cfg_path = tmp / "tokenizer_config.json"
+        if cfg_path.is_file():
+            tok_cfg = json.loads(cfg_path.read_text())
+            if "chat_template" in tok_cfg:
+                del tok_cfg["chat_template"]
+                cfg_path.unlink()  # a hard link: never write through it
+                cfg_path.write_text(json.dumps(tok_cfg, indent=2))
+        (tmp / "chat_template.jinja").write_text(template, encoding="utf-8")
+        tok = AutoTokenizer.from_pretrained(str(tmp))
+        conv, tools = _convert(_probe_messages()[:3], [_PROBE_TOOL],
+                               ResolvedFormat("chat_template", "pythonic", False, True, "", ()),
+                               tool_style="compact", max_tool_output_chars=100)
+        ends = [p.end for p in _pieces(tok, conv, tools, gen=False, where=str(tpl))[0] if p.end]
+        if not ends:
+            raise ConfigError(f"prompt.chat_template = {str(template_file)!r}: the template writes no end-of-turn "
+                              "special token after an assistant turn")
+        gen_path = tmp / "generation_config.json"
+        gen = json.loads(gen_path.read_text()) if gen_path.is_file() else {}
+        eos = gen.get("eos_token_id", tok.eos_token_id)
+        eos = list(eos) if isinstance(eos, list) else ([eos] if eos is not None else [])
+        end_id = int(tok.convert_tokens_to_ids(ends[0]))
+        if end_id not in eos:
+            gen["eos_token_id"] = eos + [end_id]
+            if gen_path.exists():
+                gen_path.unlink()
+            gen_path.write_text(json.dumps(gen, indent=2))
+        os.chmod(tmp, 0o755)
+        os.rename(tmp, target)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not (target / "config.json").is_file():
+            raise
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return target

@@ -230,6 +230,13 @@ class PromptSection(Section):
             "auto = the one that reads back the calls the template writes."
         ),
     )
+    chat_template: str | None = Field(
+        None,
+        description=(
+            "Path of a Jinja chat template to use instead of the tokenizer's own (for a model that ships "
+            "without one, e.g. a base model's GGUF); it travels with every checkpoint of the run."
+        ),
+    )
 
 
 # ------------------------------------------------------------------------------------ verifier

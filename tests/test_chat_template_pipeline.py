@@ -53,3 +53,29 @@ def test_smoke_pipeline_runs_on_the_template(tmp_path, family):
     # The exported reference keeps the model's own chat template (it serves as it was trained).
     exported = load_tokenizer(stages.reference_dir(cfg, store, ref))
     assert exported.chat_template == tok.chat_template
+
+
+@pytest.mark.integration
+def test_a_model_without_template_runs_with_prompt_chat_template(tmp_path):
+    """A Gemma-like checkpoint that ships no chat template (as the Gemma-3-270M GGUF) and stops only
+    at <eos>: prompt.chat_template supplies one; the run's checkpoints carry it and stop at its
+    end-of-turn token."""
+    import json
+
+    tok = tiny_chat_tokenizer("gemma3", "")
+    tok.chat_template = None
+    model = save_tiny_checkpoint(tmp_path / "model", tokenizer=tok, eos_token_id=tok.eos_token_id)
+    template = TEMPLATES / "gemma3.jinja"
+    cfg = load_config(str(REPO / "configs" / "smoke.yaml"), [
+        f"run.storage_root={tmp_path / 'root'}", f"model.source={model}", f"run.cache_dir={tmp_path / 'cache'}",
+        f"prompt.chat_template={template}", "warm_start.epochs=1", "training.max_steps=1", "evaluation.num_tasks=1"])
+    store = ArtifactStore(cfg.run.storage_root)
+    demos = build_demonstrations(cfg, store)
+    ref = stages.stage_reference(cfg, store, demos)
+    assert (ref["prompt_format"]["format"], ref["prompt_format"]["tool_parser"]) == ("chat_template", "pythonic")
+    base = Path(ref["base_dir"])
+    assert json.loads((base / "generation_config.json").read_text())["eos_token_id"] == [1, 4]  # <eos>, <end_of_turn>
+    exported = load_tokenizer(stages.reference_dir(cfg, store, ref))
+    assert exported.chat_template == template.read_text()
+    probe = stages.stage_probe(cfg, store, demos, ref)
+    assert probe["stats"]["total"]["candidates"] > 0

@@ -253,3 +253,9 @@ def test_gemma3_from_four_pinned_wheels_loads_and_has_no_chat_template(tmp_path)
     assert tok.eos_token == "<eos>" and "<end_of_turn>" in tok.get_vocab()
     with pytest.raises(ConfigError, match="no chat template"):
         resolve_format(tok, "auto", "auto")
+    # With its family's template supplied (prompt.chat_template) it renders and stops at <end_of_turn>.
+    from pivotrl.chat_format import attach_chat_template
+
+    template = Path(__file__).parent / "fixtures" / "chat_templates" / "gemma3.jinja"
+    fmt = resolve_format(load_tokenizer(attach_chat_template(path, template, tmp_path / "cache")), "auto", "auto")
+    assert (fmt.format, fmt.tool_parser) == ("chat_template", "pythonic") and len(fmt.stop_ids) == 2

@@ -250,4 +250,5 @@ def inputs_fingerprint(cfg: RunConfig) -> dict[str, Any]:
         "model": path_fingerprint(cfg.model.source),
         "data": [path_fingerprint(s.url) if s.kind == "chat" else {"source": f"bfcl:{','.join(s.categories)}"}
                  for s in cfg.data.sources],
+        "chat_template": path_fingerprint(cfg.prompt.chat_template) if cfg.prompt.chat_template else None,
     }

@@ -49,6 +49,10 @@ def stage_reference(cfg: RunConfig, store: ArtifactStore, demos: dict[str, Any])
     base_dir = Path(resolve_model(cfg.model.source, cache))
     if base_dir.is_dir():
         verify_checkpoint(base_dir)  # a truncated checkpoint fails here, naming the file
+    if cfg.prompt.chat_template:
+        from pivotrl.chat_format import attach_chat_template
+
+        base_dir = attach_chat_template(base_dir, cfg.prompt.chat_template, cache)
     base_hash = checkpoint_hash(base_dir)
     tok = load_tokenizer(base_dir)
     fmt = prompt_format(cfg, tok).to_dict()  # checked once here: format, parser, template hash, stability
