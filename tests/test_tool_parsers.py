@@ -184,3 +184,14 @@ def test_calls_agree_with_vllms_parser_of_the_same_name(name):
         info = parser.extract_tool_calls(text, request=None)
         theirs = [(c.function.name, json.loads(c.function.arguments)) for c in info.tool_calls] if info.tools_called else []
         assert _ours(name, text) == theirs, text
+
+
+def test_config_choices_are_the_registered_parsers():
+    import typing
+
+    from pivotrl.chat_format import PROMPT_FORMATS
+    from pivotrl.config import PromptSection
+
+    fields = PromptSection.model_fields
+    assert sorted(typing.get_args(fields["tool_parser"].annotation)) == sorted(["auto", *TOOL_PARSERS.names()])
+    assert sorted(typing.get_args(fields["format"].annotation)) == sorted(PROMPT_FORMATS)
