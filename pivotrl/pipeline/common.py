@@ -179,6 +179,21 @@ def prompt_kwargs(cfg: RunConfig) -> dict[str, Any]:
             "format": cfg.prompt.format, "tool_parser": cfg.prompt.tool_parser}
 
 
+def resolve_base_model(cfg: RunConfig, cache: Path) -> Path:
+    """The base policy's checkpoint directory: ``model.source`` resolved (downloaded, converted),
+    carrying ``prompt.chat_template`` when one is configured (``pivotrl.chat_format.attach_chat_template``)."""
+    from pivotrl.models import resolve_model
+
+    base_dir = Path(resolve_model(cfg.model.source, cache))
+    if base_dir.is_dir():
+        verify_checkpoint(base_dir)  # a truncated checkpoint fails here, naming the file
+    if cfg.prompt.chat_template:
+        from pivotrl.chat_format import attach_chat_template
+
+        base_dir = attach_chat_template(base_dir, cfg.prompt.chat_template, cache)
+    return base_dir
+
+
 def prompt_format(cfg: RunConfig, tokenizer: Any) -> Any:
     """The run's resolved prompt format for ``tokenizer`` (``pivotrl.chat_format.ResolvedFormat``)."""
     from pivotrl.chat_format import resolve_format

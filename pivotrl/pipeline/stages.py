@@ -22,7 +22,7 @@ from pivotrl.config import RunConfig, config_hash
 from pivotrl.data.schema import content_hash
 from pivotrl.errors import StateTooLongError, TrainingError, VerifierError
 from pivotrl.pipeline.common import (
-    local_checkpoint, make_rollout_engine, make_verifier, prompt_format, prompt_kwargs, sampling_for, verify_checkpoint,
+    local_checkpoint, make_rollout_engine, make_verifier, prompt_format, prompt_kwargs, resolve_base_model, sampling_for,
 )
 from pivotrl.pipeline.demos import cache_dir, read_trajectories
 from pivotrl.storage import ArtifactStore
@@ -42,17 +42,11 @@ def stage_reference(cfg: RunConfig, store: ArtifactStore, demos: dict[str, Any])
     Returns {"base_dir", "base_hash", "ref_key" (None without warm start), "ref_hash", "sft"}.
     The warm start never sees the pivot-candidate split it will be probed on.
     """
-    from pivotrl.models import checkpoint_hash, load_tokenizer, resolve_model
+    from pivotrl.models import checkpoint_hash, load_tokenizer
     from pivotrl.prompts import build_sft_examples
 
     cache = cache_dir(cfg)
-    base_dir = Path(resolve_model(cfg.model.source, cache))
-    if base_dir.is_dir():
-        verify_checkpoint(base_dir)  # a truncated checkpoint fails here, naming the file
-    if cfg.prompt.chat_template:
-        from pivotrl.chat_format import attach_chat_template
-
-        base_dir = attach_chat_template(base_dir, cfg.prompt.chat_template, cache)
+    base_dir = resolve_base_model(cfg, cache)
     base_hash = checkpoint_hash(base_dir)
     tok = load_tokenizer(base_dir)
     fmt = prompt_format(cfg, tok).to_dict()  # checked once here: format, parser, template hash, stability
