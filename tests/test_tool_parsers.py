@@ -195,3 +195,18 @@ def test_config_choices_are_the_registered_parsers():
     fields = PromptSection.model_fields
     assert sorted(typing.get_args(fields["tool_parser"].annotation)) == sorted(["auto", *TOOL_PARSERS.names()])
     assert sorted(typing.get_args(fields["format"].annotation)) == sorted(PROMPT_FORMATS)
+
+
+def test_verifiers_read_actions_with_the_run_parser():
+    from pivotrl.data.schema import TurnState
+    from pivotrl.verifiers import get_verifier
+
+    demo = Message(role="assistant", tool_calls=(ToolCall("get_weather", {"city": "Paris"}),))
+    state = TurnState("s", "t", 0, (Message("user", "Weather?"),), tuple(_TOOLS), demo,
+                      verifier_context={"default_verifier": "arguments"})
+    hermes = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    for name in ("arguments", "tool_name", "auto"):
+        got = get_verifier(name, tool_parser="hermes").score(state, [hermes, "[get_weather(city='Paris')]"])
+        assert [r.accepted for r in got] == [True, False], name
+        plain = get_verifier(name).score(state, [hermes, "[get_weather(city='Paris')]"])
+        assert [r.accepted for r in plain] == [False, True], name

@@ -17,10 +17,10 @@ from dataclasses import dataclass
 from typing import Any, Protocol, Sequence, runtime_checkable
 
 from pivotrl.actions import parse_action
-from pivotrl.tool_parsers import get_tool_parser
 from pivotrl.data.schema import Message, ToolCall, TurnState
 from pivotrl.errors import ActionParseError, ConfigError, DataError
 from pivotrl.registry import Registry
+from pivotrl.tool_parsers import get_tool_parser
 
 __all__ = [
     "SHARED_OPTIONS",
