@@ -123,12 +123,12 @@ def _state_lengths(cfg: Any, store: Any, key: str) -> dict[str, Any]:
     import numpy as np
 
     from pivotrl.data.states import frame_to_states
-    from pivotrl.models import load_tokenizer, resolve_model
-    from pivotrl.pipeline.common import prompt_kwargs
+    from pivotrl.models import load_tokenizer
+    from pivotrl.pipeline.common import prompt_kwargs, resolve_base_model
     from pivotrl.pipeline.demos import cache_dir
     from pivotrl.prompts import encode_state
 
-    tok = load_tokenizer(resolve_model(cfg.model.source, cache_dir(cfg)))
+    tok = load_tokenizer(resolve_base_model(cfg, cache_dir(cfg)))
     df = store.read_parquet(f"{key}/candidates.parquet")
     out: dict[str, Any] = {}
     for cat, g in df.groupby("category"):

@@ -214,6 +214,29 @@ class PromptSection(Section):
     max_tool_output_chars: Int = Field(
         2000, ge=1, description="Tool outputs in the history are cut to this many characters (marked as cut)."
     )
+    format: Literal["auto", "chat_template", "pythonic"] = Field(
+        "auto",
+        description=(
+            "How states are rendered: chat_template = the tokenizer's own template with tools= and OpenAI "
+            "tool_calls; pythonic = pivotrl's ChatML with tools in the system prompt and [f(x=1)] calls; "
+            "auto = chat_template if the template renders tools, else pythonic for ChatML templates."
+        ),
+    )
+    tool_parser: Literal["auto", "hermes", "llama3_json", "pythonic"] = Field(
+        "auto",
+        description=(
+            "Tool-call parser of every sampled action (vLLM --tool-call-parser names): hermes = <tool_call>{json}"
+            "</tool_call>, llama3_json = {\"name\": ..., \"parameters\": ...}, pythonic = [f(x=1)]; "
+            "auto = the one that reads back the calls the template writes."
+        ),
+    )
+    chat_template: str | None = Field(
+        None,
+        description=(
+            "Path of a Jinja chat template to use instead of the tokenizer's own (for a model that ships "
+            "without one, e.g. a base model's GGUF); it travels with every checkpoint of the run."
+        ),
+    )
 
 
 # ------------------------------------------------------------------------------------ verifier
@@ -243,6 +266,9 @@ class RolloutSection(Section):
         "worker's threads, bound to the first num_threads CPUs (unless VLLM_CPU_OMP_THREADS_BIND is set)."))
     enable_prefix_caching: bool = Field(
         True, description="Reuse the KV cache of a shared prompt prefix across samples of one state."
+    )
+    tensor_parallel_size: Int = Field(
+        1, ge=1, description="vLLM tensor parallelism: GPUs one rollout engine spans (1 on CPU)."
     )
 
 

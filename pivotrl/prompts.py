@@ -1,8 +1,12 @@
-"""The one prompt renderer: turn states and demonstrations → ChatML text and token ids.
+"""The one prompt renderer: turn states and demonstrations → text and token ids.
 
 Every consumer (probing, SFT, GRPO, evaluation) renders prompts here, so a state's prompt is
 byte-identical wherever it is used (PivotRL §3: the state ``s`` is the complete history before one
 model call, including the system prompt and the tool schemas).
+
+``format``/``tool_parser`` (``prompt.format``, ``prompt.tool_parser``) choose between the model's own
+chat template (:mod:`pivotrl.chat_format`, :mod:`pivotrl.chat_render`) and the ``pythonic`` ChatML
+layout below, which is what ``auto`` picks for SmolLM2-style templates that ignore ``tools=``.
 
 Layout (ChatML, as SmolLM2's chat template writes it)::
 
@@ -34,10 +38,12 @@ import re
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
+from pivotrl import chat_format
 from pivotrl.actions import format_action
 from pivotrl.data.schema import Message, ToolSpec, Trajectory, TurnState
 from pivotrl.errors import ConfigError, DataError, StateTooLongError
 from pivotrl.registry import Registry
+from pivotrl.tool_parsers import PythonicParser
 
 __all__ = [
     "ACTION_FORMAT_INSTRUCTION",
@@ -45,6 +51,7 @@ __all__ = [
     "DEFAULT_SYSTEM_PROMPT",
     "TOOL_STYLES",
     "build_sft_example",
+    "build_sft_examples",
     "encode_action",
     "encode_state",
     "render_prompt",
@@ -60,11 +67,7 @@ DEFAULT_MAX_TOOL_OUTPUT_CHARS = 2000
 # Used only when a conversation has neither its own system message nor tools, so that no chat
 # template can insert a model-specific default system prompt of its own.
 DEFAULT_SYSTEM_PROMPT = "You are a helpful assistant."
-ACTION_FORMAT_INSTRUCTION = (
-    "To call tools, reply with only a Python list of calls with keyword arguments, e.g. "
-    "[cd(folder='docs'), ls(a=True)]. The results come back as tool messages. "
-    "To answer or to end your turn, reply with plain text that does not start with '['."
-)
+ACTION_FORMAT_INSTRUCTION = PythonicParser.instruction
 _TOOLS_HEADER = "Tools (Python signatures; a parameter with a default value is optional):"
 _TRUNCATION_MARKER = "\n[... {n} more characters truncated]"
 
@@ -349,14 +352,20 @@ def encode_state(
     max_len: int,
     tool_style: str = "compact",
     max_tool_output_chars: int = DEFAULT_MAX_TOOL_OUTPUT_CHARS,
+    format: str = "pythonic",
+    tool_parser: str = "pythonic",
 ) -> list[int]:
     """Token ids (P ints) of a turn state's prompt, ending with the generation header.
+
+    ``format``/``tool_parser``: the prompt format (``pythonic``, ``chat_template``, ``auto``) and
+    tool-call parser, resolved per tokenizer by :func:`pivotrl.chat_format.resolve_format`.
 
     ``max_len`` is the most prompt tokens allowed; callers reserve room for the action (e.g.
     ``max_model_len - max_tokens``). Raises StateTooLongError (naming the state id, its length and
     ``max_len``) instead of truncating (spec: long states are skipped and counted).
     """
-    ids = _state_ids(state, tokenizer, tool_style=tool_style, max_tool_output_chars=max_tool_output_chars)
+    ids = _state_ids(state, tokenizer, tool_style=tool_style, max_tool_output_chars=max_tool_output_chars,
+                     format=format, tool_parser=tool_parser)
     if len(ids) > max_len:
         raise StateTooLongError(
             f"turn state {state.state_id!r}: prompt is {len(ids)} tokens, more than max_len={max_len}"
@@ -370,12 +379,20 @@ def state_token_length(
     *,
     tool_style: str = "compact",
     max_tool_output_chars: int = DEFAULT_MAX_TOOL_OUTPUT_CHARS,
+    format: str = "pythonic",
+    tool_parser: str = "pythonic",
 ) -> int:
     """Number of prompt tokens P of a state (as :func:`encode_state` would produce, without a limit)."""
-    return len(_state_ids(state, tokenizer, tool_style=tool_style, max_tool_output_chars=max_tool_output_chars))
+    return len(_state_ids(state, tokenizer, tool_style=tool_style, max_tool_output_chars=max_tool_output_chars,
+                          format=format, tool_parser=tool_parser))
 
 
-def _state_ids(state: TurnState, tokenizer: Any, *, tool_style: str, max_tool_output_chars: int) -> list[int]:
+def _state_ids(state: TurnState, tokenizer: Any, *, tool_style: str, max_tool_output_chars: int,
+               format: str = "pythonic", tool_parser: str = "pythonic") -> list[int]:
+    fmt = _resolved(tokenizer, format, tool_parser)
+    if fmt is not None:
+        return chat_format.state_ids(state, tokenizer, fmt, tool_style=tool_style,
+                                     max_tool_output_chars=max_tool_output_chars)
     check_chat_template(tokenizer)
     pieces = _pieces(
         state.messages,
@@ -386,6 +403,39 @@ def _state_ids(state: TurnState, tokenizer: Any, *, tool_style: str, max_tool_ou
     )
     encoded, _ = _encode_pieces(pieces, tokenizer)
     return [t for seg in encoded for t in seg]
+
+
+def _resolved(tokenizer: Any, format: str, tool_parser: str) -> Any:
+    """The resolved chat-template format, or None for pivotrl's own pythonic ChatML renderer."""
+    if format == "pythonic" and tool_parser == "pythonic":
+        return None
+    fmt = chat_format.resolve_format(tokenizer, format, tool_parser)
+    return None if fmt.format == "pythonic" else fmt
+
+
+def build_sft_examples(
+    trajectory: Trajectory,
+    tokenizer: Any,
+    *,
+    max_len: int,
+    tool_style: str = "compact",
+    max_tool_output_chars: int = DEFAULT_MAX_TOOL_OUTPUT_CHARS,
+    format: str = "pythonic",
+    tool_parser: str = "pythonic",
+) -> tuple[list[tuple[list[int], list[int]]], bool]:
+    """Supervised examples of one demonstration under the run's prompt format.
+
+    Returns ``([(input_ids, loss_mask), ...], per_turn)``: for the pythonic format and for
+    prefix-stable chat templates one example (:func:`build_sft_example`), ``per_turn`` False; for a
+    template that re-renders earlier turns, one example per assistant turn (state + action ids),
+    ``per_turn`` True (see :mod:`pivotrl.chat_format`). Raises StateTooLongError / DataError.
+    """
+    fmt = _resolved(tokenizer, format, tool_parser)
+    if fmt is None:
+        return [build_sft_example(trajectory, tokenizer, max_len=max_len, tool_style=tool_style,
+                                  max_tool_output_chars=max_tool_output_chars)], False
+    return chat_format.sft_examples(trajectory, tokenizer, fmt, max_len=max_len, tool_style=tool_style,
+                                    max_tool_output_chars=max_tool_output_chars)
 
 
 def build_sft_example(

@@ -92,8 +92,8 @@ def _training_corpus() -> list[str]:
     return corpus
 
 
-@functools.lru_cache(maxsize=1)
-def _trained_tokenizer_json() -> str:
+@functools.lru_cache(maxsize=8)
+def _trained_tokenizer_json(special_tokens: tuple[str, ...] = (IM_START, IM_END)) -> str:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
@@ -101,7 +101,7 @@ def _trained_tokenizer_json() -> str:
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=512,
-        special_tokens=[IM_START, IM_END],
+        special_tokens=list(special_tokens),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
@@ -132,6 +132,39 @@ def tiny_tokenizer() -> Any:
         clean_up_tokenization_spaces=False,
     )
     tok.chat_template = CHAT_TEMPLATE
+    return tok
+
+
+#: Special tokens, eos/bos and the stop tokens of the generation config of a few chat-model families,
+#: for tokenizers that behave like theirs (the chat template is passed separately).
+FAMILIES: dict[str, dict[str, Any]] = {
+    "qwen2.5": {"special": ("<|im_start|>", "<|im_end|>", "<|endoftext|>"), "eos": "<|im_end|>", "bos": None,
+                "pad": "<|endoftext|>", "stop": ("<|im_end|>", "<|endoftext|>")},
+    "llama3.1": {"special": ("<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
+                             "<|eot_id|>", "<|eom_id|>", "<|python_tag|>"),
+                 "eos": "<|eot_id|>", "bos": "<|begin_of_text|>", "pad": "<|end_of_text|>",
+                 "stop": ("<|end_of_text|>", "<|eom_id|>", "<|eot_id|>")},
+    "gemma3": {"special": ("<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>"), "eos": "<eos>",
+               "bos": "<bos>", "pad": "<pad>", "stop": ("<eos>", "<end_of_turn>")},
+}
+
+
+def tiny_chat_tokenizer(family: str, chat_template: str) -> Any:
+    """A byte-level BPE tokenizer (≈512 tokens, offline, deterministic) with the special tokens,
+    eos, bos and pad of ``family`` (a key of :data:`FAMILIES`) and the given chat template.
+
+    Its ``generation_stop_ids`` attribute lists the ids a generation config of that family stops
+    at (pass them as ``eos_token_id`` to :func:`save_tiny_checkpoint`).
+    """
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    fam = FAMILIES[family]
+    backend = Tokenizer.from_str(_trained_tokenizer_json(tuple(fam["special"])))
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token=fam["bos"], eos_token=fam["eos"],
+                                  pad_token=fam["pad"], model_max_length=2048, clean_up_tokenization_spaces=False)
+    tok.chat_template = chat_template
+    tok.generation_stop_ids = [tok.convert_tokens_to_ids(t) for t in fam["stop"]]
     return tok
 
 
@@ -181,18 +214,23 @@ def tiny_llama(tokenizer: Any, seed: int = 0, **overrides: Any) -> Any:
     return model.to(torch.float32).eval()
 
 
-def save_tiny_checkpoint(directory: str | os.PathLike[str], seed: int = 0, **overrides: Any) -> Path:
+def save_tiny_checkpoint(directory: str | os.PathLike[str], seed: int = 0, tokenizer: Any = None,
+                         **overrides: Any) -> Path:
     """Save :func:`tiny_llama` (``seed``, ``overrides``) and :func:`tiny_tokenizer` to ``directory``.
 
     Writes an HF checkpoint directory (``config.json``, ``model.safetensors``, tokenizer files)
     atomically: into a temporary sibling first, then renamed. Returns the directory path.
-    Raises FileExistsError if ``directory`` exists and is not empty.
+    Raises FileExistsError if ``directory`` exists and is not empty. ``tokenizer``: another
+    tokenizer (e.g. :func:`tiny_chat_tokenizer`); its ``generation_stop_ids`` become the
+    generation config's ``eos_token_id``.
     """
     target = Path(directory)
     if target.exists() and any(target.iterdir()):
         raise FileExistsError(f"checkpoint directory {target} exists and is not empty")
     target.parent.mkdir(parents=True, exist_ok=True)
-    tok = tiny_tokenizer()
+    tok = tiny_tokenizer() if tokenizer is None else tokenizer
+    if tokenizer is not None and getattr(tokenizer, "generation_stop_ids", None):
+        overrides.setdefault("eos_token_id", list(tokenizer.generation_stop_ids))
     model = tiny_llama(tok, seed=seed, **overrides)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:
@@ -210,10 +248,12 @@ def save_tiny_checkpoint(directory: str | os.PathLike[str], seed: int = 0, **ove
 
 __all__ = [
     "CHAT_TEMPLATE",
+    "FAMILIES",
     "IM_END",
     "IM_START",
     "save_tiny_checkpoint",
     "tiny_llama",
+    "tiny_chat_tokenizer",
     "tiny_llama_config",
     "tiny_tokenizer",
 ]

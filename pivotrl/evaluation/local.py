@@ -38,6 +38,8 @@ def evaluate_local(
     max_context: int = 8192,
     tool_style: str = "compact",
     max_tool_output_chars: int | None = None,
+    format: str = "pythonic",
+    tool_parser: str = "pythonic",
     batch_size: int = 64,
 ) -> tuple[pd.DataFrame, dict[str, Any]]:
     """Fraction of sampled actions the verifier accepts at each held-out state.
@@ -82,7 +84,7 @@ def evaluate_local(
     budget = max_context - sampling.max_tokens
     if budget < 1:
         raise ConfigError(f"max_context ({max_context}) must exceed sampling.max_tokens ({sampling.max_tokens})")
-    opts: dict[str, Any] = {"tool_style": tool_style}
+    opts: dict[str, Any] = {"tool_style": tool_style, "format": format, "tool_parser": tool_parser}
     if max_tool_output_chars is not None:
         opts["max_tool_output_chars"] = max_tool_output_chars
 

@@ -169,15 +169,40 @@ def make_rollout_engine(cfg: RunConfig, model_dir: Path | str, *, engine: str | 
         kwargs.update(kv_cache_gib=cfg.rollout.kv_cache_gib,
                       enable_prefix_caching=cfg.rollout.enable_prefix_caching, seed=cfg.run.seed,
                       cpu_threads=cfg.rollout.num_threads)
+        if cfg.rollout.tensor_parallel_size > 1:
+            kwargs["tensor_parallel_size"] = cfg.rollout.tensor_parallel_size
     return make_engine(name, str(model_dir), **kwargs)
 
 
 def prompt_kwargs(cfg: RunConfig) -> dict[str, Any]:
-    return {"tool_style": cfg.prompt.tool_style, "max_tool_output_chars": cfg.prompt.max_tool_output_chars}
+    return {"tool_style": cfg.prompt.tool_style, "max_tool_output_chars": cfg.prompt.max_tool_output_chars,
+            "format": cfg.prompt.format, "tool_parser": cfg.prompt.tool_parser}
+
+
+def resolve_base_model(cfg: RunConfig, cache: Path) -> Path:
+    """The base policy's checkpoint directory: ``model.source`` resolved (downloaded, converted),
+    carrying ``prompt.chat_template`` when one is configured (``pivotrl.chat_format.attach_chat_template``)."""
+    from pivotrl.models import resolve_model
+
+    base_dir = Path(resolve_model(cfg.model.source, cache))
+    if base_dir.is_dir():
+        verify_checkpoint(base_dir)  # a truncated checkpoint fails here, naming the file
+    if cfg.prompt.chat_template:
+        from pivotrl.chat_format import attach_chat_template
+
+        base_dir = attach_chat_template(base_dir, cfg.prompt.chat_template, cache)
+    return base_dir
+
+
+def prompt_format(cfg: RunConfig, tokenizer: Any) -> Any:
+    """The run's resolved prompt format for ``tokenizer`` (``pivotrl.chat_format.ResolvedFormat``)."""
+    from pivotrl.chat_format import resolve_format
+
+    return resolve_format(tokenizer, cfg.prompt.format, cfg.prompt.tool_parser)
 
 
 def make_verifier(cfg: RunConfig, bfcl_root: Path | str, *, backoff_s: float | None = None,
-                  pool: Any = None) -> Any:
+                  pool: Any = None, tokenizer: Any = None) -> Any:
     """The configured verifier (``verifier.name``) with the run's time limit (``verifier.timeout_s``),
     retry policy (``verifier.retries``; ``backoff_s`` overrides the verifier's default first wait)
     and tool-fault injection (``faults.tool_failure_rate``/``tool_latency_s``, seeded by ``run.seed``).
@@ -192,6 +217,8 @@ def make_verifier(cfg: RunConfig, bfcl_root: Path | str, *, backoff_s: float | N
     faults = FaultInjector.from_config(cfg)
     if faults is not None:
         opts["faults"] = faults
+    if tokenizer is not None:  # the run's tool-call parser (prompt.tool_parser, resolved for this tokenizer)
+        opts["tool_parser"] = prompt_format(cfg, tokenizer).tool_parser
     if backoff_s is not None:
         opts["backoff_s"] = backoff_s
     if pool is not None:
@@ -238,4 +265,5 @@ def inputs_fingerprint(cfg: RunConfig) -> dict[str, Any]:
         "model": path_fingerprint(cfg.model.source),
         "data": [path_fingerprint(s.url) if s.kind == "chat" else {"source": f"bfcl:{','.join(s.categories)}"}
                  for s in cfg.data.sources],
+        "chat_template": path_fingerprint(cfg.prompt.chat_template) if cfg.prompt.chat_template else None,
     }

@@ -23,7 +23,7 @@ from pivotrl.code_digest import stage_code_digest
 from pivotrl.data.schema import content_hash
 from pivotrl.errors import StateTooLongError, TrainingError, VerifierError
 from pivotrl.pipeline.common import (
-    local_checkpoint, make_rollout_engine, make_verifier, prompt_kwargs, sampling_for, verify_checkpoint,
+    local_checkpoint, make_rollout_engine, make_verifier, prompt_format, prompt_kwargs, resolve_base_model, sampling_for,
 )
 from pivotrl.pipeline.demos import cache_dir, read_trajectories
 from pivotrl.fingerprints import capture_hashes
@@ -46,22 +46,26 @@ def stage_reference(cfg: RunConfig, store: ArtifactStore, demos: dict[str, Any])
     Returns {"base_dir", "base_hash", "ref_key" (None without warm start), "ref_hash", "sft"}.
     The warm start never sees the pivot-candidate split it will be probed on.
     """
-    from pivotrl.models import checkpoint_hash, load_tokenizer, resolve_model
-    from pivotrl.prompts import build_sft_example
+    from pivotrl.models import checkpoint_hash, load_tokenizer
+    from pivotrl.prompts import build_sft_examples
 
     cache = cache_dir(cfg)
-    base_dir = Path(resolve_model(cfg.model.source, cache))
-    if base_dir.is_dir():
-        verify_checkpoint(base_dir)  # a truncated checkpoint fails here, naming the file
+    base_dir = resolve_base_model(cfg, cache)
     base_hash = checkpoint_hash(base_dir)
+    tok = load_tokenizer(base_dir)
+    fmt = prompt_format(cfg, tok).to_dict()  # checked once here: format, parser, template hash, stability
+    log.info("prompt format %s, tool parser %s, chat template %s (%s)", fmt["format"], fmt["tool_parser"],
+             fmt["template_hash"], "prefix-stable" if fmt["prefix_stable"] else
+             "not prefix-stable: per-turn examples")
     out: dict[str, Any] = {"base_dir": str(base_dir), "base_hash": base_hash, "ref_key": None,
-                           "ref_hash": base_hash, "sft": None}
+                           "ref_hash": base_hash, "sft": None, "prompt_format": fmt}
     if not cfg.warm_start.enabled:
         return out
     ws = cfg.warm_start.model_dump(mode="json")
     key = "models/warm_start/" + content_hash(
         {"base": base_hash, "demos": demos["key"], "warm_start": ws, "prompt": cfg.prompt.model_dump(mode="json"),
-         "dtype": cfg.model.dtype, "seed": cfg.run.seed, "code": stage_code_digest("reference")})[:16]
+         "template": fmt["template_hash"], "dtype": cfg.model.dtype, "seed": cfg.run.seed,
+         "code": stage_code_digest("reference")})[:16]
     out["ref_key"] = key
     if store.exists(f"{key}/_COMPLETE") and store.exists(f"{key}.sft.json"):
         out["sft"] = store.read_json(f"{key}.sft.json")
@@ -70,14 +74,19 @@ def stage_reference(cfg: RunConfig, store: ArtifactStore, demos: dict[str, Any])
 
     from pivotrl.training.sft import run_sft
 
-    tok = load_tokenizer(base_dir)
     trajs = read_trajectories(store, demos["key"], split="warm_start")
-    examples, too_long = [], 0
+    examples, too_long, per_turn = [], 0, 0
     for t in trajs:
         try:
-            examples.append(build_sft_example(t, tok, max_len=cfg.warm_start.max_len, **prompt_kwargs(cfg)))
+            got, split = build_sft_examples(t, tok, max_len=cfg.warm_start.max_len, **prompt_kwargs(cfg))
         except StateTooLongError:
             too_long += 1
+            continue
+        examples.extend(got)
+        per_turn += int(split)
+    if per_turn:
+        log.warning("warm start: %d of %d trajectories trained as per-turn examples (the chat template re-renders "
+                    "earlier turns)", per_turn, len(trajs))
     with tempfile.TemporaryDirectory(dir=cache) as tmp:
         ckpt = Path(tmp) / "ckpt"
         metrics = run_sft(
@@ -88,13 +97,22 @@ def stage_reference(cfg: RunConfig, store: ArtifactStore, demos: dict[str, Any])
         ref_hash = checkpoint_hash(ckpt)
         store.put_dir(str(ckpt), key)
     metrics = {k: v for k, v in _jsonable(metrics).items() if k != "out_dir"}  # a deleted temp dir
-    sft = {"examples": len(examples), "skipped_too_long": too_long, "checkpoint_hash": ref_hash, "metrics": metrics}
+    sft = {"examples": len(examples), "skipped_too_long": too_long, "per_turn_trajectories": per_turn,
+           "prompt_format": fmt, "checkpoint_hash": ref_hash, "metrics": metrics}
     store.write_artifact(f"{key}.sft.json", sft, kind="reference_checkpoint",
                          inputs={"trajectories": demos["trajectories"], "base_model": f"{cfg.model.source}#{base_hash}"},
                          config={"warm_start": ws, "model": cfg.model.model_dump(mode="json")},
-                         extra={"seed": cfg.run.seed, "checkpoint": store.url(key), "checkpoint_hash": ref_hash})
+                         extra={"seed": cfg.run.seed, "checkpoint": store.url(key), "checkpoint_hash": ref_hash,
+                                "template_hash": fmt["template_hash"], "prompt_format": fmt})
     out["sft"], out["ref_hash"] = sft, ref_hash
     return out
+
+
+def _prompt_identity(cfg: RunConfig, ref: dict[str, Any]) -> dict[str, Any]:
+    """What a stage key needs of the prompt: the config section and the chat template's hash."""
+    fmt = ref.get("prompt_format") or {}
+    return {**cfg.prompt.model_dump(mode="json"), "template_hash": fmt.get("template_hash"),
+            "resolved": [fmt.get("format"), fmt.get("tool_parser")]}
 
 
 def reference_dir(cfg: RunConfig, store: ArtifactStore, ref: dict[str, Any]) -> Path:
@@ -117,7 +135,7 @@ def stage_probe(cfg: RunConfig, store: ArtifactStore, demos: dict[str, Any], ref
 
     cand_manifest = store.read_manifest(f"{demos['key']}/candidates.parquet")
     pkey = probe_key(cand_manifest.sha256, ref["ref_hash"], cfg.probing.model_dump(mode="json"),
-                     cfg.verifier.model_dump(mode="json"), cfg.prompt.model_dump(mode="json"),
+                     cfg.verifier.model_dump(mode="json"), _prompt_identity(cfg, ref),
                      {"engine": cfg.rollout.engine, "max_tokens": cfg.rollout.max_tokens,
                       "dtype": cfg.model.dtype, "max_context": cfg.model.max_context,
                       "include_stop_decisions": cfg.quality.include_stop_decisions})
@@ -129,7 +147,7 @@ def stage_probe(cfg: RunConfig, store: ArtifactStore, demos: dict[str, Any], ref
         states = frame_to_states(cand)
         rdir = reference_dir(cfg, store, ref)
         tok = load_tokenizer(rdir)
-        verifier = make_verifier(cfg, ensure_bfcl(cache_dir(cfg)))
+        verifier = make_verifier(cfg, ensure_bfcl(cache_dir(cfg)), tokenizer=tok)
         engine = make_rollout_engine(cfg, rdir)
         t0 = time.time()
         try:
@@ -150,6 +168,7 @@ def stage_probe(cfg: RunConfig, store: ArtifactStore, demos: dict[str, Any], ref
             config={**{k: getattr(cfg, k).model_dump(mode="json") for k in ("verifier", "prompt", "rollout", "model")},
                     "probing": cfg.probing.model_dump(mode="json", exclude={"lambda_diff"})},
             extra={"seed": cfg.probing.seed, "reference_hash": ref["ref_hash"], "verifier": cfg.verifier.name,
+                   "prompt_format": ref.get("prompt_format"),
                    "wall_s": round(time.time() - t0, 2), **capture_hashes(cfg, tok)},
         )
     lam = cfg.probing.lambda_diff
@@ -166,7 +185,8 @@ def stage_probe(cfg: RunConfig, store: ArtifactStore, demos: dict[str, Any], ref
             f"{vkey}/pivots.parquet", pivots, kind="pivots",
             inputs={"probes": probes_uri, "candidates": store.url(f"{demos['key']}/candidates.parquet")},
             config={"lambda_diff": lam, "probing": cfg.probing.model_dump(mode="json")},
-            extra={"reference_hash": ref["ref_hash"], "verifier": cfg.verifier.name, "num_pivots": len(pivots)},
+            extra={"reference_hash": ref["ref_hash"], "verifier": cfg.verifier.name, "num_pivots": len(pivots),
+                   "prompt_format": ref.get("prompt_format")},
         )
     stats = store.read_json(f"{vkey}/stats.json")
     return {"probes_key": pkey, "probes": probes_uri, "pivots_key": vkey,
@@ -209,7 +229,7 @@ def stage_train(cfg: RunConfig, store: ArtifactStore, probe: dict[str, Any], ref
     tkey = "train/" + content_hash({"pivots": store.read_manifest(f"{probe['pivots_key']}/pivots.parquet").sha256,
                                     "reference": ref["ref_hash"], "training": tr.model_dump(mode="json"),
                                     "rollout": cfg.rollout.model_dump(mode="json"), "verifier": cfg.verifier.model_dump(mode="json"),
-                                    "prompt": cfg.prompt.model_dump(mode="json"), "dtype": cfg.model.dtype,
+                                    "prompt": _prompt_identity(cfg, ref), "dtype": cfg.model.dtype,
                                     "seed": cfg.run.seed, "code": stage_code_digest("train")})[:16]
     final_key = f"{tkey}/policy"
     if store.exists(f"{tkey}/summary.json") and store.exists(f"{tkey}/metrics.parquet"):
@@ -260,7 +280,7 @@ def stage_train(cfg: RunConfig, store: ArtifactStore, probe: dict[str, Any], ref
         rows = pd.read_parquet(step_dir / "metrics.parquet").to_dict("records")
         policy_dir = step_dir / "hf"
         log.info("resuming PivotRL training from %s (step %d)", latest, start)
-    verifier = make_verifier(cfg, ensure_bfcl(cache)) if lead else None
+    verifier = make_verifier(cfg, ensure_bfcl(cache), tokenizer=tok) if lead else None
     engine = make_rollout_engine(cfg, policy_dir) if lead else None
     tol_max = tr.refresh_tolerance if tr.refresh_tolerance is not None else (1e-4 if cfg.model.dtype == "fp32" else 0.3)
     log_step = step_logger(cfg, store, tkey)
@@ -341,7 +361,8 @@ def stage_train(cfg: RunConfig, store: ArtifactStore, probe: dict[str, Any], ref
                if "reward_mean" in metrics_df and len(metrics_df) else None,
                "policy": store.url(final_key)}
     store.write_artifact(f"{tkey}/summary.json", summary, kind="policy_checkpoint", inputs=inputs,
-                         config={"training": tr.model_dump(mode="json")}, extra={"checkpoint": store.url(final_key)})
+                         config={"training": tr.model_dump(mode="json")}, extra={"checkpoint": store.url(final_key),
+                                                                         "prompt_format": ref.get("prompt_format")})
     shutil.rmtree(work, ignore_errors=True)
     return {"train_key": tkey, "policy_key": final_key, "metrics": store.url(f"{tkey}/metrics.parquet"), "summary": summary}
 
@@ -481,7 +502,7 @@ def stage_evaluate(cfg: RunConfig, store: ArtifactStore, demos: dict[str, Any], 
     ev = cfg.evaluation
     ekey = "eval/" + content_hash({"demos": demos["key"], "base": ref["base_hash"], "ref": ref["ref_hash"],
                                    "train": train["train_key"], "evaluation": ev.model_dump(mode="json"),
-                                   "prompt": cfg.prompt.model_dump(mode="json"), "rollout": cfg.rollout.model_dump(mode="json"),
+                                   "prompt": _prompt_identity(cfg, ref), "rollout": cfg.rollout.model_dump(mode="json"),
                                    "quality": cfg.quality.model_dump(mode="json"), "code": stage_code_digest("evaluate")})[:16]
     if store.exists(f"{ekey}/report.json"):
         return {"eval_key": ekey, "report_json": store.url(f"{ekey}/report.json"),
@@ -503,7 +524,7 @@ def stage_evaluate(cfg: RunConfig, store: ArtifactStore, demos: dict[str, Any], 
                 "pivotrl": local_checkpoint(store, train["policy_key"], cache) if train["policy_key"]
                 else reference_dir(cfg, store, ref)}
     tok = load_tokenizer(policies["reference"])
-    verifier = make_verifier(cfg, bfcl_root)
+    verifier = make_verifier(cfg, bfcl_root, tokenizer=tok)
     engine = make_rollout_engine(cfg, policies["base"])
     results: dict[str, Any] = {}
     per_task: list[pd.DataFrame] = []
@@ -602,7 +623,7 @@ def stage_evaluate(cfg: RunConfig, store: ArtifactStore, demos: dict[str, Any], 
         store.write_artifact(f"{ekey}/report.json", json.loads(Path(rj).read_text()), kind="report",
                              inputs={"policy": store.url(train["policy_key"]) if train["policy_key"] else "reference", "pivots": probe["pivots"],
                                      "metrics": train["metrics"], "trajectories": demos["trajectories"]},
-                             config={"evaluation": ev.model_dump(mode="json")}, extra={"seeds": ev.seeds})
+                             config={"evaluation": ev.model_dump(mode="json")}, extra={"seeds": ev.seeds, "prompt_format": ref.get("prompt_format")})
     return {"eval_key": ekey, "report_json": store.url(f"{ekey}/report.json"),
             "report_md": store.url(f"{ekey}/report.md"), "report": store.read_json(f"{ekey}/report.json")}
 

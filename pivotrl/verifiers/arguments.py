@@ -178,7 +178,7 @@ class ArgumentsVerifier:
         """One result per action (length m or K). Raises DataError for a malformed state."""
         expected, lenient = expected_calls(state)
         out = []
-        for parsed in parse_actions(state, actions):
+        for parsed in parse_actions(state, actions, getattr(self, "tool_parser", None)):
             verdict = kind_check(tuple(ToolCall(name) for name, _ in expected), parsed, state)
             if verdict is None:
                 reason = match_calls(parsed.calls, expected, state.tools, lenient=lenient)

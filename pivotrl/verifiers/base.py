@@ -22,6 +22,7 @@ from pivotrl.actions import parse_action
 from pivotrl.data.schema import Message, ToolCall, TurnState
 from pivotrl.errors import ActionParseError, ConfigError, DataError
 from pivotrl.registry import Registry
+from pivotrl.tool_parsers import get_tool_parser
 
 __all__ = [
     "SHARED_OPTIONS",
@@ -67,7 +68,7 @@ VERIFIERS: Registry[type] = Registry("verifier")
 #: them (e.g. ``tool_name`` and ``timeout_s``) ignores it. Any other unknown option is an error.
 SHARED_OPTIONS: frozenset[str] = frozenset(
     {"pool", "bfcl_root", "cache_dir", "num_workers", "timeout_s", "memory_mb", "retries", "backoff_s",
-     "max_backoff_s", "faults"}
+     "max_backoff_s", "faults", "tool_parser"}
 )
 
 
@@ -95,7 +96,12 @@ def get_verifier(name: str, **opts: Any) -> Verifier:
         if unknown:
             valid = ", ".join(sorted(accepted)) or "(none)"
             raise ConfigError(f"verifier {name!r}: unknown option(s) {', '.join(unknown)}; valid: {valid}")
+        parser = opts.get("tool_parser")
         opts = {k: v for k, v in opts.items() if k in accepted}
+        inst = cls(**opts)
+        if parser is not None and "tool_parser" not in accepted:
+            inst.tool_parser = get_tool_parser(parser)  # read by parse_actions
+        return inst
     return cls(**opts)
 
 
@@ -116,12 +122,14 @@ class ParsedAction:
         return self.message is not None and not self.message.tool_calls
 
 
-def parse_actions(state: TurnState, actions: Sequence[str]) -> list[ParsedAction]:
-    """Parse each raw action with the state's tools (positional arguments are named from them)."""
+def parse_actions(state: TurnState, actions: Sequence[str], parser: Any = None) -> list[ParsedAction]:
+    """Parse each raw action with the run's tool-call parser (``pivotrl.tool_parsers``; default
+    pythonic) and the state's tools (positional arguments are named from them)."""
+    parse = parse_action if parser is None else parser.parse
     out = []
     for text in actions:
         try:
-            out.append(ParsedAction(text, parse_action(text, state.tools)))
+            out.append(ParsedAction(text, parse(text, state.tools)))
         except ActionParseError as e:
             out.append(ParsedAction(text, None, str(e)))
     return out

@@ -109,7 +109,7 @@ class ExecutionVerifier:
         results: list[VerifierResult | None] = []
         pending: dict[str, list[int]] = {}  # canonical calls → indices of actions with those calls
         candidates: list[list[dict[str, Any]]] = []
-        for i, parsed in enumerate(parse_actions(state, actions)):
+        for i, parsed in enumerate(parse_actions(state, actions, getattr(self, "tool_parser", None))):
             verdict = kind_check(demo, parsed, state)
             if verdict is None and any(c.name not in tool_names for c in parsed.calls):
                 verdict = VerifierResult.reject("unknown_tool")

@@ -25,7 +25,7 @@ class ToolNameVerifier:
         demo = demo_calls(state)
         want = [c.name for c in demo]
         out = []
-        for parsed in parse_actions(state, actions):
+        for parsed in parse_actions(state, actions, getattr(self, "tool_parser", None)):
             verdict = kind_check(demo, parsed, state)
             if verdict is None:
                 got = [c.name for c in parsed.calls]
