@@ -48,8 +48,10 @@ def test_serve_comes_up_and_ctrl_c_leaves_nothing_running(tmp_path):
            "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "VENV": str(Path(sys.executable).parent.parent)}
     env.pop("PREFECT_API_URL", None)
     log = open(tmp_path / "serve.log", "w")
+    # A terminal's shell starts with SIGINT at its default (a test runner started in the background
+    # may have it ignored, and bash cannot trap a signal ignored on entry).
     proc = subprocess.Popen(["bash", "infra/serve.sh"], cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True)
+                            start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         deadline = time.time() + 180
         while "Worker" not in (tmp_path / "serve.log").read_text() and time.time() < deadline:
