@@ -219,8 +219,10 @@ def register_assets(config: Mapping[str, Any], uris: list[str | None]) -> list[s
 def demonstrations(config: dict[str, Any], inputs: dict[str, Any] | None = None) -> dict[str, Any]:
     """Load + validate demonstrations, split by trajectory, extract turn-state candidates."""
     from pivotrl.pipeline.demos import build_demonstrations
+    from pivotrl.pipeline.entry import announce
 
-    out = build_demonstrations(_config_obj(config), _store(config))
+    with announce("demonstrations"):
+        out = build_demonstrations(_config_obj(config), _store(config))
     create_table_artifact(
         key="demonstrations", description="Demonstrations and turn-state candidates",
         table=[{"item": k, "value": str(v)} for k, v in out["counts"].items()],
