@@ -191,12 +191,11 @@ def _cache_dir() -> Path:
 
 @pytest.fixture(scope="module")
 def bfcl():
-    mod = pytest.importorskip("pivotrl.data.bfcl")
-    try:
-        root = mod.ensure_bfcl(_cache_dir())
-        trajs = mod.load_bfcl(["multi_turn_base", "simple_python"], _cache_dir(), limit_per_category=4)
-    except Exception as e:  # noqa: BLE001 - no cached wheel and no package index
-        pytest.skip(f"BFCL data not available: {e}")
+    from pivotrl.data import bfcl as mod
+
+    # Fetches the pinned, hash-checked bfcl-eval wheel on first use (no skip on a fresh machine).
+    root = mod.ensure_bfcl(_cache_dir())
+    trajs = mod.load_bfcl(["multi_turn_base", "simple_python"], _cache_dir(), limit_per_category=4)
     from pivotrl.data.states import extract_turn_states
 
     states = {s.state_id: s for t in trajs for s in extract_turn_states(t)}

@@ -78,13 +78,20 @@ def sft_batch_loss(model: Any, examples: Sequence[Example], num_tokens: int) -> 
 
     ``num_tokens`` is the number of loss tokens (mask = 1 at positions ≥ 1) of the whole global
     batch. Returns ``(loss scalar fp32, summed NLL as a float)``. (B, L) internally.
+    The output layer and log-softmax run only at the positions that predict a loss token (in
+    any example of the batch: (B, N) logits instead of (B, L−1)); the numbers equal the full
+    computation's (a multi-turn state's tool documentation and history carry no loss).
     """
     device = next(getattr(model, "module", model).parameters()).device
     ids, attn, loss_mask = _collate(examples, device)
-    logits = model(input_ids=ids, attention_mask=attn, use_cache=False).logits[:, :-1]  # (B, L−1, V)
+    keep = loss_mask[:, 1:].amax(dim=0).nonzero().squeeze(-1)  # (N,) positions j predicting token j+1
+    out = model(input_ids=ids, attention_mask=attn, use_cache=False, logits_to_keep=keep)
+    logits = out.logits  # (B, N, V)
+    if logits.shape[1] != keep.numel():  # a model that ignores logits_to_keep: all positions
+        logits = logits[:, keep]
     logp = torch.log_softmax(logits.float(), dim=-1)
-    target_lp = logp.gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)  # (B, L−1)
-    nll = -(target_lp * loss_mask[:, 1:]).sum()
+    target_lp = logp.gather(-1, ids[:, keep + 1].unsqueeze(-1)).squeeze(-1)  # (B, N)
+    nll = -(target_lp * loss_mask[:, keep + 1]).sum()
     return nll / num_tokens, float(nll.detach())
 
 
