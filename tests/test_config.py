@@ -257,7 +257,8 @@ def test_override_replaces_a_list_of_sources():
 
 
 def test_refresh_tolerance_defaults_by_dtype_and_keeps_explicit_values():
-    assert RunConfig().training.refresh_tolerance == 0.3
+    assert RunConfig().training.refresh_tolerance is None  # dtype auto: filled in once resolved
+    assert parse_config({"model": {"dtype": "bf16"}}).training.refresh_tolerance == 0.3
     assert parse_config({"model": {"dtype": "fp32"}}).training.refresh_tolerance == 1e-4
     explicit = parse_config({"model": {"dtype": "fp32"}, "training": {"refresh_tolerance": 0.05}})
     assert explicit.training.refresh_tolerance == 0.05
