@@ -35,8 +35,9 @@ class Run:
 
     def __init__(self, tmp: Path, model: Path) -> None:
         env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API")}
+        # A cache of its own (what a killed stage leaves there stays in tmp), sharing the BFCL data.
         env.update(PREFECT_HOME=str(tmp / "prefect"), PIVOTRL_PROGRESS_INTERVAL_S="2", OMP_NUM_THREADS="1",
-                   PYTHONUNBUFFERED="1")
+                   PYTHONUNBUFFERED="1", PIVOTRL_CACHE_DIR=str(_run_cache(tmp)))
         cli = Path(sys.executable).with_name("pivotrl")
         sets = [f"run.storage_root={tmp / 'runs'}", f"model.source={model}"]
         cmd = [str(cli), "run", "--config", str(REPO / "configs" / "smoke.yaml")]
@@ -106,6 +107,17 @@ class Run:
             except psutil.Error:
                 pass
         return left
+
+
+def _run_cache(tmp: Path) -> Path:
+    from pivotrl.data.bfcl import ensure_bfcl
+
+    cache = tmp / "cache"
+    if not cache.exists():
+        bfcl = ensure_bfcl(os.environ.get("PIVOTRL_CACHE_DIR") or Path.home() / ".cache" / "pivotrl")
+        cache.mkdir()
+        (cache / bfcl.name).symlink_to(bfcl, target_is_directory=True)
+    return cache
 
 
 @pytest.fixture(scope="module")
