@@ -67,7 +67,10 @@ def run_stage(stage: str, config: dict[str, Any], inputs: dict[str, Any], *, att
         raise ConfigError(f"unknown stage {stage!r}; valid: {', '.join(STAGES)}")
     cfg = parse_config(config, source=f"the {stage} stage spec")
     precision = run_precision(cfg)
-    logging.getLogger("pivotrl.pipeline").info("%s stage, %s", stage, precision.line())
+    import torch
+
+    logging.getLogger("pivotrl.pipeline").info("%s stage, %s, %d torch threads", stage, precision.line(),
+                                               torch.get_num_threads())
     cfg = with_resolved_dtype(cfg)
     store = make_store(cfg, attempt=attempt)
     store.manifest_extra = {"precision": precision.record()}
