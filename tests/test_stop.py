@@ -2,7 +2,8 @@
 
 A real run of the smoke config (tiny random model, transformers engine, ephemeral Prefect server
 started by the CLI) is interrupted with SIGINT during the warm start, during probing and during
-training (there with a second SIGINT right after the first: it must exit at once too). Every
+training (there with a second SIGINT right after the first: it must exit at once too), and with
+SIGTERM during evaluation. Every
 process ever seen in the CLI's tree (the Prefect server, stage processes, sandbox workers) must be
 gone when the CLI has exited; then a rerun resumes from what was published and finishes.
 """
@@ -85,13 +86,13 @@ class Run:
                 return line
         raise AssertionError(f"{pattern!r} never appeared; output:\n{''.join(self.lines[-40:])}")
 
-    def interrupt(self, *, times: int = 1) -> float:
-        """SIGINT (``times`` times, 0.2 s apart); returns seconds until the CLI exited."""
+    def interrupt(self, *, times: int = 1, sig: int = signal.SIGINT) -> float:
+        """``sig`` (``times`` times, 0.2 s apart); returns seconds until the CLI exited."""
         t0 = time.monotonic()
         for i in range(times):
             if i:
                 time.sleep(0.2)
-            self.proc.send_signal(signal.SIGINT)
+            self.proc.send_signal(sig)
         try:
             self.proc.wait(timeout=30)
         finally:
@@ -127,16 +128,16 @@ def tiny_model(tmp_path_factory):
     return save_tiny_checkpoint(tmp_path_factory.mktemp("model") / "tiny")
 
 
-def _interrupt_during(tmp: Path, model: Path, pattern: str, times: int = 1) -> Run:
+def _interrupt_during(tmp: Path, model: Path, pattern: str, times: int = 1, sig: int = signal.SIGINT) -> Run:
     run = Run(tmp, model)
     run.wait_for(pattern)
-    took = run.interrupt(times=times)
+    took = run.interrupt(times=times, sig=sig)
     left = run.leftovers()
     assert left == [], f"processes left after Ctrl-C: {left}"
     assert took < STOP_LIMIT_S, f"the run took {took:.1f} s to stop"
-    assert run.proc.returncode == 128 + signal.SIGINT
+    assert run.proc.returncode == 128 + sig
     out = "".join(run.lines)
-    assert "SIGINT: stopping every process of the run" in out
+    assert f"{signal.Signals(sig).name}: stopping every process of the run" in out
     assert ("stopping now" in out) == (times > 1)
     cmds = "\n".join(run.cmdlines)
     assert "pivotrl.pipeline.entry" in cmds, cmds  # the stage process was in the tree
@@ -153,6 +154,9 @@ def test_ctrl_c_stops_every_process_in_every_stage_and_a_rerun_completes(tmp_pat
     assert not any("stage train: finished" in line for line in train.lines)
     # The warm start finished in the second run: the third one reused it.
     assert any("stage reference: finished" in line for line in probe.lines)
+    # SIGTERM (what `make` sends its recipe when it is terminated) stops the run the same way.
+    evaluate = _interrupt_during(tmp_path, tiny_model, r"evaluation: \d+/\d+ turns", sig=signal.SIGTERM)
+    assert not any("stage evaluate: finished" in line for line in evaluate.lines)
 
     rerun = Run(tmp_path, tiny_model)
     rc = rerun.proc.wait(timeout=600)
