@@ -138,7 +138,6 @@ def _interrupt_during(tmp: Path, model: Path, pattern: str, times: int = 1, sig:
     assert run.proc.returncode == 128 + sig
     out = "".join(run.lines)
     assert f"{signal.Signals(sig).name}: stopping every process of the run" in out
-    assert ("stopping now" in out) == (times > 1)
     cmds = "\n".join(run.cmdlines)
     assert "pivotrl.pipeline.entry" in cmds, cmds  # the stage process was in the tree
     assert "prefect" in cmds and "server" in cmds or "uvicorn" in cmds, cmds  # and Prefect's server
