@@ -47,11 +47,11 @@ def test_prefect_console_keeps_the_message_and_drops_the_traceback():
     from pivotrl.pipeline.console import quiet_stage_tracebacks
 
     stream = io.StringIO()
-    logger = logging.getLogger("pivotrl-test-console")
+    logger = logging.getLogger("pivotrl_test_console.task_runs")  # configured later than the call
+    quiet_stage_tracebacks(("pivotrl_test_console",))
     handler = logging.StreamHandler(stream)
     logger.addHandler(handler)
     try:
-        assert quiet_stage_tracebacks(("pivotrl-test-console",)) == 1
         try:
             raise StageError("stage 'probe' failed (exit code 3): DataError: x\nfull log: /l", permanent=True)
         except StageError:
@@ -60,7 +60,14 @@ def test_prefect_console_keeps_the_message_and_drops_the_traceback():
             raise ValueError("a bug")
         except ValueError:
             logger.error("other failure", exc_info=True)
+        try:
+            raise StageError("elsewhere", permanent=True)
+        except StageError:
+            logging.getLogger("pivotrl_other").addHandler(handler)
+            logging.getLogger("pivotrl_other").error("kept", exc_info=True)
     finally:
         logger.removeHandler(handler)
+        logging.getLogger("pivotrl_other").removeHandler(handler)
     text = stream.getvalue()
-    assert "Task run failed with exception\n" in text and text.count("Traceback") == 1 and "a bug" in text
+    assert "Task run failed with exception\n" in text and text.count("Traceback") == 2
+    assert "a bug" in text and "StageError: elsewhere" in text  # other loggers keep their tracebacks

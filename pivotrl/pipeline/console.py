@@ -12,28 +12,30 @@ from typing import Any, Callable
 from pivotrl.errors import PivotRLError
 
 
-class _NoPivotRLTracebacks(logging.Filter):
-    """Drop the traceback (keep the message) of a logged pivotrl error: a failed stage's reason and
-    the path of its full log are in the message; its traceback through Prefect's engine is noise."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        exc = record.exc_info[1] if record.exc_info else None
-        if isinstance(exc, PivotRLError):
-            record.exc_info = None
-            record.exc_text = None
-        return True
+def _strip(record: logging.LogRecord) -> logging.LogRecord:
+    exc = record.exc_info[1] if record.exc_info else None
+    if isinstance(exc, PivotRLError) and record.name.split(".")[0] in _QUIET:
+        record.exc_info = None
+        record.exc_text = None
+    return record
 
 
-def quiet_stage_tracebacks(logger_names: tuple[str, ...] = ("prefect",)) -> int:
-    """Install the filter on the console handlers of ``logger_names`` (Prefect's loggers must be
-    configured: import prefect first). Returns the number of handlers filtered."""
-    n = 0
-    for name in logger_names:
-        for handler in logging.getLogger(name).handlers:
-            if not any(isinstance(f, _NoPivotRLTracebacks) for f in handler.filters):
-                handler.addFilter(_NoPivotRLTracebacks())
-                n += 1
-    return n
+_QUIET: set[str] = set()
+
+
+def quiet_stage_tracebacks(logger_names: tuple[str, ...] = ("prefect",)) -> None:
+    """Drop the traceback (keep the message) of pivotrl errors logged by ``logger_names`` (and
+    their children): a failed stage's reason and the path of its full log are in the message; its
+    traceback through Prefect's engine is noise. Works however late Prefect configures its
+    logging (it wraps the log record factory); idempotent."""
+    if not _QUIET:
+        factory = logging.getLogRecordFactory()
+
+        def make(*args: Any, **kwargs: Any) -> logging.LogRecord:
+            return _strip(factory(*args, **kwargs))
+
+        logging.setLogRecordFactory(make)
+    _QUIET.update(n.split(".")[0] for n in logger_names)
 
 
 def precision_lines(cfg: Any, *, measure: bool = True) -> list[str]:
@@ -53,8 +55,6 @@ def start_run_console(cfg: Any, echo: Callable[[str], Any] = print) -> None:
     """Install the SIGINT/SIGTERM handler that stops the run's whole process tree
     (pivotrl.pipeline.processes.StopOnSignal), print the precision (and its warning, once), and
     keep pivotrl errors' tracebacks out of Prefect's console log."""
-    import prefect  # noqa: F401 - configures Prefect's logging, which the filter attaches to
-
     from pivotrl.pipeline.processes import StopOnSignal
 
     StopOnSignal().install()
