@@ -73,12 +73,21 @@ def _preflight(cfg) -> None:
 @app.command()
 def run(config: str = ConfigOpt, overrides: Optional[list[str]] = SetOpt) -> None:
     """Run the whole nightly pipeline once, now, and print where the report is."""
-    _preflight(_load(config, overrides))  # fail fast on a bad config, before Prefect starts
+    cfg = _load(config, overrides)
+    _preflight(cfg)  # fail fast on a bad config, before Prefect starts
+    _console(cfg)
     t0 = time.time()
     result = _nightly()(config_path=config, overrides=overrides or [])
     typer.echo(f"\nPivotRL run finished in {time.time() - t0:.0f} s")
     typer.echo(f"report: {result['report_md']}")
     typer.echo(f"report data: {result['report_json']}")
+
+
+def _console(cfg) -> None:
+    """Precision line, clean stop on Ctrl-C/SIGTERM, one-line stage errors (pivotrl.pipeline.console)."""
+    from pivotrl.pipeline.console import start_run_console
+
+    start_run_console(cfg, typer.echo)
 
 
 def _nightly():
@@ -90,7 +99,9 @@ def _nightly():
 @app.command()
 def probe(config: str = ConfigOpt, overrides: Optional[list[str]] = SetOpt) -> None:
     """Build the pivot set (no training) and print its statistics."""
-    _preflight(_load(config, overrides))
+    cfg = _load(config, overrides)
+    _preflight(cfg)
+    _console(cfg)
     from pivotrl.flows.nightly import probe_only
 
     t0 = time.time()

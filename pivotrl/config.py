@@ -198,8 +198,12 @@ class ModelSection(Section):
             "an HF repo id, or a .gguf path. It is also the frozen reference π_ref."
         ),
     )
-    dtype: Literal["bf16", "fp32"] = Field(
-        "bf16", description="Compute dtype; bf16 = bf16 compute with fp32 master weights (spec tolerances)."
+    dtype: Literal["auto", "bf16", "fp32"] = Field(
+        "auto",
+        description=(
+            "Compute dtype; bf16 = bf16 compute with fp32 master weights (spec tolerances); auto = bf16 where "
+            "the device computes bf16 natively (CUDA, CPUs with AVX512_BF16/AMX), else fp32 (pivotrl.precision)."
+        ),
     )
     max_context: Int = Field(
         8192, ge=16, description="Context window in tokens; longer states are skipped and counted, never truncated."
@@ -387,7 +391,7 @@ class TrainingSection(Section):
         gt=0,
         description=(
             "Largest per-token log-prob gap allowed between trainer and engine after a weight refresh; "
-            "null = 1e-4 for fp32, 0.3 for bf16 (filled in at load)."
+            "null = 1e-4 for fp32, 0.3 for bf16 (filled in once the dtype is resolved)."
         ),
     )
     deepspeed: DeepSpeedSection = Field(default_factory=DeepSpeedSection, description="DeepSpeed engine settings.")
@@ -533,8 +537,9 @@ class RunConfig(Section):
             training = dict(training or {})
             if training.get("refresh_tolerance") is None:
                 model = data.get("model")
-                dtype = model.get("dtype", "bf16") if isinstance(model, Mapping) else getattr(model, "dtype", "bf16")
-                training["refresh_tolerance"] = 1e-4 if dtype == "fp32" else 0.3
+                dtype = model.get("dtype", "auto") if isinstance(model, Mapping) else getattr(model, "dtype", "auto")
+                if dtype != "auto":  # auto: filled in once resolved (pivotrl.precision.with_resolved_dtype)
+                    training["refresh_tolerance"] = 1e-4 if dtype == "fp32" else 0.3
             data = {**data, "training": training}
         return data
 

@@ -206,9 +206,13 @@ def _once(stage: str, config: Mapping[str, Any], inputs: Any, compute: Any) -> t
 def demonstrations(config: dict[str, Any], inputs: dict[str, Any] | None = None) -> dict[str, Any]:
     """Load + validate demonstrations, split by trajectory, extract turn-state candidates."""
     from pivotrl.pipeline.demos import build_demonstrations
+    from pivotrl.pipeline.entry import announce
 
-    out, computed = _once("demonstrations", config, inputs,
-                          lambda: build_demonstrations(_config_obj(config), _store(config)))
+    def compute() -> dict[str, Any]:
+        with announce("demonstrations"):
+            return build_demonstrations(_config_obj(config), _store(config))
+
+    out, computed = _once("demonstrations", config, inputs, compute)
     publish.demonstrations(out)
     if computed:
         publish.emit_assets(_store(config), [out["trajectories"], out["candidates"]] + ([out["flagged"]] if out.get("flagged") else []))

@@ -139,7 +139,7 @@ def test_every_problem_is_listed_at_once(tmp_path):
     problems = _problems(e.value)
     bogus = next(p for p in problems if p.startswith("bogus"))
     assert bogus.startswith("bogus = 1: unknown key; valid keys of the top level: run, data, model, prompt, verifier,")
-    assert "model.dtype = 'fp16': must be one of 'bf16' or 'fp32'" in problems
+    assert "model.dtype = 'fp16': must be one of 'auto', 'bf16' or 'fp32'" in problems
     assert "probing.lambda_diff = 0: must be > 0 (μ̂ < lambda_diff keeps nothing when lambda_diff ≤ 0)" in problems
     assert "training.group_size = 1: must be ≥ 2 (group-relative advantages need two actions)" in problems
     assert "training.epsilon = 1.5: must be < 1 (the spec requires 0 < ε < 1)" in problems
@@ -257,7 +257,8 @@ def test_override_replaces_a_list_of_sources():
 
 
 def test_refresh_tolerance_defaults_by_dtype_and_keeps_explicit_values():
-    assert RunConfig().training.refresh_tolerance == 0.3
+    assert RunConfig().training.refresh_tolerance is None  # dtype auto: filled in once resolved
+    assert parse_config({"model": {"dtype": "bf16"}}).training.refresh_tolerance == 0.3
     assert parse_config({"model": {"dtype": "fp32"}}).training.refresh_tolerance == 1e-4
     explicit = parse_config({"model": {"dtype": "fp32"}, "training": {"refresh_tolerance": 0.05}})
     assert explicit.training.refresh_tolerance == 0.05

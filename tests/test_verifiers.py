@@ -202,8 +202,10 @@ def _cache_dir() -> Path:
 
 @pytest.fixture(scope="module")
 def bfcl():
-    mod = pytest.importorskip("pivotrl.data.bfcl")
-    root = mod.ensure_bfcl(_cache_dir())  # the pinned, hash-checked wheel (downloaded once)
+    from pivotrl.data import bfcl as mod
+
+    # Fetches the pinned, hash-checked bfcl-eval wheel on first use (no skip on a fresh machine).
+    root = mod.ensure_bfcl(_cache_dir())
     trajs = mod.load_bfcl(["multi_turn_base", "simple_python"], _cache_dir(), limit_per_category=4)
     from pivotrl.data.states import extract_turn_states
 

@@ -445,6 +445,21 @@ def evaluate_full_tasks(
 
     parser = action_parser(tokenizer, format, tool_parser)
     base_seed = sampling.seed if sampling.seed is not None else seed
+    from pivotrl.progress import Progress
+
+    with Progress("evaluation", sum(len(r.turns) for r in runs), "turns") as bar:
+        _play(runs, engine, tokenizer, budget, encode_opts, sampling, base_seed, max_steps_per_turn, parser, bar)
+    df = pd.DataFrame([r.row() for r in runs], columns=_COLUMNS)
+    df["first_failed_turn"] = df["first_failed_turn"].astype("Int64")  # <NA> on success
+    return df, _summary(df, max_steps_per_turn=max_steps_per_turn, sampling=sampling, seed=seed,
+                        max_context=max_context, judge=judge)
+
+
+def _play(runs: list[_TaskRun], engine: Any, tokenizer: Any, budget: int, encode_opts: dict[str, Any],
+          sampling: SamplingConfig, base_seed: int | None, max_steps_per_turn: int, parser: Any,
+          bar: Any) -> None:
+    """Step every unfinished task until all are done (one ``generate`` call per step); ``bar``
+    (a pivotrl.progress.Progress) counts turns finished (all of a task's turns once it ends)."""
     step = 0
     while True:
         ready: list[_TaskRun] = []
@@ -465,11 +480,9 @@ def evaluate_full_tasks(
         for run, gens in zip(ready, outs):
             _advance(run, gens[0], max_steps_per_turn, parser)
         step += 1
-
-    df = pd.DataFrame([r.row() for r in runs], columns=_COLUMNS)
-    df["first_failed_turn"] = df["first_failed_turn"].astype("Int64")  # <NA> on success
-    return df, _summary(df, max_steps_per_turn=max_steps_per_turn, sampling=sampling, seed=seed,
-                        max_context=max_context, judge=judge)
+        turns_done = sum(len(r.turns) if r.done else r.turn for r in runs)
+        bar.update(turns_done - bar.done, model_calls=len(ready))
+        bar.set_counter("tasks done", sum(r.done for r in runs))
 
 
 _COLUMNS = [

@@ -108,24 +108,15 @@ def evaluate_local(
             rows[i] = {**base, "status": "ok"}
             todo.append((i, ids))
 
-    for start in range(0, len(todo), batch_size):
-        chunk = todo[start : start + batch_size]
-        outs = engine.generate([ids for _, ids in chunk], sampling)
-        for (i, _), gens in zip(chunk, outs):
-            results = verifier.score(states[i], [g.text for g in gens])
-            accepted = sum(1 for r in results if r.accepted)
-            reasons = Counter(r.reason for r in results)
-            rows[i].update(
-                n_samples=len(results),
-                n_accepted=accepted,
-                accuracy=accepted / len(results) if results else float("nan"),
-                parse_errors=reasons.get("parse_error", 0),
-                tokens_generated=sum(len(g.token_ids) for g in gens),
-                reasons=dict(reasons),
-                # every sample, for the rollout records (pivotrl.rollouts)
-                samples=json.dumps([{"text": g.text, "tokens": len(g.token_ids), "reward": float(r.reward),
-                                     "reason": r.reason} for g, r in zip(gens, results)], ensure_ascii=False),
-            )
+    from pivotrl.progress import Progress
+
+    with Progress("local evaluation", len(todo), "states") as bar:
+        for start in range(0, len(todo), batch_size):
+            chunk = todo[start : start + batch_size]
+            outs = engine.generate([ids for _, ids in chunk], sampling)
+            for (i, _), gens in zip(chunk, outs):
+                _score_state(rows[i], verifier.score(states[i], [g.text for g in gens]), gens)
+            bar.update(len(chunk))
 
     df = pd.DataFrame([rows[i] for i in range(len(states))], columns=_COLUMNS)
     ok = df[df["status"] == "ok"]
@@ -145,3 +136,20 @@ def evaluate_local(
         "n": int(sampling.n),
     }
     return df, summary
+
+
+def _score_state(row: dict[str, Any], results: Sequence[Any], gens: Sequence[Any]) -> None:
+    """Fill one state's row from its verifier results and generations."""
+    accepted = sum(1 for r in results if r.accepted)
+    reasons = Counter(r.reason for r in results)
+    row.update(
+        n_samples=len(results),
+        n_accepted=accepted,
+        accuracy=accepted / len(results) if results else float("nan"),
+        parse_errors=reasons.get("parse_error", 0),
+        tokens_generated=sum(len(g.token_ids) for g in gens),
+        reasons=dict(reasons),
+        # every sample, for the rollout records (pivotrl.rollouts)
+        samples=json.dumps([{"text": g.text, "tokens": len(g.token_ids), "reward": float(r.reward),
+                             "reason": r.reason} for g, r in zip(gens, results)], ensure_ascii=False),
+    )

@@ -42,6 +42,9 @@ class RetryingArtifactStore(ArtifactStore):
         self.retries = int(retries)
         self.backoff_s = float(backoff_s)
         self.write_retries = 0
+        #: Facts merged into the ``extra`` of every manifest this store writes (e.g. the resolved
+        #: precision of the stage process: see pivotrl.pipeline.entry.run_stage).
+        self.manifest_extra: dict[str, Any] = {}
 
     def _retry_write(self, what: str, fn: Callable[[], Any]) -> Any:
         from pivotrl.envs.sandbox import RetryStats, call_with_retries
@@ -69,6 +72,11 @@ class RetryingArtifactStore(ArtifactStore):
     def put_dir(self, local_dir: str | os.PathLike[str], key: str) -> str:
         parent = super().put_dir
         return self._retry_write(self.url(key), lambda: parent(local_dir, key))
+
+    def write_artifact(self, key: str, payload: Any, *, extra: Mapping[str, Any] | None = None, **kw: Any) -> Any:
+        """:meth:`ArtifactStore.write_artifact` with :attr:`manifest_extra` merged under ``extra``."""
+        merged = {**self.manifest_extra, **(extra or {})} if self.manifest_extra else extra
+        return super().write_artifact(key, payload, extra=merged, **kw)
 
 
 def make_store(cfg: RunConfig, *, attempt: int = 0) -> RetryingArtifactStore:
@@ -163,8 +171,10 @@ def make_rollout_engine(cfg: RunConfig, model_dir: Path | str, *, engine: str | 
 
     if Path(model_dir).is_dir():
         verify_checkpoint(model_dir)
+    from pivotrl.precision import with_resolved_dtype
+
     name = engine or cfg.rollout.engine
-    kwargs: dict[str, Any] = {"dtype": cfg.model.dtype, "max_model_len": cfg.model.max_context}
+    kwargs: dict[str, Any] = {"dtype": with_resolved_dtype(cfg).model.dtype, "max_model_len": cfg.model.max_context}
     if name == "vllm":
         kwargs.update(kv_cache_gib=cfg.rollout.kv_cache_gib,
                       enable_prefix_caching=cfg.rollout.enable_prefix_caching, seed=cfg.run.seed,
@@ -260,8 +270,12 @@ def path_fingerprint(url: str, storage_options: dict[str, Any] | None = None) ->
 
 def inputs_fingerprint(cfg: RunConfig) -> dict[str, Any]:
     """Identity of everything a run reads from outside its config: the model source and every
-    demonstration file (see :func:`path_fingerprint`)."""
+    demonstration file (see :func:`path_fingerprint`) — and the compute dtype ``model.dtype`` resolves
+    to on this machine (``auto`` is bf16 on one machine and fp32 on another; results differ)."""
+    from pivotrl.precision import run_precision
+
     return {
+        "precision": run_precision(cfg).dtype,
         "model": path_fingerprint(cfg.model.source),
         "data": [path_fingerprint(s.url) if s.kind == "chat" else {"source": f"bfcl:{','.join(s.categories)}"}
                  for s in cfg.data.sources],

@@ -16,8 +16,10 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from pivotrl.errors import ConfigError, DataError, ModelError, PivotRLError, StorageAccessError, TrainingError
 
@@ -51,17 +53,28 @@ def run_stage(stage: str, config: dict[str, Any], inputs: dict[str, Any], *, att
 
     The store is the run's (``pivotrl.pipeline.common.make_store``: storage faults of
     ``faults.storage_failure_rate`` seeded by ``run.seed`` and ``attempt``, writes retried).
+    ``model.dtype: auto`` is resolved here (pivotrl.precision): the stage computes, keys and
+    records its artifacts in the resolved dtype, and every manifest it writes carries the
+    resolution (``extra.precision``: requested, dtype, reason).
     Raises ConfigError for an invalid config (naming the key) or an unknown stage.
     """
     from pivotrl.config import parse_config
     from pivotrl.errors import ConfigError
     from pivotrl.pipeline import stages
     from pivotrl.pipeline.common import make_store
+    from pivotrl.precision import run_precision, with_resolved_dtype
 
     if stage not in STAGES:
         raise ConfigError(f"unknown stage {stage!r}; valid: {', '.join(STAGES)}")
     cfg = parse_config(config, source=f"the {stage} stage spec")
+    precision = run_precision(cfg)
+    import torch
+
+    logging.getLogger("pivotrl.pipeline").info("%s stage, %s, %d torch threads", stage, precision.line(),
+                                               torch.get_num_threads())
+    cfg = with_resolved_dtype(cfg)
     store = make_store(cfg, attempt=attempt)
+    store.manifest_extra = {"precision": precision.record()}
     if stage == "reference":
         return stages.stage_reference(cfg, store, inputs["demos"])
     if stage == "probe":
@@ -73,30 +86,95 @@ def run_stage(stage: str, config: dict[str, Any], inputs: dict[str, Any], *, att
     raise ConfigError(f"unknown stage {stage!r}; valid: {', '.join(STAGES)}")
 
 
+def stage_log_path(config: dict[str, Any], stage: str) -> Path:
+    """Where a stage process's full output is kept: ``<run.storage_root>/logs/`` for a local root,
+    else ``<run.cache_dir>/logs/``; one file per stage run, ``<run.name>-<stage>-<UTC time>.log``."""
+    run = config.get("run", {})
+    root = str(run.get("storage_root", "runs"))
+    local = "://" not in root or root.startswith("file://")
+    base = Path(os.path.expanduser(root.removeprefix("file://"))) if local else \
+        Path(os.path.expanduser(str(run.get("cache_dir", "~/.cache/pivotrl"))))
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    return (base / "logs" / f"{run.get('name', 'run')}-{stage}-{stamp}.log").absolute()
+
+
+def _say(line: str) -> None:
+    sys.stdout.write(f"[pivotrl] {line}\n")
+    sys.stdout.flush()
+
+
+@contextmanager
+def announce(stage: str, log_path: Path | None = None) -> Iterator[None]:
+    """Print a stage's start, and its end with the elapsed time (or that it failed)."""
+    from pivotrl.progress import format_duration
+
+    t0 = time.monotonic()
+    _say(f"stage {stage}: started" + (f" (log: {log_path})" if log_path else ""))
+    try:
+        yield
+    except BaseException:
+        _say(f"stage {stage}: failed after {format_duration(time.monotonic() - t0)}")
+        raise
+    _say(f"stage {stage}: finished in {format_duration(time.monotonic() - t0)}")
+
+
+def _error_line(stage: str, tail: list[str]) -> str:
+    """The one line that says why a stage failed: its own "stage X failed: ..." log line, else the
+    last line of a traceback, else the last line it printed."""
+    marker = f"stage {stage} failed: "
+    for line in reversed(tail):
+        if marker in line:
+            return line.split(marker, 1)[1].strip()
+    lines = [t.strip() for t in tail if t.strip()]
+    for line in reversed(lines):
+        if line.startswith("Traceback"):
+            break
+        if ("Error" in line or "Exception" in line) and not line.startswith(("File ", "^")):
+            return line
+    return lines[-1] if lines else "no output"
+
+
 def run_stage_process(stage: str, config: dict[str, Any], inputs: dict[str, Any], *, threads: int = 2,
                       env: dict[str, str] | None = None, attempt: int = 0) -> dict[str, Any]:
-    """Run ``stage`` in a child process (same interpreter); raise RuntimeError with the exit code
-    (negative: the signal that killed it) and the last lines of its output if it fails. Output is
-    streamed to this process's stdout. ``attempt``: see :func:`run_stage`."""
-    with tempfile.TemporaryDirectory(prefix=f"pivotrl-{stage}-") as tmp:
+    """Run ``stage`` in a child process (same interpreter) and return its result dict.
+
+    The child leads its own session and process group (a Ctrl-C reaches the CLI, which stops the
+    whole tree: pivotrl.pipeline.processes) and kills its group if this process dies. Its output is
+    streamed to this process's stdout and kept in full in :func:`stage_log_path`; start, end and
+    elapsed time are printed. A failure raises StageError with the exit code (negative: the signal
+    that killed it), the one-line reason and the log's path. ``attempt``: see :func:`run_stage`.
+    """
+    log_path = stage_log_path(config, stage)
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=f"pivotrl-{stage}-") as tmp, announce(stage, log_path), \
+            open(log_path, "w", encoding="utf-8") as log_file:
         spec = Path(tmp) / "spec.json"
         out = Path(tmp) / "result.json"
         spec.write_text(json.dumps({"config": config, "inputs": inputs, "output": str(out), "attempt": attempt}))
         # A process group of this process (if any) is not the child's: drop launcher variables.
         launcher_vars = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
         child_env = {**{k: v for k, v in os.environ.items() if k not in launcher_vars},
-                     "OMP_NUM_THREADS": str(threads), **(env or {})}
+                     "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1", **(env or {})}
         proc = subprocess.Popen([sys.executable, "-m", "pivotrl.pipeline.entry", stage, "--spec", str(spec)],
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=child_env, text=True)
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=child_env, text=True,
+                                start_new_session=True)
         tail: list[str] = []
         assert proc.stdout is not None
-        for line in proc.stdout:
-            sys.stdout.write(line)
-            tail = (tail + [line])[-30:]
-        rc = proc.wait()
+        try:
+            for line in proc.stdout:
+                sys.stdout.write(line)
+                log_file.write(line)
+                log_file.flush()
+                tail = (tail + [line])[-60:]
+            rc = proc.wait()
+        except BaseException:  # interrupted here (not through the CLI's handler): stop the stage
+            from pivotrl.pipeline.processes import descendants, stop_tree
+
+            stop_tree([p for p in descendants() if p.pid == proc.pid] + descendants(proc.pid), grace_s=3.0)
+            raise
         if rc != 0 or not out.exists():
-            raise StageError(f"stage {stage!r} failed with exit code {rc}; last output:\n{''.join(tail)}",
-                             permanent=rc == PERMANENT_FAILURE_EXIT)
+            raise StageError(f"stage {stage!r} failed (exit code {rc}): {_error_line(stage, tail)}\n"
+                             f"full log: {log_path}", permanent=rc == PERMANENT_FAILURE_EXIT)
         return json.loads(out.read_text())
 
 
@@ -105,6 +183,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("stage", choices=STAGES)
     ap.add_argument("--spec", required=True)
     a = ap.parse_args(argv)
+    from pivotrl.pipeline.processes import watch_parent
+
+    watch_parent()  # no stage outlives the process that started it
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     spec = json.loads(Path(a.spec).read_text())
     try:

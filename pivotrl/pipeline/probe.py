@@ -80,7 +80,6 @@ def probe_states(
     ``verifier.stats.retries`` (a ``RetryStats``; 0 for verifiers without one).
     Returns the probe table described in the module docstring (one row per state, input order).
     """
-    from pivotrl.filtering import probe_stats
     from pivotrl.prompts import encode_state
 
     prompt_kwargs = prompt_kwargs or {}
@@ -94,46 +93,54 @@ def probe_states(
             continue
         encoded.append((s, ids))
 
-    it = range(0, len(encoded), batch_size)
-    if progress:
-        from tqdm.auto import tqdm
+    from pivotrl.progress import Progress
 
-        it = tqdm(it, desc="probing", unit="batch")
-    for b in it:
-        chunk = encoded[b : b + batch_size]
-        gens = engine.generate([ids for _, ids in chunk], sampling)
-        for (s, ids), samples in zip(chunk, gens):
-            texts = [g.text for g in samples]
-            before = verifier_retries(verifier)
-            try:
-                results = verifier.score(s, texts)
-                if len(results) != len(texts):  # a partial group is never scored
-                    raise VerifierError(f"turn state {s.state_id!r}: the verifier returned {len(results)} "
-                                        f"results for {len(texts)} actions")
-            except VerifierError as e:
-                rows.append(_row(s, prompt_tokens=len(ids), status="verifier_error", reason=str(e), samples=texts,
-                                 verifier_retries=verifier_retries(verifier) - before))
-                continue
-            rewards = [float(r.reward) for r in results]
-            mu, var = probe_stats(rewards)
-            rows.append(
-                _row(
-                    s,
-                    prompt_tokens=len(ids),
-                    rewards=rewards,
-                    mu=float(mu),
-                    var=float(var),
-                    action_tokens_mean=float(np.mean([len(g.token_ids) for g in samples])),
-                    samples=texts,
-                    sample_tokens=[len(g.token_ids) for g in samples],
-                    reasons=[r.reason for r in results],
-                    status="ok",
-                    verifier_retries=verifier_retries(verifier) - before,
-                )
-            )
+    with Progress("probing", len(encoded), "states", enabled=progress) as bar:
+        for b in range(0, len(encoded), batch_size):
+            chunk = encoded[b : b + batch_size]
+            gens = engine.generate([ids for _, ids in chunk], sampling)
+            rows.extend(_score_chunk(chunk, gens, verifier))
+            bar.update(len(chunk), samples=sum(len(g) for g in gens))
     order = {s.state_id: i for i, s in enumerate(states)}
     rows.sort(key=lambda r: order[r["state_id"]])
     return pd.DataFrame(rows, columns=PROBE_COLUMNS)
+
+
+def _score_chunk(chunk: Sequence[tuple[TurnState, list[int]]], gens: Sequence[Any], verifier: Any) -> list[dict[str, Any]]:
+    """Probe-table rows of a batch of encoded states and their sampled groups (see probe_states)."""
+    from pivotrl.filtering import probe_stats
+
+    rows: list[dict[str, Any]] = []
+    for (s, ids), samples in zip(chunk, gens):
+        texts = [g.text for g in samples]
+        before = verifier_retries(verifier)
+        try:
+            results = verifier.score(s, texts)
+            if len(results) != len(texts):  # a partial group is never scored
+                raise VerifierError(f"turn state {s.state_id!r}: the verifier returned {len(results)} "
+                                    f"results for {len(texts)} actions")
+        except VerifierError as e:
+            rows.append(_row(s, prompt_tokens=len(ids), status="verifier_error", reason=str(e), samples=texts,
+                             verifier_retries=verifier_retries(verifier) - before))
+            continue
+        rewards = [float(r.reward) for r in results]
+        mu, var = probe_stats(rewards)
+        rows.append(
+            _row(
+                s,
+                prompt_tokens=len(ids),
+                rewards=rewards,
+                mu=float(mu),
+                var=float(var),
+                action_tokens_mean=float(np.mean([len(g.token_ids) for g in samples])),
+                samples=texts,
+                sample_tokens=[len(g.token_ids) for g in samples],
+                reasons=[r.reason for r in results],
+                status="ok",
+                verifier_retries=verifier_retries(verifier) - before,
+            )
+        )
+    return rows
 
 
 PROBE_COLUMNS = [

@@ -28,6 +28,7 @@ from pivotrl.pipeline.common import (
 from pivotrl.pipeline.demos import cache_dir, read_trajectories
 from pivotrl.fingerprints import capture_hashes
 from pivotrl.rollouts import record_evaluation, record_train_step
+from pivotrl.precision import with_resolved_dtype
 from pivotrl.storage import ArtifactStore
 from pivotrl.tracking.live import step_logger
 
@@ -46,6 +47,7 @@ def stage_reference(cfg: RunConfig, store: ArtifactStore, demos: dict[str, Any])
     Returns {"base_dir", "base_hash", "ref_key" (None without warm start), "ref_hash", "sft"}.
     The warm start never sees the pivot-candidate split it will be probed on.
     """
+    cfg = with_resolved_dtype(cfg)  # model.dtype: auto → bf16 | fp32 on this hardware
     from pivotrl.models import checkpoint_hash, load_tokenizer
     from pivotrl.prompts import build_sft_examples
 
@@ -126,6 +128,7 @@ def reference_dir(cfg: RunConfig, store: ArtifactStore, ref: dict[str, Any]) -> 
 # --------------------------------------------------------------------------------------------
 def stage_probe(cfg: RunConfig, store: ArtifactStore, demos: dict[str, Any], ref: dict[str, Any]) -> dict[str, Any]:
     """Probe π_ref on the pivot-candidate split, then apply the pivot rule (λ_diff)."""
+    cfg = with_resolved_dtype(cfg)  # model.dtype: auto → bf16 | fp32 on this hardware
     from pivotrl.data.bfcl import ensure_bfcl
     from pivotrl.data.states import candidate_kinds_for_pivots, frame_to_states
     from pivotrl.models import load_tokenizer
@@ -219,6 +222,7 @@ def stage_train(cfg: RunConfig, store: ArtifactStore, probe: dict[str, Any], ref
     Resumes from the latest complete checkpoint under ``train/<key>/checkpoints`` and consumes the
     same pivot order as an uninterrupted run. Returns {"train_key", "policy_key", "metrics", ...}.
     """
+    cfg = with_resolved_dtype(cfg)  # model.dtype: auto → bf16 | fp32 on this hardware
     from pivotrl.data.bfcl import ensure_bfcl
     from pivotrl.data.states import frame_to_states
     from pivotrl.models import load_tokenizer
@@ -284,10 +288,13 @@ def stage_train(cfg: RunConfig, store: ArtifactStore, probe: dict[str, Any], ref
     engine = make_rollout_engine(cfg, policy_dir) if lead else None
     tol_max = tr.refresh_tolerance if tr.refresh_tolerance is not None else (1e-4 if cfg.model.dtype == "fp32" else 0.3)
     log_step = step_logger(cfg, store, tkey)
-    try:
-        from tqdm.auto import tqdm
+    from pivotrl.progress import Progress
 
-        bar = tqdm(total=len(schedule), initial=start, desc="pivotrl", unit="step", disable=not lead)
+    # Progress by group updates (pivots × updates per batch), counted inside each step.
+    bar = Progress("training", (len(schedule) - start) * tr.pivots_per_batch * tr.updates_per_batch,
+                   "group updates", enabled=lead).__enter__()
+    trainer.on_groups = lambda n: bar.update(n * world)
+    try:
         for step in range(start, len(schedule)):
             t0 = time.time()
             if lead:
@@ -336,13 +343,14 @@ def stage_train(cfg: RunConfig, store: ArtifactStore, probe: dict[str, Any], ref
             rows.append(row)
             if lead:
                 log_step(row)  # to the experiment tracker, live (a no-op unless tracking is on)
-            bar.update(1)
-            bar.set_postfix(reward=f"{row.get('reward_mean', float('nan')):.2f}", refresh=f"{d_max:.1e}")
+            # Groups not trained (dropped, zero advantage, a short last batch) still count as done.
+            bar.update((step + 1 - start) * tr.pivots_per_batch * tr.updates_per_batch - bar.done, steps=1)
             _check_refresh(step + 1, d_max, d_mean, tol_max, cfg.model.dtype)
             if (step + 1) % tr.checkpoint_every == 0 or step + 1 == len(schedule):
                 _save_checkpoint(store, trainer, f"{tkey}/checkpoints/step-{step + 1:06d}", rows, work, rank, world)
-        bar.close()
+        bar.__exit__(None, None, None)
     finally:
+        bar.close()
         if engine is not None:
             engine.close()
         _close(verifier)
@@ -488,6 +496,7 @@ def stage_evaluate(cfg: RunConfig, store: ArtifactStore, demos: dict[str, Any], 
                    probe: dict[str, Any], train: dict[str, Any]) -> dict[str, Any]:
     """Evaluate base, π_ref and the PivotRL policy with the same seeds: full multi-turn tasks from
     scratch on held-out tasks, and local accuracy on held-out states and on the pivot set."""
+    cfg = with_resolved_dtype(cfg)  # model.dtype: auto → bf16 | fp32 on this hardware
     from pivotrl.data.bfcl import ensure_bfcl
     from pivotrl.data.states import frame_to_states
     from pivotrl.evaluation.full_task import evaluate_full_tasks

@@ -43,7 +43,7 @@ import shutil
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
@@ -288,6 +288,8 @@ class PivotRLTrainer:
         self.step = 0
         self.data_position = 0  # position in the caller's pivot order; saved with checkpoints
         self.extra_state: dict[str, Any] = {}
+        #: Called with the number of groups after each micro-batch's backward pass (progress lines).
+        self.on_groups: Callable[[int], Any] | None = None
 
     # ------------------------------------------------------------------ batch checks
     def _check_groups(self, groups: Sequence[Group]) -> None:
@@ -404,6 +406,8 @@ class PivotRLTrainer:
                     log_ratio_clamp=s.log_ratio_clamp,
                 )
                 self.engine.backward(loss * loss_scale, scale_wrt_gas=False)
+                if self.on_groups is not None:
+                    self.on_groups(len(mb))
                 b = float(logprobs.shape[0])
                 sums.add("tokens", sum(p.tokens_processed for p in parts))
                 sums.add("ratio_actions", b)

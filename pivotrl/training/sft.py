@@ -78,13 +78,20 @@ def sft_batch_loss(model: Any, examples: Sequence[Example], num_tokens: int) -> 
 
     ``num_tokens`` is the number of loss tokens (mask = 1 at positions ≥ 1) of the whole global
     batch. Returns ``(loss scalar fp32, summed NLL as a float)``. (B, L) internally.
+    The output layer and log-softmax run only at the positions that predict a loss token (in
+    any example of the batch: (B, N) logits instead of (B, L−1)); the numbers equal the full
+    computation's (a multi-turn state's tool documentation and history carry no loss).
     """
     device = next(getattr(model, "module", model).parameters()).device
     ids, attn, loss_mask = _collate(examples, device)
-    logits = model(input_ids=ids, attention_mask=attn, use_cache=False).logits[:, :-1]  # (B, L−1, V)
+    keep = loss_mask[:, 1:].amax(dim=0).nonzero().squeeze(-1)  # (N,) positions j predicting token j+1
+    out = model(input_ids=ids, attention_mask=attn, use_cache=False, logits_to_keep=keep)
+    logits = out.logits  # (B, N, V)
+    if logits.shape[1] != keep.numel():  # a model that ignores logits_to_keep: all positions
+        logits = logits[:, keep]
     logp = torch.log_softmax(logits.float(), dim=-1)
-    target_lp = logp.gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)  # (B, L−1)
-    nll = -(target_lp * loss_mask[:, 1:]).sum()
+    target_lp = logp.gather(-1, ids[:, keep + 1].unsqueeze(-1)).squeeze(-1)  # (B, N)
+    nll = -(target_lp * loss_mask[:, keep + 1]).sum()
     return nll / num_tokens, float(nll.detach())
 
 
@@ -144,44 +151,16 @@ def run_sft(
     )
     engine.eval()  # no dropout: deterministic, and the same forward as the RL trainer
     rank, world = rank_and_world()
-    scale = data_parallel_loss_scale()
     order_rng = random.Random(seed)
     losses: list[float] = []
-    tokens = 0
     t0 = time.perf_counter()
     loss_tokens_epoch = sum(int(sum(m[1:])) for _, m in examples)
-    from tqdm.auto import tqdm
+    from pivotrl.progress import Progress
 
-    bar = tqdm(total=epochs * math.ceil(len(examples) / batch_size), desc="warm start", unit="step", disable=rank != 0)
-    for _epoch in range(epochs):
-        order = list(range(len(examples)))
-        order_rng.shuffle(order)
-        for start in range(0, len(order), batch_size):
-            batch = [examples[i] for i in order[start : start + batch_size]]
-            num_tokens = sum(int(sum(m[1:])) for _, m in batch)
-            mine = batch[rank::world]
-            n_micro = math.ceil(math.ceil(len(batch) / world) / micro_batch_size)
-            nll_sum = 0.0
-            for j in range(n_micro):
-                mb = mine[j * micro_batch_size : (j + 1) * micro_batch_size]
-                if mb:
-                    loss, nll = sft_batch_loss(engine, mb, num_tokens)
-                    if not math.isfinite(float(loss.detach())):
-                        raise TrainingError(f"non-finite SFT loss at step {len(losses) + 1}")
-                    tokens += sum(len(ids) for ids, _ in mb)
-                    nll_sum += nll
-                else:  # keep the number of backward passes equal on every rank
-                    out = engine(input_ids=torch.zeros(1, 1, dtype=torch.long, device=engine.device), use_cache=False)
-                    loss = out.logits.float().sum() * 0.0
-                engine.backward(loss * scale, scale_wrt_gas=False)
-            engine.step()
-            total = torch.tensor([nll_sum], dtype=torch.float64)
-            if world > 1:
-                torch.distributed.all_reduce(total)
-            losses.append(float(total) / num_tokens)
-            bar.update(1)
-            bar.set_postfix(loss=f"{losses[-1]:.3f}")
-    bar.close()
+    n_micro_total = epochs * sum(math.ceil(math.ceil(len(examples[i:i + batch_size]) / world) / micro_batch_size)
+                                 for i in range(0, len(examples), batch_size))
+    with Progress("warm start", n_micro_total, "micro-batches", enabled=rank == 0) as bar:
+        tokens = _sft_epochs(engine, examples, epochs, batch_size, micro_batch_size, order_rng, losses, bar)
     elapsed = time.perf_counter() - t0
     tok_total = torch.tensor([float(tokens)], dtype=torch.float64)
     if world > 1:
@@ -200,6 +179,45 @@ def run_sft(
     }
 
 
+def _sft_epochs(engine: Any, examples: Sequence[tuple[Sequence[int], Sequence[int]]], epochs: int, batch_size: int,
+                micro_batch_size: int, order_rng: random.Random, losses: list[float], bar: Any) -> int:
+    """The warm start's optimiser steps (appends each step's mean NLL to ``losses``); returns the
+    input tokens this rank processed. ``bar``: a pivotrl.progress.Progress counting micro-batches."""
+    rank, world = rank_and_world()
+    scale = data_parallel_loss_scale()
+    tokens = 0
+    for _epoch in range(epochs):
+        order = list(range(len(examples)))
+        order_rng.shuffle(order)
+        for start in range(0, len(order), batch_size):
+            batch = [examples[i] for i in order[start : start + batch_size]]
+            num_tokens = sum(int(sum(m[1:])) for _, m in batch)
+            mine = batch[rank::world]
+            n_micro = math.ceil(math.ceil(len(batch) / world) / micro_batch_size)
+            nll_sum = 0.0
+            for j in range(n_micro):
+                mb = mine[j * micro_batch_size : (j + 1) * micro_batch_size]
+                if mb:
+                    loss, nll = sft_batch_loss(engine, mb, num_tokens)
+                    if not math.isfinite(float(loss.detach())):
+                        raise TrainingError(f"non-finite SFT loss at step {len(losses) + 1}")
+                    tokens += sum(len(ids) for ids, _ in mb)
+                    nll_sum += nll
+                    bar.update(1, tokens=sum(len(ids) for ids, _ in mb))
+                else:  # keep the number of backward passes equal on every rank
+                    out = engine(input_ids=torch.zeros(1, 1, dtype=torch.long, device=engine.device), use_cache=False)
+                    loss = out.logits.float().sum() * 0.0
+                    bar.update(1)
+                engine.backward(loss * scale, scale_wrt_gas=False)
+            engine.step()
+            total = torch.tensor([nll_sum], dtype=torch.float64)
+            if world > 1:
+                torch.distributed.all_reduce(total)
+            losses.append(float(total) / num_tokens)
+            bar.update(0, steps=1)
+    return tokens
+
+
 # ---------------------------------------------------------------------- entry point
 @dataclass(frozen=True)
 class SFTSpec:
@@ -216,6 +234,7 @@ class SFTSpec:
     out_dir: str
     metrics_path: str | None = None
     options: dict[str, Any] | None = None
+
 
 
 def read_examples(path: str | os.PathLike[str]) -> list[Example]:

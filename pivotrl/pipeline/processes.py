@@ -1,0 +1,145 @@
+"""Stopping a run cleanly: every process of a run dies with it.
+
+A run is a tree of processes: the CLI (or a flow-run process), Prefect's ephemeral API server,
+one stage process at a time (started in its own session, see
+:func:`pivotrl.pipeline.entry.run_stage_process`) and whatever the stage starts — vLLM engine
+processes, DeepSpeed ranks, sandbox workers (their own sessions too). Three mechanisms:
+
+- :func:`become_subreaper`: the CLI adopts orphaned descendants (Linux ``PR_SET_CHILD_SUBREAPER``),
+  so a grandchild whose parent died early is still found in the CLI's tree.
+- :class:`StopOnSignal`: the CLI's SIGINT/SIGTERM handler. The first signal snapshots the whole
+  tree, sends SIGTERM to every process (and to the process group of each stage), waits up to
+  ``grace_s`` (5 s), SIGKILLs what is left and exits (130 for SIGINT, 143 for SIGTERM); a second
+  signal SIGKILLs the tree and exits at once. Stages publish artifacts atomically (temporary key,
+  then move; a ``_COMPLETE`` marker last), so a stop leaves nothing half-written visible and the
+  next run resumes from what was published.
+- :func:`watch_parent`: a stage process kills its own process group when its parent dies (e.g. the
+  CLI was SIGKILLed), so no stage outlives its run.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+from typing import Any, Iterable
+
+#: Seconds the processes of a run get between SIGTERM and SIGKILL.
+GRACE_S = 5.0
+
+
+def become_subreaper() -> bool:
+    """Make this process the reaper of its orphaned descendants (Linux); False where unsupported."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(36, 1, 0, 0, 0) == 0  # PR_SET_CHILD_SUBREAPER
+    except (OSError, AttributeError):
+        return False
+
+
+def descendants(pid: int | None = None) -> list[Any]:
+    """Every live descendant of ``pid`` (default: this process) as psutil.Process objects."""
+    import psutil
+
+    try:
+        return psutil.Process(pid or os.getpid()).children(recursive=True)
+    except psutil.Error:
+        return []
+
+
+def _signal_all(procs: Iterable[Any], sig: int) -> None:
+    import psutil
+
+    groups = set()
+    for p in procs:
+        try:
+            pgid = os.getpgid(p.pid)
+            if pgid == p.pid and pgid != os.getpgrp():  # a stage (or worker) leading its own group
+                groups.add(pgid)
+            p.send_signal(sig)
+        except (psutil.Error, ProcessLookupError, PermissionError):
+            pass
+    for g in groups:
+        try:
+            os.killpg(g, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def stop_tree(procs: list[Any], grace_s: float = GRACE_S) -> list[Any]:
+    """SIGTERM ``procs`` (and the process groups they lead), wait up to ``grace_s``, SIGKILL the
+    rest; returns the processes still alive after that (normally none)."""
+    import psutil
+
+    _signal_all(procs, signal.SIGTERM)
+    _, alive = psutil.wait_procs(procs, timeout=grace_s)
+    if alive:
+        _signal_all(alive, signal.SIGKILL)
+        _, alive = psutil.wait_procs(alive, timeout=2.0)
+    return alive
+
+
+def _say(text: str) -> None:
+    try:
+        os.write(2, text.encode())  # not sys.stderr: a signal handler may interrupt its buffer
+    except OSError:
+        pass
+
+
+class StopOnSignal:
+    """SIGINT/SIGTERM handler of a run (see the module docstring); :meth:`install` it in the main thread."""
+
+    def __init__(self, grace_s: float = GRACE_S) -> None:
+        self.grace_s = grace_s
+        self.stopping = False
+        self._seen: dict[int, Any] = {}
+
+    def install(self) -> "StopOnSignal":
+        become_subreaper()
+        signal.signal(signal.SIGINT, self._handle)
+        signal.signal(signal.SIGTERM, self._handle)
+        return self
+
+    def _handle(self, signum: int, _frame: Any) -> None:
+        code = 128 + signum
+        if self.stopping:  # second signal: no more waiting
+            _say("\nstopping now\n")
+            _signal_all(list(self._seen.values()) + descendants(), signal.SIGKILL)
+            os._exit(code)
+        self.stopping = True
+        name = signal.Signals(signum).name
+        t0 = time.monotonic()
+        _say(f"\n{name}: stopping every process of the run (again to exit at once) ...\n")
+        procs = descendants()
+        self._seen = {p.pid: p for p in procs}
+        left = stop_tree(procs, self.grace_s)
+        left += stop_tree(descendants(), 1.0)  # anything started meanwhile
+        _say(f"stopped in {time.monotonic() - t0:.1f} s"
+             + (f"; still alive: {sorted(p.pid for p in left)}" if left else "")
+             + ". Published artifacts are kept; the next run resumes from them.\n")
+        os._exit(code)
+
+
+def watch_parent(interval_s: float = 1.0) -> threading.Thread | None:
+    """In a stage process that leads its own process group: a daemon thread that kills the group
+    (the stage and its engine/ranks) when the parent process dies. None when not a group leader."""
+    if os.getpgrp() != os.getpid():
+        return None
+    parent = os.getppid()
+
+    def watch() -> None:
+        while True:
+            time.sleep(interval_s)
+            if os.getppid() != parent:
+                _signal_all(descendants(), signal.SIGKILL)
+                os.killpg(os.getpgrp(), signal.SIGKILL)
+
+    t = threading.Thread(target=watch, name="watch-parent", daemon=True)
+    t.start()
+    return t
