@@ -18,13 +18,14 @@ def nightly(config_path: str = "configs/default.yaml", overrides: list[str] | No
     Returns the evaluation result: ``report_md``/``report_json`` URIs and the report dict.
     """
     from pivotrl.config import load_config
+    from pivotrl.flows.shards import probe_stage
     from pivotrl.tasks.stages import pipeline_tasks
 
     config = load_config(config_path, overrides or []).model_dump(mode="json")
     t = pipeline_tasks(config)
     demos = t.demonstrations(config)
     ref = t.reference(config, {"demos": demos})
-    probe = t.probe(config, {"demos": demos, "reference": ref})
+    probe = probe_stage(t, config, {"demos": demos, "reference": ref})
     train = t.train(config, {"probe": probe, "reference": ref})
     result = t.evaluate(config, {"demos": demos, "reference": ref, "probe": probe, "train": train})
     get_run_logger().info("report: %s", result["report_md"])
@@ -35,13 +36,14 @@ def nightly(config_path: str = "configs/default.yaml", overrides: list[str] | No
 def probe_only(config_path: str = "configs/default.yaml", overrides: list[str] | None = None) -> dict[str, Any]:
     """Demonstrations → warm start → probing → pivot set, without training (for inspecting pivots)."""
     from pivotrl.config import load_config
+    from pivotrl.flows.shards import probe_stage
     from pivotrl.tasks.stages import pipeline_tasks
 
     config = load_config(config_path, overrides or []).model_dump(mode="json")
     t = pipeline_tasks(config)
     demos = t.demonstrations(config)
     ref = t.reference(config, {"demos": demos})
-    return t.probe(config, {"demos": demos, "reference": ref})
+    return probe_stage(t, config, {"demos": demos, "reference": ref})
 
 
 if __name__ == "__main__":
