@@ -25,7 +25,7 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
 from pivotrl.errors import PivotRLError
 from pivotrl.tasks.stages import (
-    _config_obj, _record_outputs, _retry_unless_permanent, _store, register_assets, result_storage,
+    RESULTS_DIR, _config_obj, _record_outputs, _retry_unless_permanent, _store, register_assets, result_storage,
 )
 
 
@@ -35,11 +35,12 @@ class ShardsFailed(PivotRLError, RuntimeError):
 
 def _shard_cache_key(_ctx: Any, params: dict[str, Any]) -> str:
     # The shard's content address covers everything its table depends on; a cached result is only
-    # trusted while that table still exists.
+    # trusted while that table still exists (a result recorded for a deleted table is a miss).
     shard, config = params["shard"], params["config"]
     key = f"pivotrl-probe-shard-{shard['key'].rsplit('/', 1)[-1]}"
     try:
-        if not _store(config).exists(f"{shard['key']}/probes.parquet"):
+        store = _store(config)
+        if store.exists(f"{RESULTS_DIR}/{key}") and not store.exists(f"{shard['key']}/probes.parquet"):
             return f"{key}-rerun-{uuid.uuid4().hex}"
     except Exception:  # the check is an optimisation; the shard itself is idempotent
         pass
