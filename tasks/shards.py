@@ -72,9 +72,14 @@ def probe_shard(config: dict[str, Any], inputs: dict[str, Any], shard: dict[str,
     if store.exists(f"{shard['key']}/failed.json"):
         store.delete(f"{shard['key']}/failed.json")  # only this attempt's failure is reported
     if cfg.scale_out.task_runner == "ray":
+        import os
+
+        import ray
+
         set_threads(cfg.rollout.num_threads)
-        return run_shard(cfg, make_store(cfg, attempt=attempt), inputs["demos"], inputs["reference"], shard,
-                         warm_engine=True)
+        out = run_shard(cfg, make_store(cfg, attempt=attempt), inputs["demos"], inputs["reference"], shard,
+                        warm_engine=True)
+        return {**out, "worker": {"pid": os.getpid(), "node": ray.get_runtime_context().get_node_id()}}
     try:
         return run_stage_process("probe_shard", config, {**inputs, "shard": shard},
                                  threads=cfg.rollout.num_threads, attempt=attempt)

@@ -133,3 +133,131 @@ def test_failed_shard_is_failed_then_retried_alone(expert_model, clean_run, tmp_
     pd.testing.assert_frame_equal(probes, clean_probes)
     pd.testing.assert_frame_equal(pivots, clean_pivots)
     assert out["stats"] == clean_probe["stats"]
+
+
+class RayCluster:
+    """A real Ray cluster on this machine: a head node with no CPUs (so no shard runs beside the
+    driver) and ``workers`` worker nodes of one CPU each, every node a ``ray start --block``
+    process in its own session, so that stopping them stops exactly this cluster."""
+
+    def __init__(self, workers: int = 2) -> None:
+        import tempfile
+
+        self.tmp = tempfile.mkdtemp(prefix="pvray", dir="/tmp")  # short: Ray's socket paths
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.address = f"127.0.0.1:{self.port}"
+        ray = str(Path(sys.executable).with_name("ray"))
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "RAY_USAGE_STATS_ENABLED": "0"}
+        common = ["--block", "--node-ip-address=127.0.0.1", "--disable-usage-stats",
+                  "--object-store-memory=80000000"]
+        self.procs = [subprocess.Popen(
+            [ray, "start", "--head", f"--port={self.port}", "--num-cpus=0", "--include-dashboard=false",
+             f"--temp-dir={self.tmp}", *common], env=env, start_new_session=True,
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]
+        self._wait(lambda n: len(n) >= 1)
+        for _ in range(workers):
+            self.procs.append(subprocess.Popen(
+                [ray, "start", f"--address={self.address}", "--num-cpus=1", *common], env=env,
+                start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        self._wait(lambda n: sum(x.get("Resources", {}).get("CPU", 0) for x in n) >= workers)
+
+    def nodes(self) -> list[dict[str, Any]]:
+        code = ("import json, ray; ray.init(address=%r, logging_level='ERROR'); "
+                "print(json.dumps([n for n in ray.nodes() if n['Alive']], default=str))" % self.address)
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+        return json.loads(out.stdout.strip().splitlines()[-1]) if out.returncode == 0 and out.stdout.strip() else []
+
+    def _wait(self, ready, timeout: float = 120) -> None:
+        t0 = time.time()
+        while time.time() - t0 < timeout:
+            if any(p.poll() is not None for p in self.procs):
+                raise RuntimeError("a ray node exited during start-up")
+            if ready(self.nodes()):
+                return
+            time.sleep(1)
+        raise RuntimeError("the ray cluster did not come up")
+
+    def leftovers(self) -> list[int]:
+        """PIDs of processes of this cluster still alive (their command line names its session)."""
+        pids = []
+        for d in Path("/proc").iterdir():
+            if d.name.isdigit():
+                try:
+                    cmd = (d / "cmdline").read_bytes().decode(errors="replace")
+                except OSError:
+                    continue
+                if self.tmp in cmd or f":{self.port}" in cmd and "ray" in cmd:
+                    pids.append(int(d.name))
+        return pids
+
+    def stop(self) -> None:
+        import signal
+
+        for p in reversed(self.procs):  # workers first, the head last
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGTERM)
+        for p in self.procs:
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+        for pid in self.leftovers():  # processes the nodes spawned, if any outlived them
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    cluster = RayCluster(workers=2)
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+        time.sleep(1)
+        assert cluster.leftovers() == []
+
+
+def test_ray_task_runner_gives_the_in_process_probe_table(ray_cluster, tmp_path, monkeypatch):
+    """The smoke config's probing on the real cluster through prefect-ray's RayTaskRunner: 4 shards
+    over 2 one-CPU workers; the probe table and pivot set equal the in-process unsharded run's."""
+    from prefect.testing.utilities import prefect_test_harness
+
+    from pivotrl.flows.nightly import probe_only
+
+    tiny = save_tiny_checkpoint(tmp_path / "tiny")
+    smoke = [f"model.source={tiny}"]
+    cfg = load_config(str(REPO / "configs" / "smoke.yaml"), [f"run.storage_root={tmp_path / 'local'}", *smoke])
+    store0 = ArtifactStore(cfg.run.storage_root)
+    demos = build_demonstrations(cfg, store0)
+    ref = stages.stage_reference(cfg, store0, demos)
+    probe0 = stages.stage_probe(cfg, store0, demos, ref)
+
+    root = tmp_path / "ray"
+    monkeypatch.setenv("PREFECT_HOME", str(tmp_path / "prefect"))
+    with prefect_test_harness(server_startup_timeout=120):
+        out = probe_only(config_path=str(REPO / "configs" / "smoke.yaml"), overrides=[
+            f"run.storage_root={root}", *smoke, "scale_out.task_runner=ray", f"scale_out.ray_address={ray_cluster.address}",
+            "scale_out.probe_shard_size=2", "scale_out.ray_cpus_per_shard=1"])
+    store = ArtifactStore(str(root))
+    probes, pivots = _tables(store, out)
+    probes0, pivots0 = _tables(store0, probe0)
+    pd.testing.assert_frame_equal(probes, probes0)
+    pd.testing.assert_frame_equal(pivots, pivots0)
+    assert out["stats"] == probe0["stats"]
+    shards = [json.loads(json.loads(p.read_text())["result"]) for p in (root / ".prefect-results").glob("pivotrl-probe-shard-*")]
+    assert sorted(s["index"] for s in shards) == [0, 1, 2, 3]
+    # The shards ran on both worker nodes (never on the CPU-less head), one engine per worker process,
+    # kept warm for that worker's next shard.
+    nodes = {n["NodeID"]: n for n in ray_cluster.nodes()}
+    used = {s["worker"]["node"] for s in shards}
+    assert len(used) == 2 and all(nodes[n]["Resources"].get("CPU") == 1 for n in used)
+    per_pid: dict[int, list[bool]] = {}
+    for s in sorted(shards, key=lambda s: s["index"]):
+        per_pid.setdefault(s["worker"]["pid"], []).append(s["engine_reused"])
+    assert sum(not r for rs in per_pid.values() for r in rs) == len(per_pid)  # one engine built per process
+    assert sum(r for rs in per_pid.values() for r in rs) == 4 - len(per_pid) >= 1

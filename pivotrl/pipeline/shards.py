@@ -46,9 +46,12 @@ class ShardIncomplete(VerifierError):
     ``state_ids``: those states. Transient: a retry (or the next run) probes exactly those again.
     """
 
-    def __init__(self, message: str, state_ids: list[str]) -> None:
+    def __init__(self, message: str, state_ids: list[str] | tuple[str, ...] = ()) -> None:
         super().__init__(message)
         self.state_ids = list(state_ids)
+
+    def __reduce__(self) -> tuple[Any, ...]:  # crosses process boundaries (Ray workers) intact
+        return (type(self), (str(self), self.state_ids))
 
 
 def _engine_settings(cfg: RunConfig) -> dict[str, Any]:
@@ -108,14 +111,15 @@ def _engine(cfg: RunConfig, model_dir: Path, warm: bool) -> Any:
     from pivotrl.pipeline.common import make_rollout_engine
 
     if not warm:
-        return make_rollout_engine(cfg, model_dir)
+        return make_rollout_engine(cfg, model_dir), False
     key = f"{Path(model_dir).resolve()}|{sorted(_engine_settings(cfg).items())}|{cfg.rollout.kv_cache_gib}"
-    if key not in _WARM:
-        for old in _WARM.values():  # a new reference: free the old engine first
-            old.close()
-        _WARM.clear()
-        _WARM[key] = make_rollout_engine(cfg, model_dir)
-    return _WARM[key]
+    if key in _WARM:
+        return _WARM[key], True
+    for old in _WARM.values():  # a new reference: free the old engine first
+        old.close()
+    _WARM.clear()
+    _WARM[key] = make_rollout_engine(cfg, model_dir)
+    return _WARM[key], False
 
 
 def _verifier(cfg: RunConfig, bfcl_root: Path, *, fail_tools: bool) -> Any:
@@ -138,7 +142,8 @@ def probe_shard(cfg: RunConfig, store: ArtifactStore, demos: dict[str, Any], ref
 
     A shard already written is not probed again; of a shard that failed before, only the states
     it could not decide are. ``warm_engine``: keep the engine in this process for the next shard.
-    Returns {"index", "key", "uri", "states", "probed", "status_counts"}.
+    Returns {"index", "key", "uri", "states", "probed" (states probed now), "engine_reused" (the
+    warm engine of an earlier shard served this one), "status_counts"}.
     Raises ShardIncomplete naming the states whose verifier failed after its retries (the decided
     rows are kept in ``partial.parquet``, the undecided ids in ``failed.json``).
     """
@@ -151,7 +156,8 @@ def probe_shard(cfg: RunConfig, store: ArtifactStore, demos: dict[str, Any], ref
     from pivotrl.pipeline.stages import reference_dir
 
     key = shard["key"]
-    out = {"index": shard["index"], "key": key, "uri": store.url(f"{key}/probes.parquet"), "probed": 0}
+    out = {"index": shard["index"], "key": key, "uri": store.url(f"{key}/probes.parquet"), "probed": 0,
+           "engine_reused": False}
     if store.exists(f"{key}/probes.parquet"):
         df = store.read_parquet(f"{key}/probes.parquet")
         return {**out, "states": int(len(df)), "status_counts": _counts(df)}
@@ -165,7 +171,7 @@ def probe_shard(cfg: RunConfig, store: ArtifactStore, demos: dict[str, Any], ref
         rdir = reference_dir(cfg, store, ref)
         tok = load_tokenizer(rdir)
         bfcl_root = ensure_bfcl(cache_dir(cfg))
-        engine = _engine(cfg, rdir, warm_engine)
+        engine, out["engine_reused"] = _engine(cfg, rdir, warm_engine)
         drill = set(cfg.faults.tool_failure_trajectories)
         sampling = sampling_for(cfg, n=cfg.probing.num_probes, temperature=cfg.probing.temperature,
                                 seed=cfg.probing.seed, top_p=cfg.probing.top_p, top_k=cfg.probing.top_k)
