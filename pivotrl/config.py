@@ -432,15 +432,12 @@ class FaultsSection(Section):
 
 # ------------------------------------------------------------------------------------ scale-out
 class ScaleOutSection(Section):
+    """Sharded probing and where shards run (evaluation is not sharded yet)."""
+
     probe_shard_size: Int | None = Field(
         None, ge=1, description=(
             "Trajectories per probing shard, each its own Prefect task run with its own cache key and "
             "retries (null = probe in one task).")
-    )
-    eval_shard_size: Int | None = Field(
-        None, ge=1, description=(
-            "Held-out trajectories per evaluation shard, each its own Prefect task run (null = evaluate in "
-            "one task).")
     )
     shard_retries: Int = Field(
         2, ge=0, description="Retries of a shard task (a retry redoes only the states it could not decide)."
