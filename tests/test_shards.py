@@ -45,6 +45,7 @@ def _tables(store: ArtifactStore, probe: dict) -> tuple[pd.DataFrame, pd.DataFra
             store.read_parquet(f"{probe['pivots_key']}/pivots.parquet"))
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("shard_size", [1, 2])
 def test_sharded_probing_equals_the_unsharded_run(unsharded, tiny_model, tmp_path, shard_size):
     cfg0, store0, _, _, probe0 = unsharded
