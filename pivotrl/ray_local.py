@@ -39,11 +39,11 @@ class RayCluster:
              f"--temp-dir={self.tmp}", *common], env=env, start_new_session=True,
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]
         self._wait(lambda n: len(n) >= 1)
-        for _ in range(workers):
+        for i in range(workers):  # one at a time: nodes starting together on one host collide
             self.procs.append(subprocess.Popen(
                 [ray, "start", f"--address={self.address}", f"--num-cpus={cpus_per_worker}", *common], env=env,
                 start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
-        self._wait(lambda n: sum(x.get("Resources", {}).get("CPU", 0) for x in n) >= workers * cpus_per_worker)
+            self._wait(lambda n, k=i + 1: sum(x.get("Resources", {}).get("CPU", 0) for x in n) >= k * cpus_per_worker)
 
     def nodes(self) -> list[dict[str, Any]]:
         code = ("import json, ray; ray.init(address=%r, logging_level='ERROR'); "
