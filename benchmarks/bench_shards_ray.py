@@ -40,6 +40,7 @@ def main() -> None:
     from pivotrl.pipeline.demos import build_demonstrations
     from pivotrl.ray_local import RayCluster
     from pivotrl.storage import ArtifactStore
+    from pivotrl.tasks.shards import task_runner
     from pivotrl.testing import save_tiny_checkpoint
 
     tmp = Path(tempfile.mkdtemp(prefix="pivotrl-bench-ray-"))
@@ -61,8 +62,7 @@ def main() -> None:
                                    f"scale_out.probe_shard_size={a.shard_size}", f"probing.seed={100 * workers + rep}"]
                     c = load_config(str(REPO / "configs" / "smoke.yaml"), over).model_dump(mode="json")
                     t0 = time.time()
-                    out = sharded_probe.with_options(task_runner=__import__(
-                        "pivotrl.tasks.shards", fromlist=["task_runner"]).task_runner(c))(c, {"demos": demos, "reference": ref})
+                    out = sharded_probe.with_options(task_runner=task_runner(c))(c, {"demos": demos, "reference": ref})
                     wall = time.time() - t0
                     probes = store.read_parquet(f"{out['probes_key']}/probes.parquet")
                     ok = probes[probes["status"] == "ok"]
