@@ -34,6 +34,14 @@ class RayCluster:
         env = {**os.environ, "OMP_NUM_THREADS": "1", "RAY_USAGE_STATS_ENABLED": "0"}
         common = ["--block", "--node-ip-address=127.0.0.1", "--disable-usage-stats",
                   "--object-store-memory=80000000"]
+        self.procs: list[subprocess.Popen] = []
+        try:
+            self._start(ray, env, common, workers, cpus_per_worker)
+        except BaseException:
+            self.stop()  # a node that did not come up: stop the ones that did
+            raise
+
+    def _start(self, ray: str, env: dict[str, str], common: list[str], workers: int, cpus_per_worker: int) -> None:
         self.procs = [subprocess.Popen(
             [ray, "start", "--head", f"--port={self.port}", "--num-cpus=0", "--include-dashboard=false",
              f"--temp-dir={self.tmp}", *common], env=env, start_new_session=True,
