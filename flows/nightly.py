@@ -28,6 +28,7 @@ def nightly(config_path: str = "configs/default.yaml", overrides: list[str] | No
 
     Returns the evaluation result: ``report_md``/``report_json`` URIs and the report dict.
     """
+    from pivotrl.flows.shards import probe_stage
     from pivotrl.tasks.stages import pipeline_tasks
 
     from pivotrl.tasks.tracking import tracking_hooks
@@ -41,7 +42,7 @@ def nightly(config_path: str = "configs/default.yaml", overrides: list[str] | No
         track.stage("demonstrations", demos)
         ref = t.reference(config, {"demos": demos})
         track.stage("reference", ref)
-        probe = t.probe(config, {"demos": demos, "reference": ref})
+        probe = probe_stage(t, config, {"demos": demos, "reference": ref})
         track.stage("probe", probe)
         train = t.train(config, {"probe": probe, "reference": ref})
         track.stage("train", train)
@@ -58,13 +59,14 @@ def nightly(config_path: str = "configs/default.yaml", overrides: list[str] | No
 @flow(name="pivotrl-probe", log_prints=True)
 def probe_only(config_path: str = "configs/default.yaml", overrides: list[str] | None = None) -> dict[str, Any]:
     """Demonstrations → warm start → probing → pivot set, without training (for inspecting pivots)."""
+    from pivotrl.flows.shards import probe_stage
     from pivotrl.tasks.stages import pipeline_tasks
 
     config = _checked_config(config_path, overrides)
     t = pipeline_tasks(config)
     demos = t.demonstrations(config)
     ref = t.reference(config, {"demos": demos})
-    return t.probe(config, {"demos": demos, "reference": ref})
+    return probe_stage(t, config, {"demos": demos, "reference": ref})
 
 
 if __name__ == "__main__":

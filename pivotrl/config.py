@@ -481,6 +481,38 @@ class FaultsSection(Section):
     kill_trainer_at_step: Int | None = Field(
         None, ge=1, description="Kill the trainer after this step to test resuming (null = off)."
     )
+    tool_failure_trajectories: list[str] = Field(
+        default_factory=list,
+        description="Every tool execution for turn states of these trajectory ids fails (drills a shard that cannot finish).",
+    )
+
+
+# ------------------------------------------------------------------------------------ scale-out
+class ScaleOutSection(Section):
+    """Sharded probing and where shards run (evaluation is not sharded yet)."""
+
+    probe_shard_size: Int | None = Field(
+        None, ge=1, description=(
+            "Trajectories per probing shard, each its own Prefect task run with its own cache key and "
+            "retries (null = probe in one task).")
+    )
+    shard_retries: Int = Field(
+        2, ge=0, description="Retries of a shard task (a retry redoes only the states it could not decide)."
+    )
+    task_runner: Literal["inprocess", "ray"] = Field(
+        "inprocess", description=(
+            "Where shard tasks run: 'inprocess' (threads of the flow's process, each shard in a child "
+            "process) or 'ray' (prefect-ray's RayTaskRunner; one warm rollout engine per Ray worker).")
+    )
+    max_parallel_shards: Int = Field(
+        1, ge=1, description="In-process runner: shards run at the same time (each holds one engine)."
+    )
+    ray_address: str | None = Field(
+        None, description=(
+            "Ray cluster to join ('auto', 'HOST:6379' or 'ray://HOST:10001'; null = start a local one).")
+    )
+    ray_cpus_per_shard: Float = Field(1.0, gt=0, description="CPUs a shard task asks Ray for (its engine's threads).")
+    ray_gpus_per_shard: Float = Field(0.0, ge=0, description="GPUs a shard task asks Ray for (one engine per GPU: 1).")
 
 
 # ------------------------------------------------------------------------------------ tracking
@@ -524,6 +556,8 @@ class RunConfig(Section):
     quality: QualitySection = Field(default_factory=QualitySection, description="Judge, text turns, data audit.")
     faults: FaultsSection = Field(default_factory=FaultsSection, description="Fault injection (tests only).")
     tracking: TrackingSection = Field(default_factory=TrackingSection, description="Experiment tracking (MLflow).")
+    scale_out: ScaleOutSection = Field(
+        default_factory=ScaleOutSection, description="Shards of probing and evaluation, and where they run.")
 
     @model_validator(mode="before")
     @classmethod

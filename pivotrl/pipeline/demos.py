@@ -127,7 +127,12 @@ def build_demonstrations(cfg: RunConfig, store: ArtifactStore) -> dict[str, Any]
             "record": [canonical_json(t.to_dict()) for t in trajs],
         }
     )
-    states = [s for t in trajs for s in extract_turn_states(t)]
+    states: list[Any] = []
+    too_long = 0
+    for t in trajs:
+        kept, skipped = _fitting_states(t, extract_turn_states(t), cfg.model.max_context)
+        states += kept
+        too_long += skipped
     cand_df = states_to_frame(states)
     cand_df["split"] = [split_of[s.trajectory_id] for s in states]
     kinds = [candidate_kind(s) for s in states]
@@ -137,7 +142,10 @@ def build_demonstrations(cfg: RunConfig, store: ArtifactStore) -> dict[str, Any]
         "trajectories_per_split": dict(Counter(split_of.values())),
         "trajectories_per_category": dict(Counter(t.category for t in trajs)),
         "user_turns": sum(1 for t in trajs for m in t.messages if m.role == "user"),
-        "assistant_turns": len(states),
+        "assistant_turns": len(states) + too_long,
+        # States whose history has more messages than model.max_context has tokens: they can never
+        # fit (every message renders to at least one token), so they are not stored or probed.
+        "skipped_too_long": too_long,
         "candidates_per_category": dict(Counter(s.category for s in states)),
         "candidates_per_split": dict(Counter(cand_df["split"])),
         "quarantined": len(quarantine),
@@ -165,6 +173,33 @@ def build_demonstrations(cfg: RunConfig, store: ArtifactStore) -> dict[str, Any]
     )
     store.write_json(f"{key}/counts.json", counts)
     return _result(store, key, counts)
+
+
+#: Largest candidate table one trajectory may produce (bytes of history JSON over its states). Each
+#: turn state stores its whole history, so a table grows with the square of a trajectory's length;
+#: beyond this a trajectory fails with a DataError naming it, instead of exhausting memory.
+MAX_CANDIDATE_BYTES_PER_TRAJECTORY = 1 << 30
+
+
+def _fitting_states(traj: Trajectory, states: list[Any], max_context: int) -> tuple[list[Any], int]:
+    """The states of ``traj`` whose history could fit ``max_context`` tokens, and how many could not.
+
+    Raises DataError naming the trajectory when the kept states' histories would take more than
+    MAX_CANDIDATE_BYTES_PER_TRAJECTORY as JSON (computed from per-message sizes, in linear time).
+    """
+    kept = [s for s in states if len(s.messages) <= max_context]
+    sizes = [len(canonical_json(m.to_dict())) + 1 for m in traj.messages]
+    prefix = [0]
+    for n in sizes:
+        prefix.append(prefix[-1] + n)
+    total = sum(prefix[len(s.messages)] for s in kept)
+    if total > MAX_CANDIDATE_BYTES_PER_TRAJECTORY:
+        raise DataError(
+            f"trajectory {traj.id!r} ({len(traj.messages)} messages, {len(states)} assistant turns): its turn states "
+            f"would store {total / 2**30:.1f} GiB of history (limit {MAX_CANDIDATE_BYTES_PER_TRAJECTORY / 2**30:.0f} "
+            f"GiB; each state keeps the whole history before it). Split it into shorter trajectories or lower "
+            f"model.max_context ({max_context}; states with more messages than that are skipped).")
+    return kept, len(states) - len(kept)
 
 
 def _source_uri(src: Any) -> dict[str, Any]:

@@ -23,7 +23,7 @@ from typing import Any, Iterator
 
 from pivotrl.errors import ConfigError, DataError, ModelError, PivotRLError, StorageAccessError, TrainingError
 
-STAGES = ("reference", "probe", "train", "evaluate")
+STAGES = ("reference", "probe", "train", "evaluate", "probe_shard")
 
 #: Exit code of a stage process that failed for a reason a retry cannot fix (bad config or data,
 #: an unreadable model, a broken training invariant).
@@ -83,6 +83,10 @@ def run_stage(stage: str, config: dict[str, Any], inputs: dict[str, Any], *, att
         return stages.stage_train(cfg, store, inputs["probe"], inputs["reference"])
     if stage == "evaluate":
         return stages.stage_evaluate(cfg, store, inputs["demos"], inputs["reference"], inputs["probe"], inputs["train"])
+    if stage == "probe_shard":
+        from pivotrl.pipeline.shards import probe_shard
+
+        return probe_shard(cfg, store, inputs["demos"], inputs["reference"], inputs["shard"])
     raise ConfigError(f"unknown stage {stage!r}; valid: {', '.join(STAGES)}")
 
 

@@ -8,6 +8,8 @@ Outputs:
 - ``probes/<key>/probes.parquet``: one row per probed state — ``state_id``, ``category``,
   ``turn_index``, ``prompt_tokens``, ``rewards`` (m floats, JSON), ``mu``, ``var``,
   ``action_tokens_mean``, ``samples`` (the m texts, JSON), ``reasons`` (verifier reasons, JSON),
+  ``sample_tokens`` (the m action lengths in tokens, JSON) — every sample is kept, so pass rates
+  for another m or λ_diff can be re-derived without new rollouts (:func:`rederive_pivots`),
   ``status`` ("ok" | "too_long" | "verifier_error"), ``reason`` (why a state was skipped),
   ``decision`` (see ``pivotrl.filtering.pivot_decision``; empty unless status is "ok") and
   ``verifier_retries`` (tool requests the verifier had to retry for this state: crashes, timeouts,
@@ -28,7 +30,18 @@ import pandas as pd
 from pivotrl.data.schema import TurnState, content_hash
 from pivotrl.errors import StateTooLongError, VerifierError
 
-PROBE_VERSION = 1
+#: 2: each state's samples are seeded by (probing seed, state id), not by its position in a batch,
+#: so a state probes the same in any shard; the table keeps every sample's length.
+PROBE_VERSION = 2
+
+
+def state_seed(seed: int, state_id: str) -> int:
+    """The 63-bit base seed of one state's probes: sha256 of (``seed``, ``state_id``), so a state's m
+    samples are the same whatever batch, shard or worker it is probed in."""
+    import hashlib
+
+    digest = hashlib.sha256(f"pivotrl-probe\0{seed}\0{state_id}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") >> 1
 
 
 def candidate_kind_column(cand_df: pd.DataFrame) -> pd.Series:
@@ -98,7 +111,9 @@ def probe_states(
     with Progress("probing", len(encoded), "states", enabled=progress) as bar:
         for b in range(0, len(encoded), batch_size):
             chunk = encoded[b : b + batch_size]
-            gens = engine.generate([ids for _, ids in chunk], sampling)
+            base = int(getattr(sampling, "seed", None) or 0)
+            gens = engine.generate([ids for _, ids in chunk], sampling,
+                                   seeds=[state_seed(base, s.state_id) for s, _ in chunk])
             rows.extend(_score_chunk(chunk, gens, verifier))
             bar.update(len(chunk), samples=sum(len(g) for g in gens))
     order = {s.state_id: i for i, s in enumerate(states)}
@@ -261,3 +276,35 @@ def probe_key(candidates_hash: str, ref_hash: str, probing: dict[str, Any], veri
          "prompt": prompt, "engine": engine, "version": PROBE_VERSION,
          "code": stage_code_digest("probe")}
     )[:16]
+
+
+def rederive_pivots(probe_df: pd.DataFrame, lambda_diff: float, *, num_probes: int | None = None) -> pd.DataFrame:
+    """Re-derive μ̂, σ̂² and the pivot decision from the stored per-sample rewards, without new
+    rollouts: with ``num_probes`` = m' ≤ m, from the first m' samples of each state (each state's
+    samples are independent draws, so this is what probing with m' would have given), and with
+    another ``lambda_diff``. ``rewards``/``reasons``/``samples``/``sample_tokens`` are cut to m'.
+
+    Returns a copy of the table (same columns). Raises ValueError if m' < 1 or a state has fewer
+    than m' samples.
+    """
+    from pivotrl.filtering import probe_stats
+
+    df = probe_df.copy()
+    if num_probes is not None:
+        if num_probes < 1:
+            raise ValueError(f"num_probes = {num_probes}: must be ≥ 1")
+        mus, vars_ = [], []
+        for i, (st, raw) in enumerate(zip(df["status"], df["rewards"])):
+            rewards = json.loads(raw)
+            if st != "ok":
+                mus.append(float("nan")), vars_.append(float("nan"))
+                continue
+            if len(rewards) < num_probes:
+                raise ValueError(f"state {df['state_id'].iloc[i]!r} has {len(rewards)} samples, fewer than {num_probes}")
+            mu, var = probe_stats(rewards[:num_probes])
+            mus.append(float(mu)), vars_.append(float(var))
+        df["mu"], df["var"] = mus, vars_
+        for col in ("rewards", "reasons", "samples", "sample_tokens"):
+            if col in df:
+                df[col] = [json.dumps(json.loads(v)[:num_probes], ensure_ascii=False) for v in df[col]]
+    return apply_pivot_filter(df, lambda_diff)

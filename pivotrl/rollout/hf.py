@@ -175,6 +175,7 @@ class TransformersEngine:
         sampling: SamplingConfig,
         *,
         stop_fn: StopFn | None = None,
+        seeds: Sequence[int] | None = None,
     ) -> list[list[Generation]]:
         """Sample ``sampling.n`` actions for each prompt.
 
@@ -184,6 +185,9 @@ class TransformersEngine:
             stop_fn: optional ``stop_fn(text) -> bool`` called on each sample's decoded text after
                 every new token; ``True`` ends that sample at once with finish_reason "abort"
                 (used to drop outputs that can no longer become a valid action).
+            seeds: optional per-prompt base seeds (one int per prompt, overriding ``sampling.seed``):
+                sample k of prompt i then draws from ``sample_seed(seeds[i], 0, k)``, so a prompt's
+                samples do not depend on its position in the batch (sharded probing).
 
         Returns:
             ``[len(prompts)][K]`` :class:`Generation`; ``rollout_logprobs[t]`` = log π(token_t |
@@ -195,6 +199,11 @@ class TransformersEngine:
         import torch
 
         check_prompts(prompts, self.vocab_size, self.max_model_len)
+        if seeds is not None:
+            if len(seeds) != len(prompts):
+                raise ConfigError(f"generate: {len(seeds)} seeds for {len(prompts)} prompts")
+            return [self._generate_one(list(map(int, prompt)), sampling, int(seed), 0, stop_fn)
+                    for prompt, seed in zip(prompts, seeds)]
         base_seed = sampling.seed if sampling.seed is not None else int(torch.randint(0, 2**62, (1,)).item())
         return [
             self._generate_one(list(map(int, prompt)), sampling, base_seed, i, stop_fn)

@@ -118,13 +118,15 @@ class VLLMEngine:
         sampling: SamplingConfig,
         *,
         stop_fn: StopFn | None = None,
+        seeds: Sequence[int] | None = None,
     ) -> list[list[Generation]]:
         """Sample ``sampling.n`` actions per prompt; see ``TransformersEngine.generate``.
 
         ``stop_fn`` is applied after sampling (vLLM decodes the whole sample): each sample is cut
         after the first token at which ``stop_fn(text)`` is True, with finish_reason "abort".
         The result therefore equals an early-stopped sample; no compute is saved.
-        With ``sampling.seed`` set, prompt i uses the seed ``sample_seed(seed, i, 0)``.
+        With ``sampling.seed`` set, prompt i uses the seed ``sample_seed(seed, i, 0)``; with
+        per-prompt ``seeds``, ``sample_seed(seeds[i], 0, 0)`` (independent of the batch).
 
         Returns:
             ``[len(prompts)][K]`` generations; ``rollout_logprobs`` at temperature 1.
@@ -133,6 +135,8 @@ class VLLMEngine:
         from vllm.inputs import TokensPrompt
 
         check_prompts(prompts, self.vocab_size, self.max_model_len)
+        if seeds is not None and len(seeds) != len(prompts):
+            raise ConfigError(f"generate: {len(seeds)} seeds for {len(prompts)} prompts")
         params = []
         for i, prompt in enumerate(prompts):
             params.append(
@@ -142,7 +146,8 @@ class VLLMEngine:
                     top_p=float(sampling.top_p),
                     top_k=int(sampling.top_k),
                     max_tokens=min(sampling.max_tokens, self.max_model_len - len(prompt)),
-                    seed=None if sampling.seed is None else sample_seed(sampling.seed, i, 0),
+                    seed=(sample_seed(int(seeds[i]), 0, 0) if seeds is not None
+                          else None if sampling.seed is None else sample_seed(sampling.seed, i, 0)),
                     stop=list(sampling.stop) or None,
                     logprobs=0,
                     skip_special_tokens=True,

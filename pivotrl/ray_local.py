@@ -1,0 +1,107 @@
+"""A real local Ray cluster for tests and benchmarks: a head node and worker nodes on this machine,
+each a ``ray start --block`` process in its own session (so stopping them stops exactly this
+cluster, never another Ray instance of the machine). Ray maps 127.0.0.1 to the machine's own
+address, so the nodes listen there (nothing leaves the machine).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+
+class RayCluster:
+    """A real Ray cluster on this machine: a head node with no CPUs (so no shard runs beside the
+    driver) and ``workers`` worker nodes of one CPU each, every node a ``ray start --block``
+    process in its own session, so that stopping them stops exactly this cluster."""
+
+    def __init__(self, workers: int = 2, cpus_per_worker: int = 1) -> None:
+        import tempfile
+
+        self.tmp = tempfile.mkdtemp(prefix="pvray", dir="/tmp")  # short: Ray's socket paths
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.address = f"127.0.0.1:{self.port}"
+        ray = str(Path(sys.executable).with_name("ray"))
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "RAY_USAGE_STATS_ENABLED": "0"}
+        common = ["--block", "--node-ip-address=127.0.0.1", "--disable-usage-stats",
+                  "--object-store-memory=80000000"]
+        self.procs: list[subprocess.Popen] = []
+        try:
+            self._start(ray, env, common, workers, cpus_per_worker)
+        except BaseException:
+            self.stop()  # a node that did not come up: stop the ones that did
+            raise
+
+    def _start(self, ray: str, env: dict[str, str], common: list[str], workers: int, cpus_per_worker: int) -> None:
+        self.procs = [subprocess.Popen(
+            [ray, "start", "--head", f"--port={self.port}", "--num-cpus=0", "--include-dashboard=false",
+             f"--temp-dir={self.tmp}", *common], env=env, start_new_session=True,
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]
+        self._wait(lambda n: len(n) >= 1)
+        for i in range(workers):  # one at a time: nodes starting together on one host collide
+            self.procs.append(subprocess.Popen(
+                [ray, "start", f"--address={self.address}", f"--num-cpus={cpus_per_worker}", *common], env=env,
+                start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+            self._wait(lambda n, k=i + 1: sum(x.get("Resources", {}).get("CPU", 0) for x in n) >= k * cpus_per_worker)
+
+    def nodes(self) -> list[dict[str, Any]]:
+        code = ("import json, ray; ray.init(address=%r, logging_level='ERROR'); "
+                "print(json.dumps([n for n in ray.nodes() if n['Alive']], default=str))" % self.address)
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+        return json.loads(out.stdout.strip().splitlines()[-1]) if out.returncode == 0 and out.stdout.strip() else []
+
+    def _wait(self, ready, timeout: float = 120) -> None:
+        t0 = time.time()
+        while time.time() - t0 < timeout:
+            if any(p.poll() is not None for p in self.procs):
+                raise RuntimeError("a ray node exited during start-up")
+            if ready(self.nodes()):
+                return
+            time.sleep(1)
+        raise RuntimeError("the ray cluster did not come up")
+
+    def leftovers(self) -> list[int]:
+        """PIDs of processes of this cluster still alive (their command line names its session)."""
+        pids = []
+        for d in Path("/proc").iterdir():
+            if d.name.isdigit():
+                try:
+                    cmd = (d / "cmdline").read_bytes().decode(errors="replace")
+                except OSError:
+                    continue
+                if self.tmp in cmd or f":{self.port}" in cmd and "ray" in cmd:
+                    pids.append(int(d.name))
+        return pids
+
+    def stop(self) -> None:
+        import signal
+
+        for p in reversed(self.procs):  # workers first, the head last
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGTERM)
+        for p in self.procs:
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+        for pid in self.leftovers():  # processes the nodes spawned, if any outlived them
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+    def __enter__(self) -> "RayCluster":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()

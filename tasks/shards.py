@@ -1,0 +1,180 @@
+"""Prefect tasks of sharded probing (``scale_out``): plan → one mapped task run per shard → merge.
+
+Each shard is its own task run with its own cache key (the shard's content address, see
+:mod:`pivotrl.pipeline.shards`) and ``scale_out.shard_retries`` retries, so a rerun of the flow
+finds the finished shards in the cache and runs only the missing or failed ones; a shard whose
+tool executions kept failing ends Failed with a message naming the states it could not decide.
+
+Where shards run is ``scale_out.task_runner``: in-process (Prefect's thread pool, at most
+``scale_out.max_parallel_shards`` at once, each shard's engine in a child process that ends with
+it) or Ray (prefect-ray's ``RayTaskRunner``; every shard task asks Ray for
+``ray_cpus_per_shard``/``ray_gpus_per_shard``, so one engine runs per worker slot, and the engine
+stays warm in the worker process for its next shard).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import uuid
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Iterator, Mapping
+
+from prefect import Task, task
+from prefect.artifacts import create_markdown_artifact, create_table_artifact
+
+from pivotrl.errors import PivotRLError
+from pivotrl.tasks.stages import (
+    RESULTS_DIR, _config_obj, _record_outputs, _retry_unless_permanent, _store, register_assets, result_storage,
+)
+
+
+class ShardsFailed(PivotRLError, RuntimeError):
+    """Some shard task runs ended Failed; the message names each one and why."""
+
+
+def _shard_cache_key(_ctx: Any, params: dict[str, Any]) -> str:
+    # The shard's content address covers everything its table depends on; a cached result is only
+    # trusted while that table still exists (a result recorded for a deleted table is a miss).
+    shard, config = params["shard"], params["config"]
+    key = f"pivotrl-probe-shard-{shard['key'].rsplit('/', 1)[-1]}"
+    try:
+        store = _store(config)
+        if store.exists(f"{RESULTS_DIR}/{key}") and not store.exists(f"{shard['key']}/probes.parquet"):
+            return f"{key}-rerun-{uuid.uuid4().hex}"
+    except Exception:  # the check is an optimisation; the shard itself is idempotent
+        pass
+    return key
+
+
+@task(name="probe-plan", persist_result=False)
+def probe_plan(config: dict[str, Any], inputs: dict[str, Any]) -> dict[str, Any]:
+    """The shards of this run's probing (see ``plan_probe_shards``)."""
+    from pivotrl.pipeline.shards import plan_probe_shards
+
+    return plan_probe_shards(_config_obj(config), _store(config), inputs["demos"], inputs["reference"])
+
+
+@task(name="probe-shard", retries=2, retry_delay_seconds=1, retry_condition_fn=_retry_unless_permanent,
+      cache_key_fn=_shard_cache_key, cache_expiration=timedelta(days=30), persist_result=True,
+      result_serializer="json")
+def probe_shard(config: dict[str, Any], inputs: dict[str, Any], shard: dict[str, Any]) -> dict[str, Any]:
+    """Probe one shard: in this process with a warm engine on Ray, else in a child process."""
+    from prefect.runtime import task_run
+
+    from pivotrl.pipeline.common import make_store, set_threads
+    from pivotrl.pipeline.entry import StageError, run_stage_process
+    from pivotrl.pipeline.shards import probe_shard as run_shard, shard_failure
+
+    cfg = _config_obj(config)
+    store = _store(config)
+    attempt = max(0, int(task_run.run_count or 1) - 1)
+    if store.exists(f"{shard['key']}/failed.json"):
+        store.delete(f"{shard['key']}/failed.json")  # only this attempt's failure is reported
+    if cfg.scale_out.task_runner == "ray":
+        import os
+
+        import ray
+
+        set_threads(cfg.rollout.num_threads)
+        out = run_shard(cfg, make_store(cfg, attempt=attempt), inputs["demos"], inputs["reference"], shard,
+                        warm_engine=True)
+        return {**out, "worker": {"pid": os.getpid(), "node": ray.get_runtime_context().get_node_id()}}
+    try:
+        return run_stage_process("probe_shard", config, {**inputs, "shard": shard},
+                                 threads=cfg.rollout.num_threads, attempt=attempt)
+    except StageError:
+        failure = shard_failure(store, shard)
+        if failure is not None:
+            raise failure from None
+        raise
+
+
+@task(name="probe-merge", retries=2, retry_delay_seconds=5, retry_condition_fn=_retry_unless_permanent,
+      persist_result=True, result_serializer="json")
+def probe_merge(config: dict[str, Any], inputs: dict[str, Any]) -> dict[str, Any]:
+    """Merge the shard tables into the run's probe table and select the pivot set."""
+    from pivotrl.pipeline.shards import merge_probe_shards
+
+    out = merge_probe_shards(_config_obj(config), _store(config), inputs["demos"], inputs["reference"],
+                             inputs["plan"], inputs["shards"])
+    create_markdown_artifact(key="pivot-set", markdown=out["summary_md"], description="Pivot filter statistics")
+    t = out["stats"]["total"]
+    create_table_artifact(key="pivot-counts", table=[{"count": k, "value": v} for k, v in t.items()],
+                          description="Pivot filter counts")
+    register_assets(config, [out["probes"], out["pivots"]])
+    _record_outputs("probe-merge", config, {k: inputs[k] for k in ("demos", "reference")}, out)
+    return out
+
+
+@dataclass(frozen=True)
+class ShardTasks:
+    """The sharded-probing tasks of one run (see :func:`shard_tasks`)."""
+
+    plan: Task
+    shard: Task
+    merge: Task
+
+
+def shard_tasks(config: Mapping[str, Any]) -> ShardTasks:
+    """The tasks bound to the run's result storage, the shard task with ``scale_out.shard_retries``."""
+    storage = result_storage(config)
+    retries = _config_obj(config).scale_out.shard_retries
+    return ShardTasks(plan=probe_plan,
+                      shard=probe_shard.with_options(result_storage=storage, retries=retries),
+                      merge=probe_merge.with_options(result_storage=storage))
+
+
+def task_runner(config: Mapping[str, Any]) -> Any:
+    """The Prefect task runner of ``scale_out.task_runner``: a ``ThreadPoolTaskRunner`` with
+    ``max_parallel_shards`` threads, or a ``RayTaskRunner`` joining ``ray_address`` ('auto': the
+    cluster this machine belongs to) or starting a local Ray instance when it is null."""
+    so = _config_obj(config).scale_out
+    if so.task_runner == "ray":
+        from prefect_ray.task_runners import RayTaskRunner
+
+        if so.ray_address is None:
+            return RayTaskRunner(init_kwargs={"address": "local"})
+        if so.ray_address == "auto":
+            return RayTaskRunner(init_kwargs={"address": "auto"})
+        return RayTaskRunner(address=so.ray_address)
+    from prefect.task_runners import ThreadPoolTaskRunner
+
+    return ThreadPoolTaskRunner(max_workers=so.max_parallel_shards)
+
+
+@contextlib.contextmanager
+def shard_resources(config: Mapping[str, Any]) -> Iterator[None]:
+    """Around the submission of shard tasks: on Ray, each asks for its CPUs/GPUs (one engine each)."""
+    so = _config_obj(config).scale_out
+    if so.task_runner != "ray":
+        yield
+        return
+    from prefect_ray.context import remote_options
+
+    opts: dict[str, Any] = {"num_cpus": so.ray_cpus_per_shard}
+    if so.ray_gpus_per_shard:
+        opts["num_gpus"] = so.ray_gpus_per_shard
+    with remote_options(**opts):
+        yield
+
+
+def wait_for_shards(futures: list[Any], plan: dict[str, Any]) -> list[dict[str, Any]]:
+    """The results of every shard future, in plan order; raises ShardsFailed naming each failed
+    shard (index, key and its failure message, e.g. the states it could not decide)."""
+    results, failed = [], []
+    for shard, fut in zip(plan["shards"], futures):
+        fut.wait()
+        state = fut.state
+        if state.is_completed():
+            results.append(fut.result())
+        else:
+            failed.append(f"shard {shard['index']} ({shard['key']}): {state.name}: {state.message or ''}".strip())
+    if failed:
+        raise ShardsFailed(f"{len(failed)} of {len(futures)} probe shards failed; run the flow again to retry "
+                           "only them:\n" + "\n".join(failed))
+    return results
+
+
+__all__ = ["ShardTasks", "ShardsFailed", "probe_merge", "probe_plan", "probe_shard", "shard_resources",
+           "shard_tasks", "task_runner", "wait_for_shards"]

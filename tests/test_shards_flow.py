@@ -1,0 +1,183 @@
+"""Sharded probing through the real Prefect flow: a shard whose tool executions keep failing ends
+Failed naming the states it could not decide, and the next run executes only that shard (and only
+those states); on a real local Ray cluster (head + 2 one-CPU worker nodes on 127.0.0.1) the sharded
+flow gives the in-process probe table and pivot set."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import pytest
+
+from pivotrl.config import load_config
+from pivotrl.pipeline import stages
+from pivotrl.pipeline.demos import build_demonstrations, read_trajectories
+from pivotrl.ray_local import RayCluster
+from pivotrl.storage import ArtifactStore
+from pivotrl.testing import save_tiny_checkpoint
+
+REPO = Path(__file__).resolve().parents[1]
+#: The smoke config's one multi-turn trajectory in the pivot split: its calls run in the BFCL sandbox.
+DRILL = "multi_turn_base_1"
+
+pytestmark = pytest.mark.integration
+
+
+def _overrides(root: Path, model: Path, *extra: str) -> list[str]:
+    # No warm start: the reference is a tiny model that has memorised the multi-turn demonstration,
+    # so its probes are real tool calls that the execution verifier runs in the sandbox.
+    return [f"run.storage_root={root}", f"model.source={model}", "warm_start.enabled=false",
+            "verifier.retries=1", *extra]
+
+
+@pytest.fixture(scope="module")
+def expert_model(tmp_path_factory) -> Path:
+    from pivotrl.models import load_tokenizer
+    from pivotrl.pipeline.common import prompt_kwargs
+    from pivotrl.prompts import build_sft_example
+    from pivotrl.training.sft import run_sft
+
+    tmp = tmp_path_factory.mktemp("expert")
+    base = save_tiny_checkpoint(tmp / "tiny")
+    cfg = load_config(str(REPO / "configs" / "smoke.yaml"), _overrides(tmp / "root", base))
+    store = ArtifactStore(cfg.run.storage_root)
+    demos = build_demonstrations(cfg, store)
+    tok = load_tokenizer(base)
+    trajs = [t for t in read_trajectories(store, demos["key"], split="pivot") if t.id == DRILL]
+    examples = [build_sft_example(t, tok, max_len=2048, **prompt_kwargs(cfg)) for t in trajs]
+    run_sft(str(base), examples, str(tmp / "expert"), epochs=30, lr=3e-3, batch_size=1, dtype="float32",
+            zero_stage=0, seed=0)
+    return tmp / "expert"
+
+
+@pytest.fixture(scope="module")
+def clean_run(tmp_path_factory, expert_model):
+    """The unsharded, fault-free probing stage run in this process: the reference result."""
+    root = tmp_path_factory.mktemp("clean")
+    cfg = load_config(str(REPO / "configs" / "smoke.yaml"), _overrides(root, expert_model))
+    store = ArtifactStore(cfg.run.storage_root)
+    demos = build_demonstrations(cfg, store)
+    ref = stages.stage_reference(cfg, store, demos)
+    probe = stages.stage_probe(cfg, store, demos, ref)
+    probes = store.read_parquet(f"{probe['probes_key']}/probes.parquet")
+    # The drill needs real tool executions: the memorised trajectory's calls are verified in the sandbox.
+    drill = probes[probes["trajectory_id"] == DRILL]
+    assert any("match" in json.loads(r) for r in drill["reasons"])
+    return store, probe
+
+
+def _tables(store: ArtifactStore, probe: dict[str, Any]) -> tuple[pd.DataFrame, pd.DataFrame]:
+    return (store.read_parquet(f"{probe['probes_key']}/probes.parquet"),
+            store.read_parquet(f"{probe['pivots_key']}/pivots.parquet"))
+
+
+async def _shard_runs() -> dict[str, list[Any]]:
+    """Task runs of the probe-shard task, by the sharded subflow run they belong to (oldest first)."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowFilter, FlowFilterName
+
+    async with get_client() as client:
+        subflows = await client.read_flow_runs(flow_filter=FlowFilter(name=FlowFilterName(any_=["pivotrl-probe-shards"])))
+        runs = [r for r in await client.read_task_runs() if r.name.startswith("probe-shard")]
+    order = sorted(subflows, key=lambda r: r.created)
+    return {str(f.id): [r for r in runs if r.flow_run_id == f.id] for f in order}
+
+
+def test_failed_shard_is_failed_then_retried_alone(expert_model, clean_run, tmp_path, monkeypatch):
+    from prefect.testing.utilities import prefect_test_harness
+
+    from pivotrl.flows.nightly import probe_only
+
+    clean_store, clean_probe = clean_run
+    root = tmp_path / "root"
+    monkeypatch.setenv("PREFECT_HOME", str(tmp_path / "prefect"))
+    sharded = ["scale_out.probe_shard_size=4", "scale_out.shard_retries=1"]
+    with prefect_test_harness(server_startup_timeout=120):
+        with pytest.raises(Exception) as failed:
+            probe_only(config_path=str(REPO / "configs" / "smoke.yaml"), overrides=_overrides(
+                root, expert_model, *sharded, f"faults.tool_failure_trajectories=[{DRILL}]"))
+        first = list(asyncio.run(_shard_runs()).values())[0]
+        # Two shards of 4 trajectories; the drill's shard ran twice (a retry) and ended Failed.
+        assert sorted(r.state.name for r in first) == ["Completed", "Failed"]
+        bad = next(r for r in first if r.state.name == "Failed")
+        assert bad.run_count == 2
+        assert "could not decide" in bad.state.message and f"{DRILL}#0" in bad.state.message
+        assert "1 of 2 probe shards failed" in str(failed.value) and f"{DRILL}#0" in str(failed.value)
+        undecided = [s for s in bad.state.message.split(": ")[-1].split(". ")[0].split(", ")]
+        assert undecided and all(s.startswith(f"{DRILL}#") for s in undecided)
+
+        # Faults off: the rerun executes only the failed shard, and in it only the undecided states.
+        out = probe_only(config_path=str(REPO / "configs" / "smoke.yaml"),
+                         overrides=_overrides(root, expert_model, *sharded))
+        second = list(asyncio.run(_shard_runs()).values())[1]
+        assert sorted(r.state.name for r in second) == ["Cached", "Completed"]
+        redone = next(r for r in second if r.state.name == "Completed")
+        # The shard tasks' persisted results, under the run root (one per shard: a failed run has none).
+        results = [json.loads(json.loads(p.read_text())["result"])
+                   for p in (root / ".prefect-results").glob("pivotrl-probe-shard-*")]
+        assert sorted(r["index"] for r in results) == [0, 1]
+        result = next(r for r in results if r["index"] == 0)
+        assert result["index"] == 0 and result["probed"] == len(undecided)  # the drill's trajectory sorts first
+    store = ArtifactStore(str(root))
+    probes, pivots = _tables(store, out)
+    clean_probes, clean_pivots = _tables(clean_store, clean_probe)
+    pd.testing.assert_frame_equal(probes, clean_probes)
+    pd.testing.assert_frame_equal(pivots, clean_pivots)
+    assert out["stats"] == clean_probe["stats"]
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    cluster = RayCluster(workers=2)
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+        time.sleep(1)
+        assert cluster.leftovers() == []
+
+
+def test_ray_task_runner_gives_the_in_process_probe_table(ray_cluster, tmp_path, monkeypatch):
+    """The smoke config's probing on the real cluster through prefect-ray's RayTaskRunner: 4 shards
+    over 2 one-CPU workers; the probe table and pivot set equal the in-process unsharded run's."""
+    from prefect.testing.utilities import prefect_test_harness
+
+    from pivotrl.flows.nightly import probe_only
+
+    tiny = save_tiny_checkpoint(tmp_path / "tiny")
+    smoke = [f"model.source={tiny}"]
+    cfg = load_config(str(REPO / "configs" / "smoke.yaml"), [f"run.storage_root={tmp_path / 'local'}", *smoke])
+    store0 = ArtifactStore(cfg.run.storage_root)
+    demos = build_demonstrations(cfg, store0)
+    ref = stages.stage_reference(cfg, store0, demos)
+    probe0 = stages.stage_probe(cfg, store0, demos, ref)
+
+    root = tmp_path / "ray"
+    monkeypatch.setenv("PREFECT_HOME", str(tmp_path / "prefect"))
+    with prefect_test_harness(server_startup_timeout=120):
+        out = probe_only(config_path=str(REPO / "configs" / "smoke.yaml"), overrides=[
+            f"run.storage_root={root}", *smoke, "scale_out.task_runner=ray", f"scale_out.ray_address={ray_cluster.address}",
+            "scale_out.probe_shard_size=2", "scale_out.ray_cpus_per_shard=1"])
+    store = ArtifactStore(str(root))
+    probes, pivots = _tables(store, out)
+    probes0, pivots0 = _tables(store0, probe0)
+    pd.testing.assert_frame_equal(probes, probes0)
+    pd.testing.assert_frame_equal(pivots, pivots0)
+    assert out["stats"] == probe0["stats"]
+    shards = [json.loads(json.loads(p.read_text())["result"]) for p in (root / ".prefect-results").glob("pivotrl-probe-shard-*")]
+    assert sorted(s["index"] for s in shards) == [0, 1, 2, 3]
+    # The shards ran on both worker nodes (never on the CPU-less head), one engine per worker process,
+    # kept warm for that worker's next shard.
+    nodes = {n["NodeID"]: n for n in ray_cluster.nodes()}
+    used = {s["worker"]["node"] for s in shards}
+    assert len(used) == 2 and all(nodes[n]["Resources"].get("CPU") == 1 for n in used)
+    per_pid: dict[int, list[bool]] = {}
+    for s in sorted(shards, key=lambda s: s["index"]):
+        per_pid.setdefault(s["worker"]["pid"], []).append(s["engine_reused"])
+    assert sum(not r for rs in per_pid.values() for r in rs) == len(per_pid)  # one engine built per process
+    assert sum(r for rs in per_pid.values() for r in rs) == 4 - len(per_pid) >= 1
