@@ -21,12 +21,9 @@ from datetime import timedelta
 from typing import Any, Iterator, Mapping
 
 from prefect import Task, task
-from prefect.artifacts import create_markdown_artifact, create_table_artifact
-
 from pivotrl.errors import PivotRLError
-from pivotrl.tasks.stages import (
-    RESULTS_DIR, _config_obj, _record_outputs, _retry_unless_permanent, _store, register_assets, result_storage,
-)
+from pivotrl.tasks import publish
+from pivotrl.tasks.stages import RESULTS_DIR, _config_obj, _once, _retry_unless_permanent, _store, result_storage
 
 
 class ShardsFailed(PivotRLError, RuntimeError):
@@ -96,14 +93,12 @@ def probe_merge(config: dict[str, Any], inputs: dict[str, Any]) -> dict[str, Any
     """Merge the shard tables into the run's probe table and select the pivot set."""
     from pivotrl.pipeline.shards import merge_probe_shards
 
-    out = merge_probe_shards(_config_obj(config), _store(config), inputs["demos"], inputs["reference"],
-                             inputs["plan"], inputs["shards"])
-    create_markdown_artifact(key="pivot-set", markdown=out["summary_md"], description="Pivot filter statistics")
-    t = out["stats"]["total"]
-    create_table_artifact(key="pivot-counts", table=[{"count": k, "value": v} for k, v in t.items()],
-                          description="Pivot filter counts")
-    register_assets(config, [out["probes"], out["pivots"]])
-    _record_outputs("probe-merge", config, {k: inputs[k] for k in ("demos", "reference")}, out)
+    out, computed = _once("probe-merge", config, {k: inputs[k] for k in ("demos", "reference")},
+                          lambda: merge_probe_shards(_config_obj(config), _store(config), inputs["demos"],
+                                                     inputs["reference"], inputs["plan"], inputs["shards"]))
+    publish.probe(out)
+    if computed:
+        publish.emit_assets(_store(config), [out["probes"], out["pivots"]])
     return out
 
 
