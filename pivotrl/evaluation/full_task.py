@@ -354,6 +354,7 @@ def evaluate_full_tasks(
     max_tool_output_chars: int | None = None,
     executor: EnvFactory | None = None,
     judge: str = "bfcl",
+    on_model_call: Callable[[str, list[int], Any], None] | None = None,
 ) -> tuple[pd.DataFrame, dict[str, Any]]:
     """Play every task from scratch with the policy behind ``engine`` and judge it as BFCL does.
 
@@ -459,7 +460,9 @@ def evaluate_full_tasks(
         outs = engine.generate(prompts, dataclasses.replace(sampling, seed=step_seed))
         if len(outs) != len(prompts):
             raise ConfigError(f"engine returned {len(outs)} results for {len(prompts)} prompts")
-        for run, gens in zip(ready, outs):
+        for run, ids, gens in zip(ready, prompts, outs):
+            if on_model_call is not None:
+                on_model_call(run.trajectory.id, ids, gens[0])
             _advance(run, gens[0], max_steps_per_turn)
         step += 1
 
