@@ -73,12 +73,14 @@ def pivotrl_ledger(cfg: RunConfig, store: ArtifactStore, probe: dict[str, Any], 
     from pivotrl.prompts import encode_state
 
     led = CostLedger(name="pivotrl")
+    import json
+
     probes = store.read_parquet(f"{probe['probes_key']}/probes.parquet")
-    ok = probes[probes["samples"].notna()] if "samples" in probes else probes.iloc[:0]
-    samples = ok["samples"].fillna(0).astype(int)
-    led.add(model_calls=int(samples.sum()), verifier_executions=int(samples.sum()),
-            generated_tokens=int(round(float((samples * ok["action_tokens_mean"].fillna(0)).sum()))),
-            tool_retries=int(probes["verifier_retries"].fillna(0).sum()) if "verifier_retries" in probes else 0)
+    for rec in probes.to_dict("records"):  # one row per probed state; rewards: the m verdicts
+        m = len(json.loads(rec.get("rewards") or "[]"))
+        mean_tokens = rec.get("action_tokens_mean")
+        led.add(model_calls=m, verifier_executions=m, tool_retries=int(rec.get("verifier_retries") or 0),
+                generated_tokens=int(round(m * mean_tokens)) if m and mean_tokens == mean_tokens else 0)
     try:
         led.add_wall("probe", float(store.read_manifest(f"{probe['probes_key']}/probes.parquet").extra.get("wall_s", 0.0)))
     except Exception:  # a manifest without timing: the probe wall time is unknown, not zero
