@@ -21,7 +21,9 @@ from typing import Any
 
 from pivotrl.errors import ConfigError, DataError, ModelError, PivotRLError, TrainingError
 
-STAGES = ("reference", "probe", "train", "evaluate")
+#: Stages of ``pivotrl compare`` (pivotrl.pipeline.compare / compare_eval), run the same way.
+COMPARE_STAGES = ("sft_baseline", "e2e_baseline", "compare_evaluate")
+STAGES = ("reference", "probe", "train", "evaluate") + COMPARE_STAGES
 
 #: Exit code of a stage process that failed for a reason a retry cannot fix (bad config or data,
 #: an unreadable model, a broken training invariant).
@@ -69,6 +71,10 @@ def run_stage(stage: str, config: dict[str, Any], inputs: dict[str, Any], *, att
         return stages.stage_train(cfg, store, inputs["probe"], inputs["reference"])
     if stage == "evaluate":
         return stages.stage_evaluate(cfg, store, inputs["demos"], inputs["reference"], inputs["probe"], inputs["train"])
+    if stage in COMPARE_STAGES:
+        from pivotrl.pipeline.compare_eval import run_compare_stage
+
+        return run_compare_stage(stage, cfg, store, inputs)
     raise ConfigError(f"unknown stage {stage!r}; valid: {', '.join(STAGES)}")
 
 
