@@ -105,15 +105,16 @@ def claims(stats: Mapping[str, Any], ledgers: Mapping[str, CostLedger]) -> list[
         return "is not shown"
 
     calls_p, calls_e = ledgers["pivotrl"].model_calls, ledgers["e2e"].model_calls
+    tok_p, tok_e = ledgers["pivotrl"].generated_tokens, ledgers["e2e"].generated_tokens
     ratio = f"{calls_e / calls_p:.2f}×" if calls_p else "n/a"
+    spent = f"{tok_e} of PivotRL's {tok_p} generated tokens"
     return [
         f"1. PivotRL beats SFT in-domain (the paper: +4.17 points): {holds(ind)} here; "
         + _verdict(ind, "PivotRL − SFT, held-out local accuracy") + ".",
         f"2. PivotRL retains out-of-domain accuracy better than SFT (the paper: +10.04 points): {holds(ood)} here; "
         + _verdict(ood, "PivotRL − SFT, out-of-domain local accuracy") + ".",
         f"3. PivotRL reaches end-to-end RL's full-task success with fewer rollout turns (the paper: 4× fewer): "
-        f"{holds(e2e, tie_ok=True)} here, with E2E RL using {ratio} PivotRL's model calls at matched generated "
-        "tokens; " + _verdict(e2e, "PivotRL − E2E RL, full-task success") + ".",
+        f"{holds(e2e, tie_ok=True)} here, with E2E RL using {ratio} PivotRL's model calls ({spent}); " + _verdict(e2e, "PivotRL − E2E RL, full-task success") + ".",
     ]
 
 
@@ -135,7 +136,8 @@ def _md(stats: dict[str, Any], ledgers: dict[str, dict[str, Any]], cpp: dict[str
     for m, d in ledgers.items():
         led = CostLedger.from_dict(d)
         lines.append(f"| {m} | " + " | ".join(str(getattr(led, c)) for c in cols)
-                     + f" | {led.total_wall_s:.1f} | {led.peak_memory_bytes / 2**20:.0f} |")
+                     + f" | {led.total_wall_s:.1f} | "
+                     + (f"{led.peak_memory_bytes / 2**20:.0f} |" if led.peak_memory_bytes else "not measured |"))
     lines += ["", "## Cost per point of gain over π_ref", "",
               "| method | measure | gain (points) | generated tokens / point | model calls / point | trainer tokens / point |",
               "|---|---|---|---|---|---|"]
