@@ -452,12 +452,15 @@ class CompareSection(Section):
         "generated_tokens", description="What the end-to-end RL baseline matches with PivotRL: generated tokens."
     )
     e2e_group_size: Int = Field(4, ge=2, description="K: episodes per task in one end-to-end GRPO group.")
-    e2e_tasks_per_batch: Int = Field(2, ge=1, description="Tasks per end-to-end RL step.")
-    e2e_max_steps: Int = Field(8, ge=1, description="Upper bound on end-to-end RL steps (the budget stops it first).")
+    e2e_tasks_per_batch: Int = Field(1, ge=1, description="Tasks per end-to-end RL step.")
+    e2e_max_steps: Int = Field(2, ge=1, description="Upper bound on end-to-end RL steps (the budget stops it first).")
     e2e_reward: Literal["full_task", "per_turn"] = Field(
         "full_task", description="Episode reward: all turns passed (0/1), or the fraction of turns passed."
     )
-    e2e_max_steps_per_turn: Int = Field(4, ge=1, description="Executing model calls per user turn in training episodes.")
+    e2e_max_steps_per_turn: Int = Field(2, ge=1, description="Executing model calls per user turn in training episodes.")
+    num_tasks: Int | None = Field(
+        50, ge=1, description="Held-out tasks the comparison evaluates (the same for every method; null = evaluation.num_tasks)."
+    )
 
 
 # -------------------------------------------------------------------------------------- faults

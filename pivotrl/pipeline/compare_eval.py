@@ -169,6 +169,7 @@ def stage_compare_evaluate(cfg: RunConfig, store: ArtifactStore, demos: dict[str
     ev = cfg.evaluation
     key = "compare/eval/" + content_hash({"demos": demos["key"], "ref": ref["ref_hash"], "train": train["train_key"],
                                           "sft": sft["key"], "e2e": e2e["key"], "evaluation": ev.model_dump(mode="json"),
+                                          "num_tasks": cfg.compare.num_tasks,
                                           "quality": cfg.quality.model_dump(mode="json"),
                                           "rollout": cfg.rollout.model_dump(mode="json"), "code": code_digest(_CODE)})[:16]
     if store.exists(f"{key}/report.json"):
@@ -177,7 +178,7 @@ def stage_compare_evaluate(cfg: RunConfig, store: ArtifactStore, demos: dict[str
     cache = cache_dir(cfg)
     bfcl_root = ensure_bfcl(cache)
     heldout = sorted((t for t in read_trajectories(store, demos["key"], split="heldout") if t.env is not None),
-                     key=lambda t: t.id)[: ev.num_tasks]
+                     key=lambda t: t.id)[: cfg.compare.num_tasks or ev.num_tasks]
     cand = store.read_parquet(f"{demos['key']}/candidates.parquet")
     n_local = max(min(ev.num_tasks * 4, 40), 32)  # as the nightly evaluation
     local_states = frame_to_states(select_candidates(cand, "heldout", n_local, cfg.run.seed, kinds=("call", "text_rule")))
