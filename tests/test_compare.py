@@ -6,6 +6,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import os
+import subprocess
+import sys
+
 import pytest
 
 from pivotrl.config import load_config
@@ -20,7 +24,7 @@ from pivotrl.storage import ArtifactStore
 from pivotrl.testing import save_tiny_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
-pytestmark = pytest.mark.data
+pytestmark = [pytest.mark.data, pytest.mark.integration]
 
 
 @pytest.fixture(scope="module")
@@ -87,3 +91,20 @@ def test_report_puts_the_methods_side_by_side_with_their_ledgers(compared):
     # Cached: a second call reuses every artifact.
     assert stage_sft_baseline(cfg, store, demos, ref, train)["key"] == sft["key"]
     assert stage_compare_evaluate(cfg, store, demos, ref, probe, train, sft, e2e)["key"] == ev["key"]
+
+
+def test_compare_flow_runs_and_a_second_run_is_all_cached(tmp_path):
+    """The Prefect flow through the CLI, as a user runs it; the second run re-runs no stage."""
+    model = save_tiny_checkpoint(tmp_path / "tiny")
+    cmd = [sys.executable, "-m", "pivotrl.flows.cli", "compare", "--config", str(REPO / "configs" / "smoke.yaml"),
+           "--set", f"run.storage_root={tmp_path / 'root'}", "--set", f"model.source={model}"]
+    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect"), "OMP_NUM_THREADS": "1"}
+    first = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO, timeout=600)
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    assert "comparison finished" in first.stdout and "1. PivotRL beats SFT in-domain" in first.stdout
+    second = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO, timeout=600)
+    assert second.returncode == 0, second.stderr[-3000:]
+    log = second.stdout + second.stderr
+    assert log.count("Finished in state Cached") == 7, log[-3000:]  # 4 shared stages + 3 comparison stages
+    report = first.stdout.split("report: ")[-1].split()[0]
+    assert report == second.stdout.split("report: ")[-1].split()[0]
