@@ -86,6 +86,9 @@ def test_report_puts_the_methods_side_by_side_with_their_ledgers(compared):
     parts = [CostLedger.from_dict(d) for d in rep["ledger_totals"].values()]
     for c in COUNTERS:
         assert getattr(total, c) == sum(getattr(p, c) for p in parts)
+    for m in METHODS:
+        saved = store.read_json(f"{ev['key']}/ledgers/{m}.json")
+        assert saved["total"] == rep["ledger_totals"][m] and store.read_manifest(f"{ev['key']}/ledgers/{m}.json").kind == "cost_ledger"
     md = store.read_text(ev["report_md"].split(store.root_url + "/", 1)[1])
     assert "Cost ledger" in md and "claims at this scale" in md and "| pivotrl |" in md
     # Cached: a second call reuses every artifact.

@@ -247,6 +247,10 @@ def stage_compare_evaluate(cfg: RunConfig, store: ArtifactStore, demos: dict[str
         if local_df is not None:
             local_df.to_parquet(Path(tmp) / "local.parquet")
             store.write_bytes(f"{key}/local.parquet", (Path(tmp) / "local.parquet").read_bytes())
+    for m in METHODS:  # each method's ledger (training + this evaluation) beside the report, with a manifest
+        store.write_artifact(f"{key}/ledgers/{m}.json", {"training": ledgers[m], "evaluation": eval_ledgers[m].to_dict(),
+                                                        "total": totals[m]}, kind="cost_ledger",
+                             inputs={"trajectories": demos["trajectories"]}, config={"compare": cfg.compare.model_dump(mode="json")})
     store.write_text(f"{key}/report.md", _md(stats, ledgers, cpp, sentences, meta))
     store.write_artifact(f"{key}/report.json", report, kind="comparison_report",
                          inputs={"sft": store.url(sft["policy_key"]), "e2e": store.url(e2e["policy_key"]),
