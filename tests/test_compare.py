@@ -16,10 +16,9 @@ from pivotrl.config import load_config
 from pivotrl.ledger import COUNTERS, CostLedger
 from pivotrl.models import checkpoint_hash
 from pivotrl.pipeline import stages
-from pivotrl.pipeline.common import local_checkpoint
 from pivotrl.pipeline.compare import pivotrl_ledger, stage_e2e_baseline, stage_sft_baseline
 from pivotrl.pipeline.compare_eval import METHODS, stage_compare_evaluate
-from pivotrl.pipeline.demos import build_demonstrations, cache_dir, read_trajectories
+from pivotrl.pipeline.demos import build_demonstrations, read_trajectories
 from pivotrl.storage import ArtifactStore
 from pivotrl.testing import save_tiny_checkpoint
 

@@ -9,16 +9,16 @@ from typing import Any, Mapping, Sequence
 import pytest
 
 from pivotrl.data.schema import Message, ToolCall, ToolSpec, Trajectory
-from pivotrl.errors import ConfigError, DataError
-from pivotrl.ledger import CostLedger
 from pivotrl.prompts import build_sft_example
 from pivotrl.rollout.hf import TransformersEngine
 from pivotrl.testing import save_tiny_checkpoint, tiny_tokenizer
-from pivotrl.training.e2e import E2ESettings, Episode, episode_groups, run_e2e
-from pivotrl.training.pivotrl import Group, PivotRLTrainer
+from pivotrl.training.e2e import E2ESettings, run_e2e
+from pivotrl.training.pivotrl import PivotRLTrainer
 from pivotrl.training.sft import run_sft
 
 LS = ToolSpec(name="ls", description="List files.", parameters={"type": "object", "properties": {"a": {"type": "boolean"}}})
+WARM_EPOCHS = 12  # SFT passes: the tiny model then makes a clean call in ≈ 1 of 5 episodes
+STEPS = 16  # end-to-end RL steps
 USERS = ("Please move the final report into the temp folder.", "What is the factorial of five?",
          "Show the files in the current folder.", "List all files please.")
 
@@ -74,8 +74,6 @@ def warm(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root / "warm"
 
 
-WARM_EPOCHS = 12
-
 
 def test_reward_rises_and_the_ledger_counts_the_calls(warm: Path, tmp_path: Path) -> None:
     ToyEnv.executed = []
@@ -98,7 +96,6 @@ def test_reward_rises_and_the_ledger_counts_the_calls(warm: Path, tmp_path: Path
     history, ledger = run_e2e(trainer, engine, tok, [toy_task(i) for i in range(4)], settings, executor=ToyEnv,
                               work_dir=tmp_path)
     rewards = [h["reward_mean"] for h in history]
-    print(rewards)
     # Reward rises: the policy learns to call the tool from the first user turn.
     assert sum(rewards[-4:]) / 4 > sum(rewards[:4]) / 4 + 0.15, rewards
     # Ledger counts equal the independently counted calls.
@@ -112,5 +109,3 @@ def test_reward_rises_and_the_ledger_counts_the_calls(warm: Path, tmp_path: Path
     assert 0 < ledger.trainer_tokens <= ledger.trainer_tokens_naive
     assert set(ledger.wall_s) == {"rollout", "train", "refresh"} and ledger.peak_memory_bytes > 0
 
-
-STEPS = 16
