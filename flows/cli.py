@@ -1,6 +1,7 @@
 """The ``pivotrl`` command line.
 
     pivotrl run     --config configs/default.yaml [--set training.beta=0.01 ...]   the nightly flow
+    pivotrl compare --config ... [--set ...] PivotRL vs SFT vs end-to-end RL from the same π_ref
     pivotrl probe   --config ...            demonstrations → warm start → probes → pivot set
     pivotrl demos   --config ... [--lengths] write demonstrations + candidates, print counts
     pivotrl config  --config ... [--set ...] validate and print the resolved config
@@ -94,6 +95,18 @@ def _nightly():
     from pivotrl.flows.nightly import nightly
 
     return nightly
+
+
+@app.command()
+def compare(config: str = ConfigOpt, overrides: Optional[list[str]] = SetOpt) -> None:
+    """PivotRL beside SFT and end-to-end RL baselines (shared stages cached); print the report."""
+    _preflight(_load(config, overrides))
+    from pivotrl.flows.compare import compare as compare_flow
+
+    t0 = time.time()
+    result = compare_flow(config_path=config, overrides=overrides or [])
+    typer.echo("\n".join(result["report"]["claims"]))
+    typer.echo(f"\ncomparison finished in {time.time() - t0:.0f} s\nreport: {result['report_md']}")
 
 
 @app.command()

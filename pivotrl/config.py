@@ -469,6 +469,30 @@ class QualitySection(Section):
     out_of_domain_limit: Int = Field(50, ge=1, description="Records per out-of-domain category (file order).")
 
 
+# ------------------------------------------------------------------------------------- compare
+class CompareSection(Section):
+    """``pivotrl compare``: SFT and end-to-end RL baselines from the same π_ref as PivotRL."""
+
+    sft_budget: Literal["optimizer_steps"] = Field(
+        "optimizer_steps", description="What the SFT baseline matches with PivotRL: its optimiser steps."
+    )
+    sft_lr: Float | None = Field(None, gt=0, description="SFT learning rate (null = training.lr).")
+    sft_batch_size: Int = Field(8, ge=1, description="Demonstrations per SFT optimiser step.")
+    e2e_budget: Literal["generated_tokens"] = Field(
+        "generated_tokens", description="What the end-to-end RL baseline matches with PivotRL: generated tokens."
+    )
+    e2e_group_size: Int = Field(4, ge=2, description="K: episodes per task in one end-to-end GRPO group.")
+    e2e_tasks_per_batch: Int = Field(1, ge=1, description="Tasks per end-to-end RL step.")
+    e2e_max_steps: Int = Field(2, ge=1, description="Upper bound on end-to-end RL steps (the budget stops it first).")
+    e2e_reward: Literal["full_task", "per_turn"] = Field(
+        "full_task", description="Episode reward: all turns passed (0/1), or the fraction of turns passed."
+    )
+    e2e_max_steps_per_turn: Int = Field(2, ge=1, description="Executing model calls per user turn in training episodes.")
+    num_tasks: Int | None = Field(
+        50, ge=1, description="Held-out tasks the comparison evaluates (the same for every method; null = evaluation.num_tasks)."
+    )
+
+
 # -------------------------------------------------------------------------------------- faults
 class FaultsSection(Section):
     tool_failure_rate: Float = Field(
@@ -558,6 +582,7 @@ class RunConfig(Section):
     tracking: TrackingSection = Field(default_factory=TrackingSection, description="Experiment tracking (MLflow).")
     scale_out: ScaleOutSection = Field(
         default_factory=ScaleOutSection, description="Shards of probing and evaluation, and where they run.")
+    compare: CompareSection = Field(default_factory=CompareSection, description="SFT and end-to-end RL baselines.")
 
     @model_validator(mode="before")
     @classmethod

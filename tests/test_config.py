@@ -96,7 +96,7 @@ def test_every_field_in_the_file_has_a_comment_above(name):
 
 def test_every_schema_field_has_a_description_and_forbids_extras():
     models = _all_models(RunConfig)
-    assert len(models) == 19  # RunConfig, 14 sections, split, deepspeed, 2 source kinds
+    assert len(models) == 20  # RunConfig, 15 sections, split, deepspeed, 2 source kinds
     for model in models:
         assert model.model_config.get("extra") == "forbid", model.__name__
         for name, info in model.model_fields.items():

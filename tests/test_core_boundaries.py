@@ -17,7 +17,7 @@ PKG = REPO / "pivotrl"
 
 #: The core: math, data model, verifiers, parsers, renderers, config, storage.
 CORE = ("objective", "filtering", "data", "verifiers", "envs", "actions", "prompts", "config", "storage",
-        "registry", "errors", "faults", "code_digest", "lineage")
+        "registry", "errors", "faults", "code_digest", "lineage", "ledger")
 
 
 def _modules(name: str) -> list[str]:

@@ -356,6 +356,7 @@ def evaluate_full_tasks(
     tool_parser: str = "pythonic",
     executor: EnvFactory | None = None,
     judge: str = "bfcl",
+    on_model_call: Callable[[str, list[int], Any], None] | None = None,
 ) -> tuple[pd.DataFrame, dict[str, Any]]:
     """Play every task from scratch with the policy behind ``engine`` and judge it as BFCL does.
 
@@ -448,7 +449,8 @@ def evaluate_full_tasks(
     from pivotrl.progress import Progress
 
     with Progress("evaluation", sum(len(r.turns) for r in runs), "turns") as bar:
-        _play(runs, engine, tokenizer, budget, encode_opts, sampling, base_seed, max_steps_per_turn, parser, bar)
+        _play(runs, engine, tokenizer, budget, encode_opts, sampling, base_seed, max_steps_per_turn, parser, bar,
+              on_model_call)
     df = pd.DataFrame([r.row() for r in runs], columns=_COLUMNS)
     df["first_failed_turn"] = df["first_failed_turn"].astype("Int64")  # <NA> on success
     return df, _summary(df, max_steps_per_turn=max_steps_per_turn, sampling=sampling, seed=seed,
@@ -457,7 +459,7 @@ def evaluate_full_tasks(
 
 def _play(runs: list[_TaskRun], engine: Any, tokenizer: Any, budget: int, encode_opts: dict[str, Any],
           sampling: SamplingConfig, base_seed: int | None, max_steps_per_turn: int, parser: Any,
-          bar: Any) -> None:
+          bar: Any, on_model_call: Any = None) -> None:
     """Step every unfinished task until all are done (one ``generate`` call per step); ``bar``
     (a pivotrl.progress.Progress) counts turns finished (all of a task's turns once it ends)."""
     step = 0
@@ -477,7 +479,9 @@ def _play(runs: list[_TaskRun], engine: Any, tokenizer: Any, budget: int, encode
         outs = engine.generate(prompts, dataclasses.replace(sampling, seed=step_seed))
         if len(outs) != len(prompts):
             raise ConfigError(f"engine returned {len(outs)} results for {len(prompts)} prompts")
-        for run, gens in zip(ready, outs):
+        for run, ids, gens in zip(ready, prompts, outs):
+            if on_model_call is not None:
+                on_model_call(run.trajectory.id, ids, gens[0])
             _advance(run, gens[0], max_steps_per_turn, parser)
         step += 1
         turns_done = sum(len(r.turns) if r.done else r.turn for r in runs)

@@ -23,7 +23,9 @@ from typing import Any, Iterator
 
 from pivotrl.errors import ConfigError, DataError, ModelError, PivotRLError, StorageAccessError, TrainingError
 
-STAGES = ("reference", "probe", "train", "evaluate", "probe_shard")
+#: Stages of ``pivotrl compare`` (pivotrl.pipeline.compare / compare_eval), run the same way.
+COMPARE_STAGES = ("sft_baseline", "e2e_baseline", "compare_evaluate")
+STAGES = ("reference", "probe", "train", "evaluate", "probe_shard") + COMPARE_STAGES
 
 #: Exit code of a stage process that failed for a reason a retry cannot fix (bad config or data,
 #: an unreadable model, a broken training invariant).
@@ -87,6 +89,10 @@ def run_stage(stage: str, config: dict[str, Any], inputs: dict[str, Any], *, att
         from pivotrl.pipeline.shards import probe_shard
 
         return probe_shard(cfg, store, inputs["demos"], inputs["reference"], inputs["shard"])
+    if stage in COMPARE_STAGES:
+        from pivotrl.pipeline.compare_eval import run_compare_stage
+
+        return run_compare_stage(stage, cfg, store, inputs)
     raise ConfigError(f"unknown stage {stage!r}; valid: {', '.join(STAGES)}")
 
 

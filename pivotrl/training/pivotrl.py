@@ -74,10 +74,18 @@ class Group:
     prompt_ids: list[int]  # (P,) the rendered state, ending with the assistant generation header
     actions: list[list[int]]  # K × (T_i,) action token ids, each ending with the end-of-turn token
     rewards: list[float]  # (K,) R(s, a_i) from the verifier
+    # (K,) precomputed Â_i, or None (computed from ``rewards`` with the advantage estimator). Set by
+    # callers whose advantage is not a group statistic of this state, e.g. end-to-end RL, where every
+    # model call of an episode carries the episode's group-normalised advantage (pivotrl.training.e2e);
+    # such a group may hold any number ≥ 1 of actions.
+    advantages: list[float] | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-able dict with the four fields (the record format of a batches file)."""
-        return asdict(self)
+        """JSON-able dict with the fields (the record format of a batches file)."""
+        d = asdict(self)
+        if d["advantages"] is None:
+            del d["advantages"]
+        return d
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> Group:
@@ -88,6 +96,7 @@ class Group:
                 prompt_ids=[int(x) for x in d["prompt_ids"]],
                 actions=[[int(x) for x in a] for a in d["actions"]],
                 rewards=[float(x) for x in d["rewards"]],
+                advantages=None if d.get("advantages") is None else [float(x) for x in d["advantages"]],
             )
         except KeyError as err:
             raise DataError(f"group record {d.get('state_id', '?')!r} lacks key {err}") from None
@@ -297,7 +306,15 @@ class PivotRLTrainer:
         if len(groups) == 0:
             raise DataError("train_step needs at least one group")
         for g in groups:
-            if len(g.actions) != k or len(g.rewards) != k:
+            if g.advantages is not None:
+                if not (len(g.actions) == len(g.rewards) == len(g.advantages) >= 1):
+                    raise DataError(
+                        f"group {g.state_id!r}: {len(g.actions)} actions, {len(g.rewards)} rewards and "
+                        f"{len(g.advantages)} advantages; with precomputed advantages all three must match (>= 1)"
+                    )
+                if not all(math.isfinite(a) for a in g.advantages):
+                    raise DataError(f"group {g.state_id!r}: advantages must be finite, got {g.advantages}")
+            elif len(g.actions) != k or len(g.rewards) != k:
                 raise DataError(
                     f"group {g.state_id!r}: {len(g.actions)} actions and {len(g.rewards)} rewards, "
                     f"expected group_size={k} of each"
@@ -309,6 +326,19 @@ class PivotRLTrainer:
                     raise DataError(f"group {g.state_id!r}: action {i} has no tokens")
             if not all(math.isfinite(r) for r in g.rewards):
                 raise DataError(f"group {g.state_id!r}: rewards must be finite, got {g.rewards}")
+
+    def _advantages(self, groups: Sequence[Group]) -> list[torch.Tensor]:
+        """Â per group, (K_g,) float64: precomputed where given, else the estimator over the
+        groups without them (one (G', K) call, so estimators see whole groups as before)."""
+        s = self.settings
+        plain = [i for i, g in enumerate(groups) if g.advantages is None]
+        out: list[torch.Tensor] = [torch.tensor(g.advantages or [], dtype=torch.float64) for g in groups]
+        if plain:
+            rewards = torch.tensor([groups[i].rewards for i in plain], dtype=torch.float64)  # (G', K)
+            computed = compute_advantages(rewards, s.advantage_estimator, s.delta)
+            for row, i in enumerate(plain):
+                out[i] = computed[row]
+        return out
 
     def _dummy_backward(self) -> None:
         """A zero-loss backward through the model, keeping collectives matched across ranks."""
@@ -341,11 +371,10 @@ class PivotRLTrainer:
         t_start = time.perf_counter()
         self._check_groups(groups)
         rank, world = rank_and_world()
-        rewards = torch.tensor([g.rewards for g in groups], dtype=torch.float64)  # (G, K)
-        advantages = compute_advantages(rewards, s.advantage_estimator, s.delta)  # (G, K)
+        advantages = self._advantages(groups)  # G × (K_g,)
         zero_var = [max(g.rewards) == min(g.rewards) for g in groups]
         trainable = [i for i in range(len(groups)) if s.beta > 0 or bool((advantages[i] != 0).any())]
-        num_actions = len(groups) * s.group_size  # global loss denominator: every sampled action
+        num_actions = sum(len(g.actions) for g in groups)  # global loss denominator: every sampled action
         local = trainable[rank::world]
         per_rank = math.ceil(len(trainable) / world)
         n_micro = math.ceil(per_rank / s.micro_batch_groups)
@@ -391,7 +420,7 @@ class PivotRLTrainer:
                     raise TrainingError(f"micro-batch {j} lost its π_ref/π_old log-probs (internal error)")
                 t = logprobs.shape[1]
                 ref = torch.nn.functional.pad(ref, (0, t - ref.shape[1])).to(logprobs.dtype)
-                adv = advantages[mb].reshape(-1).to(logprobs.dtype)  # (B,)
+                adv = torch.cat([advantages[i] for i in mb]).to(logprobs.dtype)  # (B,)
                 loss, m = pivotrl_loss(
                     logprobs,
                     old,
@@ -439,7 +468,7 @@ class PivotRLTrainer:
         elapsed = time.perf_counter() - t_start
         n = max(tot["actions"], 1.0)
         nr = max(tot["ratio_actions"], 1.0)
-        flat_rewards = rewards.flatten()
+        flat_rewards = torch.tensor([r for g in groups for r in g.rewards], dtype=torch.float64)
         metrics = {
             "step": float(self.step),
             "groups": float(len(groups)),

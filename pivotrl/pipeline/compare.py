@@ -1,0 +1,240 @@
+"""``pivotrl compare``: PivotRL beside an SFT and an end-to-end RL baseline from the same π_ref.
+
+Stages (each ``(cfg, store, inputs) -> result dict``, content-addressed like the nightly stages):
+
+* :func:`stage_sft_baseline` - supervised training of π_ref on the demonstrations of the *pivot*
+  split (the trajectories PivotRL's states come from), **the same number of optimiser steps** as
+  the PivotRL run (``compare.sft_budget = optimizer_steps``): the examples are cycled in a seeded
+  order to ``steps × compare.sft_batch_size`` and trained for one pass.
+* :func:`stage_e2e_baseline` - GRPO on whole tasks of the pivot split (``pivotrl.training.e2e``),
+  same trainer settings as PivotRL, **the same generated tokens** as PivotRL spent in probing
+  and training together (``compare.e2e_budget = generated_tokens``; ``compare.e2e_max_steps``
+  caps it).
+* :func:`pivotrl_ledger` - PivotRL's cost, counted from its probe table and training metrics.
+* :func:`stage_compare_evaluate` - in ``pivotrl.pipeline.compare_eval``.
+
+Every baseline records the checkpoint hash it started from (``start_hash``), which must equal the
+reference's (``ref_hash``), and writes ``ledger.json`` (a :class:`pivotrl.ledger.CostLedger`)
+with a manifest beside its summary.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from pivotrl.code_digest import code_digest
+from pivotrl.config import RunConfig
+from pivotrl.data.schema import content_hash
+from pivotrl.errors import StateTooLongError
+from pivotrl.ledger import CostLedger
+from pivotrl.pipeline.common import make_rollout_engine, prompt_kwargs
+from pivotrl.pipeline.demos import cache_dir, read_trajectories
+from pivotrl.pipeline.stages import TRAINER_DTYPE, pivot_schedule, reference_dir
+from pivotrl.storage import ArtifactStore
+
+log = logging.getLogger("pivotrl.pipeline.compare")
+
+__all__ = ["pivotrl_ledger", "stage_e2e_baseline", "stage_sft_baseline", "trainer_kwargs"]
+
+_CODE = ("pivotrl.data", "pivotrl.actions", "pivotrl.prompts", "pivotrl.ledger", "pivotrl.training",
+         "pivotrl.objective", "pivotrl.rollout", "pivotrl.evaluation.full_task", "pivotrl.pipeline.compare")
+
+
+def _metrics(store: ArtifactStore, train: dict[str, Any]) -> list[dict[str, Any]]:
+    key = f"{train['train_key']}/metrics.parquet"
+    return store.read_parquet(key).to_dict("records") if store.exists(key) else []
+
+
+def trainer_kwargs(cfg: RunConfig) -> dict[str, Any]:
+    """The PivotRLTrainer settings of the run's training section (PivotRL and E2E RL share them)."""
+    tr = cfg.training
+    return dict(group_size=tr.group_size, epsilon=tr.epsilon, beta=tr.beta, delta=tr.delta,
+                kl_estimator=tr.kl_estimator, advantage_estimator=tr.advantage_estimator, ratio_type=tr.ratio_type,
+                lr=tr.lr, updates_per_batch=tr.updates_per_batch, micro_batch_groups=tr.micro_batch_groups,
+                shared_prefix=tr.shared_prefix, dtype=TRAINER_DTYPE[cfg.model.dtype], zero_stage=tr.deepspeed.zero_stage,
+                grad_clip=tr.grad_clip, seed=cfg.run.seed, deepspeed_extra=tr.deepspeed.extra or None)
+
+
+def pivotrl_ledger(cfg: RunConfig, store: ArtifactStore, probe: dict[str, Any], train: dict[str, Any],
+                   ref: dict[str, Any]) -> CostLedger:
+    """PivotRL's cost from its artifacts: probing (m samples per probed state, each verified) and
+    training (K samples per pivot per step, trainer tokens, optimiser steps, wall time).
+
+    Naive-equivalent trainer tokens are recomputed from the pivot schedule: Σ over steps, updates
+    and sampled actions of (state tokens + action tokens).
+    """
+    from pivotrl.data.states import frame_to_states
+    from pivotrl.models import load_tokenizer
+    from pivotrl.prompts import encode_state
+
+    led = CostLedger(name="pivotrl")
+    import json
+
+    probes = store.read_parquet(f"{probe['probes_key']}/probes.parquet")
+    for rec in probes.to_dict("records"):  # one row per probed state; rewards: the m verdicts
+        m = len(json.loads(rec.get("rewards") or "[]"))
+        mean_tokens = rec.get("action_tokens_mean")
+        led.add(model_calls=m, verifier_executions=m, tool_retries=int(rec.get("verifier_retries") or 0),
+                generated_tokens=int(round(m * mean_tokens)) if m and mean_tokens == mean_tokens else 0)
+    try:
+        led.add_wall("probe", float(store.read_manifest(f"{probe['probes_key']}/probes.parquet").extra.get("wall_s", 0.0)))
+    except Exception:  # a manifest without timing: the probe wall time is unknown, not zero
+        log.warning("probe manifest has no wall time; the ledger leaves it out")
+    rows = _metrics(store, train)
+    naive = 0
+    if rows:
+        pivots = frame_to_states(store.read_parquet(f"{probe['pivots_key']}/pivots.parquet"))
+        tok = load_tokenizer(reference_dir(cfg, store, ref))
+        plen = [len(encode_state(s, tok, max_len=cfg.model.max_context - cfg.rollout.max_tokens, **prompt_kwargs(cfg)))
+                for s in pivots]
+        tr = cfg.training
+        schedule = pivot_schedule(len(pivots), tr.pivots_per_batch, tr.epochs, cfg.run.seed, tr.max_steps)
+        for row, idx in zip(rows, schedule):
+            updates = int(row.get("updates", 0) or 0)
+            naive += updates * (tr.group_size * sum(plen[i] for i in idx) + int(row.get("action_tokens", 0) or 0))
+    for row in rows:
+        led.add(model_calls=int(row.get("actions", 0) or 0), verifier_executions=int(row.get("actions", 0) or 0),
+                generated_tokens=int(row.get("action_tokens", 0) or 0),
+                tool_retries=int(row.get("verifier_retries", 0) or 0))
+        led.add_trainer_metrics(row, 0)
+        led.add_wall("rollout", float(row.get("rollout_s", 0.0) or 0.0))
+        led.add_wall("train", float(row.get("step_time_s", 0.0) or 0.0) - float(row.get("rollout_s", 0.0) or 0.0))
+    led.add(trainer_tokens_naive=naive)
+    return led
+
+
+def _write(store: ArtifactStore, key: str, summary: dict[str, Any], ledger: CostLedger, kind: str,
+           inputs: dict[str, str], cfg: RunConfig) -> None:
+    conf = {"compare": cfg.compare.model_dump(mode="json"), "training": cfg.training.model_dump(mode="json")}
+    store.write_artifact(f"{key}/ledger.json", ledger.to_dict(), kind="cost_ledger", inputs=inputs, config=conf)
+    store.write_artifact(f"{key}/summary.json", summary, kind=kind, inputs=inputs, config=conf,
+                         extra={"seed": cfg.run.seed})
+
+
+def _cached(store: ArtifactStore, key: str) -> dict[str, Any] | None:
+    if store.exists(f"{key}/summary.json") and store.exists(f"{key}/ledger.json"):
+        return {"key": key, "policy_key": f"{key}/policy", "summary": store.read_json(f"{key}/summary.json"),
+                "ledger": store.read_json(f"{key}/ledger.json")}
+    return None
+
+
+def stage_sft_baseline(cfg: RunConfig, store: ArtifactStore, demos: dict[str, Any], ref: dict[str, Any],
+                       train: dict[str, Any]) -> dict[str, Any]:
+    """SFT of π_ref on the pivot split's demonstrations, with PivotRL's number of optimiser steps.
+
+    Returns {"key", "policy_key", "summary" (steps, target_steps, examples, start_hash, ...),
+    "ledger"}. With a PivotRL run of 0 steps the baseline trains 0 steps: the policy is π_ref.
+    """
+    from pivotrl.models import checkpoint_hash, load_tokenizer
+    from pivotrl.prompts import build_sft_example
+    from pivotrl.training.sft import run_sft
+
+    target = sum(int(r.get("updates", 0) or 0) for r in _metrics(store, train))
+    cp = cfg.compare
+    key = "compare/sft/" + content_hash({"ref": ref["ref_hash"], "demos": demos["key"], "target": target,
+                                         "compare": cp.model_dump(mode="json"), "lr": cfg.training.lr,
+                                         "prompt": cfg.prompt.model_dump(mode="json"), "dtype": cfg.model.dtype,
+                                         "seed": cfg.run.seed, "code": code_digest(_CODE)})[:16]
+    hit = _cached(store, key)
+    if hit is not None:
+        return hit
+    rdir = reference_dir(cfg, store, ref)
+    start_hash = checkpoint_hash(rdir)
+    tok = load_tokenizer(rdir)
+    examples, too_long = [], 0
+    for t in read_trajectories(store, demos["key"], split="pivot"):
+        try:
+            examples.append(build_sft_example(t, tok, max_len=cfg.model.max_context, **prompt_kwargs(cfg)))
+        except StateTooLongError:
+            too_long += 1
+    led = CostLedger(name="sft")
+    summary: dict[str, Any] = {"budget": "optimizer_steps", "target_steps": target, "examples": len(examples),
+                               "skipped_too_long": too_long, "start_hash": start_hash, "reference_hash": ref["ref_hash"]}
+    if target == 0 or not examples:
+        summary.update(steps=0, policy="reference", note="no PivotRL step or no example: SFT policy = reference")
+        store.put_dir(str(rdir), f"{key}/policy")
+    else:
+        rng = random.Random(cfg.run.seed)
+        need = target * cp.sft_batch_size
+        cycled: list[Any] = []
+        while len(cycled) < need:
+            order = list(range(len(examples)))
+            rng.shuffle(order)
+            cycled.extend(examples[i] for i in order)
+        cycled = cycled[:need]
+        with tempfile.TemporaryDirectory(dir=cache_dir(cfg)) as tmp, led.stage("train"):
+            ckpt = Path(tmp) / "ckpt"
+            m = run_sft(str(rdir), cycled, str(ckpt), epochs=1, lr=cp.sft_lr or cfg.training.lr,
+                        batch_size=cp.sft_batch_size, dtype=TRAINER_DTYPE[cfg.model.dtype],
+                        zero_stage=cfg.training.deepspeed.zero_stage, seed=cfg.run.seed)
+            store.put_dir(str(ckpt), f"{key}/policy")
+        led.add(optimizer_steps=int(m["steps"]), trainer_tokens=int(m["tokens"]), trainer_tokens_naive=int(m["tokens"]))
+        summary.update(steps=int(m["steps"]), first_loss=m["first_loss"], final_loss=m["final_loss"])
+    _write(store, key, summary, led, "sft_baseline", {"trajectories": demos["trajectories"]}, cfg)
+    return {"key": key, "policy_key": f"{key}/policy", "summary": summary, "ledger": led.to_dict()}
+
+
+def stage_e2e_baseline(cfg: RunConfig, store: ArtifactStore, demos: dict[str, Any], ref: dict[str, Any],
+                       probe: dict[str, Any], train: dict[str, Any]) -> dict[str, Any]:
+    """End-to-end GRPO of π_ref on the pivot split's tasks, with PivotRL's generated tokens.
+
+    Returns {"key", "policy_key", "summary" (steps, budget_tokens, generated_tokens, reward per
+    step, start_hash, ...), "ledger"}. No task with an environment: the policy is π_ref (noted).
+    """
+    from pivotrl.data.bfcl import ensure_bfcl
+    from pivotrl.models import checkpoint_hash, load_tokenizer
+    from pivotrl.training.e2e import E2ESettings, run_e2e
+    from pivotrl.training.pivotrl import PivotRLTrainer
+
+    budget = pivotrl_ledger(cfg, store, probe, train, ref).generated_tokens
+    cp = cfg.compare
+    key = "compare/e2e/" + content_hash({"ref": ref["ref_hash"], "demos": demos["key"], "budget": budget,
+                                         "compare": cp.model_dump(mode="json"),
+                                         "training": cfg.training.model_dump(mode="json"),
+                                         "rollout": cfg.rollout.model_dump(mode="json"),
+                                         "prompt": cfg.prompt.model_dump(mode="json"), "judge": cfg.quality.judge,
+                                         "dtype": cfg.model.dtype, "seed": cfg.run.seed, "code": code_digest(_CODE)})[:16]
+    hit = _cached(store, key)
+    if hit is not None:
+        return hit
+    rdir = reference_dir(cfg, store, ref)
+    start_hash = checkpoint_hash(rdir)
+    tasks = sorted((t for t in read_trajectories(store, demos["key"], split="pivot") if t.env is not None),
+                   key=lambda t: t.id)
+    led = CostLedger(name="e2e")
+    summary: dict[str, Any] = {"budget": "generated_tokens", "budget_tokens": budget, "tasks": len(tasks),
+                               "reward": cp.e2e_reward, "start_hash": start_hash, "reference_hash": ref["ref_hash"]}
+    if not tasks or budget == 0:
+        summary.update(steps=0, policy="reference", note="no pivot-split task with an environment or no budget")
+        store.put_dir(str(rdir), f"{key}/policy")
+    else:
+        settings = E2ESettings(group_size=cp.e2e_group_size, tasks_per_batch=cp.e2e_tasks_per_batch,
+                               max_steps=cp.e2e_max_steps, max_generated_tokens=budget, reward=cp.e2e_reward,
+                               temperature=1.0, max_tokens=cfg.rollout.max_tokens,
+                               max_steps_per_turn=cp.e2e_max_steps_per_turn,
+                               max_context=cfg.model.max_context - cfg.rollout.max_tokens, judge=cfg.quality.judge,
+                               advantage_estimator=cfg.training.advantage_estimator, delta=cfg.training.delta,
+                               seed=cfg.run.seed)
+        trainer = PivotRLTrainer(str(rdir), str(rdir), tokenizer_dir=str(rdir), **trainer_kwargs(cfg))
+        engine = make_rollout_engine(cfg, rdir)
+        try:
+            with tempfile.TemporaryDirectory(dir=cache_dir(cfg)) as tmp:
+                history, led = run_e2e(trainer, engine, load_tokenizer(rdir), tasks, settings, ledger=led, work_dir=tmp,
+                                       bfcl_root=str(ensure_bfcl(cache_dir(cfg))), **prompt_kwargs(cfg))
+                trainer.export_hf(str(Path(tmp) / "policy"))
+                store.put_dir(str(Path(tmp) / "policy"), f"{key}/policy")
+        finally:
+            engine.close()
+        led.note_memory()
+        summary.update(steps=len(history), generated_tokens=led.generated_tokens,
+                       reward_per_step=[h["reward_mean"] for h in history],
+                       budget_reached=led.generated_tokens >= budget)
+        if not math.isfinite(sum(summary["reward_per_step"])):
+            log.warning("end-to-end RL rewards contain non-finite values")
+    _write(store, key, summary, led, "e2e_baseline", {"trajectories": demos["trajectories"]}, cfg)
+    return {"key": key, "policy_key": f"{key}/policy", "summary": summary, "ledger": led.to_dict()}

@@ -1,0 +1,272 @@
+"""The comparison's evaluation and report: π_ref, PivotRL, SFT and E2E RL side by side.
+
+All four policies are evaluated by one engine (weights swapped), with the same seeds, the same
+judge (``quality.judge``), on the same held-out tasks (full task from scratch), the same held-out
+states (local accuracy, greedy) and the same out-of-domain states (``quality.out_of_domain``). The
+report (``compare/eval/<key>/report.json`` + ``report.md``) holds:
+
+* per method: local accuracy, per-turn pass rate (turns passed / turns) and full-task success,
+  each with n and a 95% interval, and paired tests between every two methods
+  (:func:`pivotrl.evaluation.comparison.compare_policies`);
+* the cost ledger of each method's training, and of its evaluation, summed;
+* cost per point of gain over π_ref: generated tokens, model calls and trainer tokens per
+  percentage point of full-task success (and of local accuracy) gained; "n/a" without a gain;
+* one sentence per claim of the paper, decided by the paired tests at this scale.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+from typing import Any, Mapping
+
+import pandas as pd
+
+from pivotrl.code_digest import code_digest
+from pivotrl.config import RunConfig
+from pivotrl.data.schema import content_hash
+from pivotrl.ledger import CostLedger
+from pivotrl.pipeline.common import local_checkpoint, make_rollout_engine, make_verifier, prompt_kwargs, sampling_for
+from pivotrl.pipeline.compare import _CODE, pivotrl_ledger
+from pivotrl.pipeline.demos import cache_dir, read_trajectories
+from pivotrl.pipeline.stages import reference_dir
+from pivotrl.storage import ArtifactStore
+
+__all__ = ["claims", "cost_per_point", "run_compare_stage", "stage_compare_evaluate"]
+
+METHODS = ("reference", "pivotrl", "sft", "e2e")
+
+
+def _rate(stats: Mapping[str, Any], *path: str) -> float | None:
+    node: Any = stats
+    for p in path:
+        node = (node or {}).get(p)
+    return None if node is None else node.get("rate")
+
+
+def _pair(block: Mapping[str, Any] | None, a: str, b: str, field: str | None = None) -> dict[str, Any] | None:
+    for pair in (block or {}).get("pairs", []):
+        if {pair["a"], pair["b"]} == {a, b}:
+            d = dict(pair[field] if field else pair)
+            if pair["a"] != a:  # difference is a − b
+                d["difference"] = -d["difference"]
+            return d
+    return None
+
+
+def _success(stats: Mapping[str, Any], p: str) -> float | None:
+    return _rate(((stats.get("full_task") or {}).get("per_policy") or {}).get(p) or {}, "task_success")
+
+
+def _local_acc(stats: Mapping[str, Any], p: str) -> float | None:
+    block = ((stats.get("local") or {}).get("heldout_greedy") or {}).get("per_policy") or {}
+    return (block.get(p) or {}).get("rate")
+
+
+def cost_per_point(ledgers: Mapping[str, CostLedger], stats: Mapping[str, Any]) -> dict[str, Any]:
+    """Per method: cost per percentage point gained over π_ref in full-task success and local
+    accuracy (generated tokens, model calls, trainer tokens, wall seconds); None without a gain."""
+    out: dict[str, Any] = {}
+    for m, led in ledgers.items():
+        row: dict[str, Any] = {}
+        for name, get in (("full_task_success", _success), ("local_accuracy", _local_acc)):
+            ref, mine = get(stats, "reference"), get(stats, m)
+            gain = None if ref is None or mine is None else 100.0 * (mine - ref)
+            ok = gain is not None and gain > 0
+            row[name] = {"gain_points": gain,
+                         **{f"{c}_per_point": (getattr(led, c) / gain if ok else None)
+                            for c in ("generated_tokens", "model_calls", "trainer_tokens")},
+                         "wall_s_per_point": led.total_wall_s / gain if ok else None}
+        out[m] = row
+    return out
+
+
+def _verdict(d: dict[str, Any] | None, label: str) -> str:
+    if d is None:
+        return f"{label}: not evaluated"
+    return f"{label} {d['difference']:+.3f} (n = {d['n']}, {d['test']}, p = {d['p_value']:.3g}, {d['verdict']})"
+
+
+def claims(stats: Mapping[str, Any], ledgers: Mapping[str, CostLedger]) -> list[str]:
+    """One sentence per claim of the paper, decided at this run's scale by the paired tests."""
+    local = stats.get("local") or {}
+    full = stats.get("full_task")
+    ind = _pair(local.get("heldout_greedy"), "pivotrl", "sft")
+    ood = _pair(local.get("out_of_domain_greedy"), "pivotrl", "sft")
+    e2e = _pair(full, "pivotrl", "e2e", "task_success")
+
+    def holds(d: dict[str, Any] | None, tie_ok: bool = False) -> str:
+        if d is None:
+            return "cannot be checked"
+        if d["difference"] > 0 and d["p_value"] < 0.05:
+            return "holds"
+        if tie_ok and d["p_value"] >= 0.05:
+            return "is not contradicted (no significant difference)"
+        return "is not shown"
+
+    calls_p, calls_e = ledgers["pivotrl"].model_calls, ledgers["e2e"].model_calls
+    tok_p, tok_e = ledgers["pivotrl"].generated_tokens, ledgers["e2e"].generated_tokens
+    ratio = f"{calls_e / calls_p:.2f}×" if calls_p else "n/a"
+    spent = f"{tok_e} of PivotRL's {tok_p} generated tokens"
+    return [
+        f"1. PivotRL beats SFT in-domain (the paper: +4.17 points): {holds(ind)} here; "
+        + _verdict(ind, "PivotRL − SFT, held-out local accuracy") + ".",
+        f"2. PivotRL retains out-of-domain accuracy better than SFT (the paper: +10.04 points): {holds(ood)} here; "
+        + _verdict(ood, "PivotRL − SFT, out-of-domain local accuracy") + ".",
+        f"3. PivotRL reaches end-to-end RL's full-task success with fewer rollout turns (the paper: 4× fewer): "
+        f"{holds(e2e, tie_ok=True)} here, with E2E RL using {ratio} PivotRL's model calls ({spent}); " + _verdict(e2e, "PivotRL − E2E RL, full-task success") + ".",
+    ]
+
+
+def _md(stats: dict[str, Any], ledgers: dict[str, dict[str, Any]], cpp: dict[str, Any], sentences: list[str],
+        meta: dict[str, Any]) -> str:
+    from pivotrl.evaluation.comparison import comparison_markdown
+
+    lines = ["# PivotRL vs SFT vs end-to-end RL", "",
+             f"Same π_ref (hash {meta['reference_hash'][:12]}), seeds {meta['seeds']}, judge {meta['judge']}; "
+             f"{len(meta['heldout_tasks'])} held-out tasks, {meta['local_states']} held-out states, "
+             f"{meta['ood_states']} out-of-domain states. SFT budget: same optimiser steps as PivotRL; "
+             "E2E RL budget: same generated tokens as PivotRL (probing included).", "",
+             "## The paper's claims at this scale", "", *sentences, ""]
+    lines += comparison_markdown(stats)
+    cols = ["model_calls", "generated_tokens", "tool_executions", "tool_retries", "verifier_executions",
+            "trainer_tokens", "trainer_tokens_naive", "reference_tokens", "optimizer_steps"]
+    lines += ["## Cost ledger (training; evaluation apart)", "",
+              "| method | " + " | ".join(cols) + " | wall s | peak MiB |", "|---" * (len(cols) + 3) + "|"]
+    for m, d in ledgers.items():
+        led = CostLedger.from_dict(d)
+        lines.append(f"| {m} | " + " | ".join(str(getattr(led, c)) for c in cols)
+                     + f" | {led.total_wall_s:.1f} | "
+                     + (f"{led.peak_memory_bytes / 2**20:.0f} |" if led.peak_memory_bytes else "not measured |"))
+    lines += ["", "## Cost per point of gain over π_ref", "",
+              "| method | measure | gain (points) | generated tokens / point | model calls / point | trainer tokens / point |",
+              "|---|---|---|---|---|---|"]
+
+    def f(x: Any) -> str:
+        return "n/a" if x is None else f"{x:.1f}" if isinstance(x, float) else str(x)
+
+    for m, row in cpp.items():
+        for measure, r in row.items():
+            lines.append(f"| {m} | {measure} | {f(r['gain_points'])} | {f(r['generated_tokens_per_point'])} | "
+                         f"{f(r['model_calls_per_point'])} | {f(r['trainer_tokens_per_point'])} |")
+    return "\n".join(lines) + "\n"
+
+
+def stage_compare_evaluate(cfg: RunConfig, store: ArtifactStore, demos: dict[str, Any], ref: dict[str, Any],
+                           probe: dict[str, Any], train: dict[str, Any], sft: dict[str, Any],
+                           e2e: dict[str, Any]) -> dict[str, Any]:
+    """Evaluate the four policies (see the module docstring); returns {"key", "report_json",
+    "report_md", "report"}. The report's ``items`` lists the task and state ids each policy saw."""
+    from pivotrl.data.bfcl import ensure_bfcl
+    from pivotrl.data.states import frame_to_states
+    from pivotrl.evaluation.comparison import compare_policies
+    from pivotrl.evaluation.full_task import evaluate_full_tasks
+    from pivotrl.evaluation.local import evaluate_local
+    from pivotrl.evaluation.trust import out_of_domain_states
+    from pivotrl.models import load_tokenizer
+    from pivotrl.pipeline.probe import select_candidates
+
+    ev = cfg.evaluation
+    key = "compare/eval/" + content_hash({"demos": demos["key"], "ref": ref["ref_hash"], "train": train["train_key"],
+                                          "sft": sft["key"], "e2e": e2e["key"], "evaluation": ev.model_dump(mode="json"),
+                                          "num_tasks": cfg.compare.num_tasks,
+                                          "quality": cfg.quality.model_dump(mode="json"),
+                                          "rollout": cfg.rollout.model_dump(mode="json"), "code": code_digest(_CODE)})[:16]
+    if store.exists(f"{key}/report.json"):
+        return {"key": key, "report_json": store.url(f"{key}/report.json"), "report_md": store.url(f"{key}/report.md"),
+                "report": store.read_json(f"{key}/report.json")}
+    cache = cache_dir(cfg)
+    bfcl_root = ensure_bfcl(cache)
+    heldout = sorted((t for t in read_trajectories(store, demos["key"], split="heldout") if t.env is not None),
+                     key=lambda t: t.id)[: cfg.compare.num_tasks or ev.num_tasks]
+    cand = store.read_parquet(f"{demos['key']}/candidates.parquet")
+    n_local = max(min(ev.num_tasks * 4, 40), 32)  # as the nightly evaluation
+    local_states = frame_to_states(select_candidates(cand, "heldout", n_local, cfg.run.seed, kinds=("call", "text_rule")))
+    ood_states = out_of_domain_states(cfg, cache)
+    rdir = reference_dir(cfg, store, ref)
+    policies = {"reference": rdir,
+                "pivotrl": local_checkpoint(store, train["policy_key"], cache) if train["policy_key"] else rdir,
+                "sft": local_checkpoint(store, sft["policy_key"], cache),
+                "e2e": local_checkpoint(store, e2e["policy_key"], cache)}
+    tok = load_tokenizer(rdir)
+    verifier = make_verifier(cfg, bfcl_root)
+    engine = make_rollout_engine(cfg, rdir)
+    per_task, local_frames, eval_ledgers = [], [], {}
+    lkw = {"max_context": cfg.model.max_context - cfg.rollout.max_tokens, **prompt_kwargs(cfg)}
+    try:
+        for name, mdir in policies.items():
+            engine.load_weights(str(mdir))
+            led = CostLedger(name=f"{name}-eval")
+            for seed in ev.seeds:
+                samp = sampling_for(cfg, n=1, temperature=ev.temperature, seed=seed)
+                with led.stage("full_task"):
+                    df, _ = evaluate_full_tasks(engine, tok, heldout, bfcl_root=str(bfcl_root),
+                                                max_steps_per_turn=ev.max_steps_per_turn, sampling=samp, seed=seed,
+                                                judge=cfg.quality.judge, **lkw)
+                led.add(model_calls=int(df["model_calls"].sum()), generated_tokens=int(df["tokens_generated"].sum()),
+                        tool_executions=int(df["tool_calls"].sum()))
+                per_task.append(df.assign(policy=name, seed=seed))
+                for kind, states in (("heldout_greedy", local_states), ("out_of_domain_greedy", ood_states)):
+                    if not states:
+                        continue
+                    with led.stage("local"):
+                        ldf, _ = evaluate_local(engine, tok, states, verifier, sampling=samp, **lkw)
+                    led.add(model_calls=int(ldf["n_samples"].fillna(0).sum()),
+                            verifier_executions=int(ldf["n_samples"].fillna(0).sum()),
+                            generated_tokens=int(ldf["tokens_generated"].fillna(0).sum()))
+                    local_frames.append(ldf.assign(policy=name, seed=seed, kind=kind))
+            eval_ledgers[name] = led
+    finally:
+        engine.close()
+        close = getattr(verifier, "close", None)
+        if callable(close):
+            close()
+    per_task_df, local_df = pd.concat(per_task), pd.concat(local_frames) if local_frames else None
+    stats = compare_policies(per_task_df, local_df, list(METHODS), seed=cfg.run.seed)
+    train_ledgers = {"reference": CostLedger(name="reference"),
+                     "pivotrl": pivotrl_ledger(cfg, store, probe, train, ref),
+                     "sft": CostLedger.from_dict(sft["ledger"]), "e2e": CostLedger.from_dict(e2e["ledger"])}
+    sentences = claims(stats, train_ledgers)
+    cpp = cost_per_point({m: train_ledgers[m] for m in ("pivotrl", "sft", "e2e")}, stats)
+    items = {name: {"tasks": sorted(set(per_task_df.loc[per_task_df["policy"] == name, "task_id"])),
+                    "states": sorted(set(local_df.loc[local_df["policy"] == name, "state_id"])) if local_df is not None else []}
+             for name in METHODS}
+    meta = {"reference_hash": ref["ref_hash"], "seeds": list(ev.seeds), "judge": cfg.quality.judge,
+            "heldout_tasks": [t.id for t in heldout], "local_states": len(local_states), "ood_states": len(ood_states),
+            "start_hashes": {"sft": sft["summary"]["start_hash"], "e2e": e2e["summary"]["start_hash"]},
+            "sft": sft["summary"], "e2e": e2e["summary"]}
+    ledgers = {m: train_ledgers[m].to_dict() for m in METHODS}
+    totals = {m: (train_ledgers[m] + eval_ledgers[m]).to_dict() for m in METHODS}
+    report = {"meta": meta, "statistics": stats, "ledgers": ledgers, "evaluation_ledgers":
+              {m: led.to_dict() for m, led in eval_ledgers.items()}, "ledger_totals": totals,
+              "ledger_sum": CostLedger.total([CostLedger.from_dict(d) for d in totals.values()]).to_dict(),
+              "cost_per_point": cpp, "claims": sentences, "items": items}
+    with tempfile.TemporaryDirectory(dir=cache) as tmp:
+        per_task_df.to_parquet(Path(tmp) / "full_task.parquet")
+        store.write_bytes(f"{key}/full_task.parquet", (Path(tmp) / "full_task.parquet").read_bytes())
+        if local_df is not None:
+            local_df.to_parquet(Path(tmp) / "local.parquet")
+            store.write_bytes(f"{key}/local.parquet", (Path(tmp) / "local.parquet").read_bytes())
+    for m in METHODS:  # each method's ledger (training + this evaluation) beside the report, with a manifest
+        store.write_artifact(f"{key}/ledgers/{m}.json", {"training": ledgers[m], "evaluation": eval_ledgers[m].to_dict(),
+                                                        "total": totals[m]}, kind="cost_ledger",
+                             inputs={"trajectories": demos["trajectories"]}, config={"compare": cfg.compare.model_dump(mode="json")})
+    store.write_text(f"{key}/report.md", _md(stats, ledgers, cpp, sentences, meta))
+    store.write_artifact(f"{key}/report.json", report, kind="comparison_report",
+                         inputs={"sft": store.url(sft["policy_key"]), "e2e": store.url(e2e["policy_key"]),
+                                 "trajectories": demos["trajectories"]},
+                         config={"evaluation": ev.model_dump(mode="json"), "compare": cfg.compare.model_dump(mode="json")})
+    return {"key": key, "report_json": store.url(f"{key}/report.json"), "report_md": store.url(f"{key}/report.md"),
+            "report": store.read_json(f"{key}/report.json")}
+
+
+def run_compare_stage(stage: str, cfg: RunConfig, store: ArtifactStore, inputs: Mapping[str, Any]) -> dict[str, Any]:
+    """Dispatch one ``pivotrl compare`` stage by name (``pivotrl.pipeline.entry`` runs it in a process)."""
+    from pivotrl.pipeline.compare import stage_e2e_baseline, stage_sft_baseline
+
+    i = inputs
+    if stage == "sft_baseline":
+        return stage_sft_baseline(cfg, store, i["demos"], i["reference"], i["train"])
+    if stage == "e2e_baseline":
+        return stage_e2e_baseline(cfg, store, i["demos"], i["reference"], i["probe"], i["train"])
+    return stage_compare_evaluate(cfg, store, i["demos"], i["reference"], i["probe"], i["train"], i["sft"], i["e2e"])

@@ -1,0 +1,74 @@
+"""Prefect tasks of ``pivotrl compare``: the SFT and end-to-end RL baselines and the comparison.
+
+Thin wrappers like the nightly tasks (``pivotrl.tasks.stages``): the same content-hash cache keys
+(config, inputs, files, code), the same result storage under the run root, the same retry rule,
+each stage in its own process. The shared stages (demonstrations, warm start, probing, PivotRL
+training) are the nightly tasks themselves, so a run root that ``pivotrl run`` filled is reused.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from prefect import Task
+from prefect.artifacts import create_link_artifact, create_markdown_artifact
+
+from pivotrl.tasks.stages import _record_outputs, _stage_process, _store, _task, register_assets, result_storage
+
+
+def _summary_md(title: str, out: Mapping[str, Any]) -> str:
+    led = out["ledger"]
+    rows = "\n".join(f"- {k}: {v}" for k, v in out["summary"].items() if not isinstance(v, list))
+    cost = ", ".join(f"{k} {led[k]}" for k in ("model_calls", "generated_tokens", "optimizer_steps", "trainer_tokens"))
+    return f"## {title}\n\n{rows}\n\nledger: {cost}, wall {led['total_wall_s']:.1f} s\n"
+
+
+@_task("sft_baseline", retries=1)
+def sft_baseline(config: dict[str, Any], inputs: dict[str, Any]) -> dict[str, Any]:
+    """SFT of π_ref on the pivot split's demonstrations, PivotRL's optimiser steps."""
+    out = _stage_process("sft_baseline", config, inputs)
+    create_markdown_artifact(key="sft-baseline", markdown=_summary_md("SFT baseline", out), description="SFT baseline")
+    register_assets(config, [_store(config).url(f"{out['key']}/summary.json"), _store(config).url(f"{out['key']}/ledger.json")])
+    _record_outputs("sft_baseline", config, inputs, out)
+    return out
+
+
+@_task("e2e_baseline", retries=1)
+def e2e_baseline(config: dict[str, Any], inputs: dict[str, Any]) -> dict[str, Any]:
+    """End-to-end GRPO on whole pivot-split tasks, PivotRL's generated tokens."""
+    out = _stage_process("e2e_baseline", config, inputs)
+    create_markdown_artifact(key="e2e-baseline", markdown=_summary_md("End-to-end RL baseline", out),
+                             description="End-to-end RL baseline")
+    register_assets(config, [_store(config).url(f"{out['key']}/summary.json"), _store(config).url(f"{out['key']}/ledger.json")])
+    _record_outputs("e2e_baseline", config, inputs, out)
+    return out
+
+
+@_task("compare_evaluate", retries=1)
+def compare_evaluate(config: dict[str, Any], inputs: dict[str, Any]) -> dict[str, Any]:
+    """Evaluate π_ref, PivotRL, SFT and E2E RL on the same items; the comparison report."""
+    out = _stage_process("compare_evaluate", config, inputs)
+    create_link_artifact(key="comparison-report", link=out["report_md"], link_text="PivotRL vs SFT vs E2E RL")
+    register_assets(config, [out["report_json"]])
+    _record_outputs("compare_evaluate", config, inputs, out)
+    return out
+
+
+@dataclass(frozen=True)
+class CompareTasks:
+    """The comparison's tasks bound to a run's result storage (see :func:`compare_tasks`)."""
+
+    sft_baseline: Task
+    e2e_baseline: Task
+    compare_evaluate: Task
+
+
+def compare_tasks(config: Mapping[str, Any]) -> CompareTasks:
+    """The three comparison tasks with their results persisted under the run root of ``config``."""
+    storage = result_storage(config)
+    return CompareTasks(**{name: globals()[name].with_options(result_storage=storage)
+                           for name in ("sft_baseline", "e2e_baseline", "compare_evaluate")})
+
+
+__all__ = ["CompareTasks", "compare_evaluate", "compare_tasks", "e2e_baseline", "sft_baseline"]

@@ -1,0 +1,112 @@
+"""``pivotrl compare`` on the smoke config (tiny random model, real BFCL records): SFT and PivotRL
+start from byte-identical π_ref and every method is evaluated on the same held-out items; the
+ledgers are present and summed in the report."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from pivotrl.config import load_config
+from pivotrl.ledger import COUNTERS, CostLedger
+from pivotrl.models import checkpoint_hash
+from pivotrl.pipeline import stages
+from pivotrl.pipeline.compare import pivotrl_ledger, stage_e2e_baseline, stage_sft_baseline
+from pivotrl.pipeline.compare_eval import METHODS, stage_compare_evaluate
+from pivotrl.pipeline.demos import build_demonstrations, read_trajectories
+from pivotrl.storage import ArtifactStore
+from pivotrl.testing import save_tiny_checkpoint
+
+REPO = Path(__file__).resolve().parents[1]
+pytestmark = [pytest.mark.data, pytest.mark.integration]
+
+
+@pytest.fixture(scope="module")
+def compared(tmp_path_factory):
+    model = save_tiny_checkpoint(tmp_path_factory.mktemp("model") / "tiny")
+    root = tmp_path_factory.mktemp("root")
+    cfg = load_config(str(REPO / "configs" / "smoke.yaml"), [f"run.storage_root={root}", f"model.source={model}"])
+    store = ArtifactStore(cfg.run.storage_root)
+    demos = build_demonstrations(cfg, store)
+    ref = stages.stage_reference(cfg, store, demos)
+    probe = stages.stage_probe(cfg, store, demos, ref)
+    train = stages.stage_train(cfg, store, probe, ref)
+    sft = stage_sft_baseline(cfg, store, demos, ref, train)
+    e2e = stage_e2e_baseline(cfg, store, demos, ref, probe, train)
+    ev = stage_compare_evaluate(cfg, store, demos, ref, probe, train, sft, e2e)
+    return cfg, store, demos, ref, probe, train, sft, e2e, ev
+
+
+def test_sft_and_pivotrl_start_from_the_same_reference_and_see_the_same_items(compared):
+    cfg, store, demos, ref, probe, train, sft, e2e, ev = compared
+    ref_dir = stages.reference_dir(cfg, store, ref)
+    # PivotRL trains from ref_dir (its train key is built from ref_hash); the baselines hashed what they loaded.
+    assert checkpoint_hash(ref_dir) == ref["ref_hash"] == sft["summary"]["start_hash"] == e2e["summary"]["start_hash"]
+    assert sft["summary"]["reference_hash"] == ref["ref_hash"]
+    rep = ev["report"]
+    items = rep["items"]
+    assert set(items) == set(METHODS)
+    tasks = {tuple(v["tasks"]) for v in items.values()}
+    states = {tuple(v["states"]) for v in items.values()}
+    assert len(tasks) == 1 and len(states) == 1
+    assert list(next(iter(tasks))) == sorted(rep["meta"]["heldout_tasks"]) and rep["meta"]["heldout_tasks"]
+    assert next(iter(states))  # held-out and out-of-domain states were evaluated
+    heldout_ids = {t.id for t in read_trajectories(store, demos["key"], split="heldout")}
+    assert set(next(iter(tasks))) <= heldout_ids
+
+
+def test_budgets_are_matched_and_stated(compared):
+    cfg, store, demos, ref, probe, train, sft, e2e, ev = compared
+    pivot_led = pivotrl_ledger(cfg, store, probe, train, ref)
+    # SFT: the same optimiser steps as PivotRL (smoke: 2 batches × 2 updates).
+    assert sft["summary"]["budget"] == "optimizer_steps"
+    assert sft["summary"]["steps"] == sft["summary"]["target_steps"] == pivot_led.optimizer_steps == 4
+    assert CostLedger.from_dict(sft["ledger"]).optimizer_steps == 4
+    # E2E RL: PivotRL's generated tokens (probing included) as its budget.
+    assert e2e["summary"]["budget"] == "generated_tokens"
+    assert e2e["summary"]["budget_tokens"] == pivot_led.generated_tokens > 0
+    e2e_led = CostLedger.from_dict(e2e["ledger"])
+    if e2e["summary"]["steps"]:
+        assert e2e_led.generated_tokens >= 1 and e2e_led.optimizer_steps == e2e["summary"]["steps"] * cfg.training.updates_per_batch
+
+
+def test_report_puts_the_methods_side_by_side_with_their_ledgers(compared):
+    cfg, store, demos, ref, probe, train, sft, e2e, ev = compared
+    rep = ev["report"]
+    assert set(rep["statistics"]["full_task"]["per_policy"]) == set(METHODS)
+    assert "out_of_domain_greedy" in rep["statistics"]["local"]
+    assert set(rep["ledgers"]) == set(METHODS) and len(rep["claims"]) == 3
+    total = CostLedger.from_dict(rep["ledger_sum"])
+    parts = [CostLedger.from_dict(d) for d in rep["ledger_totals"].values()]
+    for c in COUNTERS:
+        assert getattr(total, c) == sum(getattr(p, c) for p in parts)
+    for m in METHODS:
+        saved = store.read_json(f"{ev['key']}/ledgers/{m}.json")
+        assert saved["total"] == rep["ledger_totals"][m] and store.read_manifest(f"{ev['key']}/ledgers/{m}.json").kind == "cost_ledger"
+    md = store.read_text(ev["report_md"].split(store.root_url + "/", 1)[1])
+    assert "Cost ledger" in md and "claims at this scale" in md and "| pivotrl |" in md
+    # Cached: a second call reuses every artifact.
+    assert stage_sft_baseline(cfg, store, demos, ref, train)["key"] == sft["key"]
+    assert stage_compare_evaluate(cfg, store, demos, ref, probe, train, sft, e2e)["key"] == ev["key"]
+
+
+def test_compare_flow_runs_and_a_second_run_is_all_cached(tmp_path):
+    """The Prefect flow through the CLI, as a user runs it; the second run re-runs no stage."""
+    model = save_tiny_checkpoint(tmp_path / "tiny")
+    cmd = [sys.executable, "-m", "pivotrl.flows.cli", "compare", "--config", str(REPO / "configs" / "smoke.yaml"),
+           "--set", f"run.storage_root={tmp_path / 'root'}", "--set", f"model.source={model}"]
+    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect"), "OMP_NUM_THREADS": "1"}
+    first = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO, timeout=600)
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    assert "comparison finished" in first.stdout and "1. PivotRL beats SFT in-domain" in first.stdout
+    second = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO, timeout=600)
+    assert second.returncode == 0, second.stderr[-3000:]
+    log = second.stdout + second.stderr
+    assert log.count("Finished in state Cached") == 7, log[-3000:]  # 4 shared stages + 3 comparison stages
+    report = first.stdout.split("report: ")[-1].split()[0]
+    assert report == second.stdout.split("report: ")[-1].split()[0]
