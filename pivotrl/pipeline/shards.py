@@ -54,20 +54,11 @@ class ShardIncomplete(VerifierError):
         return (type(self), (str(self), self.state_ids))
 
 
-def _engine_settings(cfg: RunConfig) -> dict[str, Any]:
-    # The engine settings that change samples (the same dict stage_probe keys its table with).
-    return {"engine": cfg.rollout.engine, "max_tokens": cfg.rollout.max_tokens,
-            "dtype": cfg.model.dtype, "max_context": cfg.model.max_context}
-
-
 def merged_probe_key(cfg: RunConfig, store: ArtifactStore, demos: dict[str, Any], ref: dict[str, Any]) -> str:
     """The key of the whole probe table (``probes/<16 hex>``), the one ``stage_probe`` uses."""
-    from pivotrl.pipeline.probe import probe_key
+    from pivotrl.pipeline.stages import probe_table_key
 
-    cand_manifest = store.read_manifest(f"{demos['key']}/candidates.parquet")
-    return probe_key(cand_manifest.sha256, ref["ref_hash"], cfg.probing.model_dump(mode="json"),
-                     cfg.verifier.model_dump(mode="json"), cfg.prompt.model_dump(mode="json"),
-                     _engine_settings(cfg))
+    return probe_table_key(cfg, store.read_manifest(f"{demos['key']}/candidates.parquet").sha256, ref)
 
 
 def _selected(cfg: RunConfig, store: ArtifactStore, demos: dict[str, Any]) -> pd.DataFrame:
@@ -85,7 +76,7 @@ def plan_probe_shards(cfg: RunConfig, store: ArtifactStore, demos: dict[str, Any
     Returns {"probes_key", "done" (the merged table exists), "shards": [{"index", "key",
     "trajectories", "states"}]} — small JSON, one entry per shard.
     """
-    from pivotrl.pipeline.probe import probe_key
+    from pivotrl.pipeline.stages import probe_table_key
 
     pkey = merged_probe_key(cfg, store, demos, ref)
     cand = _selected(cfg, store, demos)
@@ -96,9 +87,7 @@ def plan_probe_shards(cfg: RunConfig, store: ArtifactStore, demos: dict[str, Any
         part = trajs[i : i + size]
         rows = cand[cand["trajectory_id"].astype(str).isin(part)]
         digest = hashlib.sha256(rows.to_json(orient="records").encode()).hexdigest()
-        key = probe_key(digest, ref["ref_hash"], cfg.probing.model_dump(mode="json"),
-                        cfg.verifier.model_dump(mode="json"), cfg.prompt.model_dump(mode="json"),
-                        _engine_settings(cfg)).replace("probes/", f"{SHARDS_PREFIX}/", 1)
+        key = probe_table_key(cfg, digest, ref).replace("probes/", f"{SHARDS_PREFIX}/", 1)
         shards.append({"index": len(shards), "key": key, "trajectories": part, "states": int(len(rows))})
     return {"probes_key": pkey, "done": store.exists(f"{pkey}/probes.parquet"), "shards": shards}
 
@@ -112,7 +101,7 @@ def _engine(cfg: RunConfig, model_dir: Path, warm: bool) -> Any:
 
     if not warm:
         return make_rollout_engine(cfg, model_dir), False
-    key = f"{Path(model_dir).resolve()}|{sorted(_engine_settings(cfg).items())}|{cfg.rollout.kv_cache_gib}"
+    key = f"{Path(model_dir).resolve()}|{cfg.rollout.engine, cfg.rollout.max_tokens, cfg.model.dtype, cfg.model.max_context}|{cfg.rollout.kv_cache_gib}"
     if key in _WARM:
         return _WARM[key], True
     for old in _WARM.values():  # a new reference: free the old engine first

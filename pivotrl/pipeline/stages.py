@@ -117,6 +117,20 @@ def _prompt_identity(cfg: RunConfig, ref: dict[str, Any]) -> dict[str, Any]:
             "resolved": [fmt.get("format"), fmt.get("tool_parser")]}
 
 
+def probe_table_key(cfg: RunConfig, candidates_hash: str, ref: dict[str, Any]) -> str:
+    """The content key of a probe table over the candidates with content hash ``candidates_hash``
+    (the whole pivot split, or one shard of it): :func:`pivotrl.pipeline.probe.probe_key` with the
+    run's probing, verifier, prompt and engine settings (the resolved dtype)."""
+    from pivotrl.pipeline.probe import probe_key
+
+    cfg = with_resolved_dtype(cfg)
+    return probe_key(candidates_hash, ref["ref_hash"], cfg.probing.model_dump(mode="json"),
+                     cfg.verifier.model_dump(mode="json"), _prompt_identity(cfg, ref),
+                     {"engine": cfg.rollout.engine, "max_tokens": cfg.rollout.max_tokens,
+                      "dtype": cfg.model.dtype, "max_context": cfg.model.max_context,
+                      "include_stop_decisions": cfg.quality.include_stop_decisions})
+
+
 def reference_dir(cfg: RunConfig, store: ArtifactStore, ref: dict[str, Any]) -> Path:
     if ref["ref_key"] is None:
         return Path(ref["base_dir"])
@@ -133,15 +147,11 @@ def stage_probe(cfg: RunConfig, store: ArtifactStore, demos: dict[str, Any], ref
     from pivotrl.data.states import candidate_kinds_for_pivots, frame_to_states
     from pivotrl.models import load_tokenizer
     from pivotrl.pipeline.probe import (
-        apply_pivot_filter, pivot_stats, probe_key, probe_states, select_candidates, stats_markdown,
+        apply_pivot_filter, pivot_stats, probe_states, select_candidates, stats_markdown,
     )
 
     cand_manifest = store.read_manifest(f"{demos['key']}/candidates.parquet")
-    pkey = probe_key(cand_manifest.sha256, ref["ref_hash"], cfg.probing.model_dump(mode="json"),
-                     cfg.verifier.model_dump(mode="json"), _prompt_identity(cfg, ref),
-                     {"engine": cfg.rollout.engine, "max_tokens": cfg.rollout.max_tokens,
-                      "dtype": cfg.model.dtype, "max_context": cfg.model.max_context,
-                      "include_stop_decisions": cfg.quality.include_stop_decisions})
+    pkey = probe_table_key(cfg, cand_manifest.sha256, ref)
     probes_uri = store.url(f"{pkey}/probes.parquet")
     if not store.exists(f"{pkey}/probes.parquet"):
         cand = select_candidates(store.read_parquet(f"{demos['key']}/candidates.parquet"), "pivot",
