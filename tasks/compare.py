@@ -12,9 +12,10 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from prefect import Task
-from prefect.artifacts import create_link_artifact, create_markdown_artifact
+from prefect.artifacts import create_markdown_artifact
 
-from pivotrl.tasks.stages import _record_outputs, _stage_process, _store, _task, register_assets, result_storage
+from pivotrl.tasks import publish
+from pivotrl.tasks.stages import _run, _store, _task, result_storage
 
 
 def _summary_md(title: str, out: Mapping[str, Any]) -> str:
@@ -27,31 +28,35 @@ def _summary_md(title: str, out: Mapping[str, Any]) -> str:
 @_task("sft_baseline", retries=1)
 def sft_baseline(config: dict[str, Any], inputs: dict[str, Any]) -> dict[str, Any]:
     """SFT of π_ref on the pivot split's demonstrations, PivotRL's optimiser steps."""
-    out = _stage_process("sft_baseline", config, inputs)
+    out, computed = _run("sft_baseline", config, inputs)
     create_markdown_artifact(key="sft-baseline", markdown=_summary_md("SFT baseline", out), description="SFT baseline")
-    register_assets(config, [_store(config).url(f"{out['key']}/summary.json"), _store(config).url(f"{out['key']}/ledger.json")])
-    _record_outputs("sft_baseline", config, inputs, out)
+    if computed:
+        store = _store(config)
+        publish.emit_assets(store, [store.url(f"{out['key']}/summary.json"), store.url(f"{out['key']}/ledger.json")])
     return out
 
 
 @_task("e2e_baseline", retries=1)
 def e2e_baseline(config: dict[str, Any], inputs: dict[str, Any]) -> dict[str, Any]:
     """End-to-end GRPO on whole pivot-split tasks, PivotRL's generated tokens."""
-    out = _stage_process("e2e_baseline", config, inputs)
+    out, computed = _run("e2e_baseline", config, inputs)
     create_markdown_artifact(key="e2e-baseline", markdown=_summary_md("End-to-end RL baseline", out),
                              description="End-to-end RL baseline")
-    register_assets(config, [_store(config).url(f"{out['key']}/summary.json"), _store(config).url(f"{out['key']}/ledger.json")])
-    _record_outputs("e2e_baseline", config, inputs, out)
+    if computed:
+        store = _store(config)
+        publish.emit_assets(store, [store.url(f"{out['key']}/summary.json"), store.url(f"{out['key']}/ledger.json")])
     return out
 
 
 @_task("compare_evaluate", retries=1)
 def compare_evaluate(config: dict[str, Any], inputs: dict[str, Any]) -> dict[str, Any]:
     """Evaluate π_ref, PivotRL, SFT and E2E RL on the same items; the comparison report."""
-    out = _stage_process("compare_evaluate", config, inputs)
-    create_link_artifact(key="comparison-report", link=out["report_md"], link_text="PivotRL vs SFT vs E2E RL")
-    register_assets(config, [out["report_json"]])
-    _record_outputs("compare_evaluate", config, inputs, out)
+    out, computed = _run("compare_evaluate", config, inputs)
+    store = _store(config)
+    create_markdown_artifact(key="comparison-report", markdown=store.read_text(out["report_md"][len(store.root_url) + 1:]),
+                             description="PivotRL vs SFT vs E2E RL")
+    if computed:
+        publish.emit_assets(store, [out["report_json"]])
     return out
 
 

@@ -39,7 +39,7 @@ def _overrides(root: Path, model: Path, *extra: str) -> list[str]:
 def expert_model(tmp_path_factory) -> Path:
     from pivotrl.models import load_tokenizer
     from pivotrl.pipeline.common import prompt_kwargs
-    from pivotrl.prompts import build_sft_example
+    from pivotrl.prompts import build_sft_examples
     from pivotrl.training.sft import run_sft
 
     tmp = tmp_path_factory.mktemp("expert")
@@ -49,7 +49,7 @@ def expert_model(tmp_path_factory) -> Path:
     demos = build_demonstrations(cfg, store)
     tok = load_tokenizer(base)
     trajs = [t for t in read_trajectories(store, demos["key"], split="pivot") if t.id == DRILL]
-    examples = [build_sft_example(t, tok, max_len=2048, **prompt_kwargs(cfg)) for t in trajs]
+    examples = [ex for t in trajs for ex in build_sft_examples(t, tok, max_len=2048, **prompt_kwargs(cfg))[0]]
     run_sft(str(base), examples, str(tmp / "expert"), epochs=30, lr=3e-3, batch_size=1, dtype="float32",
             zero_stage=0, seed=0)
     return tmp / "expert"

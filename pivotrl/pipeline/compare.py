@@ -131,7 +131,7 @@ def stage_sft_baseline(cfg: RunConfig, store: ArtifactStore, demos: dict[str, An
     "ledger"}. With a PivotRL run of 0 steps the baseline trains 0 steps: the policy is π_ref.
     """
     from pivotrl.models import checkpoint_hash, load_tokenizer
-    from pivotrl.prompts import build_sft_example
+    from pivotrl.prompts import build_sft_examples
     from pivotrl.training.sft import run_sft
 
     target = sum(int(r.get("updates", 0) or 0) for r in _metrics(store, train))
@@ -149,7 +149,7 @@ def stage_sft_baseline(cfg: RunConfig, store: ArtifactStore, demos: dict[str, An
     examples, too_long = [], 0
     for t in read_trajectories(store, demos["key"], split="pivot"):
         try:
-            examples.append(build_sft_example(t, tok, max_len=cfg.model.max_context, **prompt_kwargs(cfg)))
+            examples.extend(build_sft_examples(t, tok, max_len=cfg.model.max_context, **prompt_kwargs(cfg))[0])
         except StateTooLongError:
             too_long += 1
     led = CostLedger(name="sft")
