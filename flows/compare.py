@@ -21,7 +21,10 @@ def compare(config_path: str = "configs/default.yaml", overrides: list[str] | No
     from pivotrl.tasks.compare import compare_tasks
     from pivotrl.tasks.stages import pipeline_tasks
 
-    config = load_config(config_path, overrides or []).model_dump(mode="json")
+    from pivotrl.sizing import sized_config
+
+    # sized like the nightly run (run.sizing), so the shared stages are the nightly run's
+    config = sized_config(load_config(config_path, overrides or []), overrides or [], echo=print).model_dump(mode="json")
     t = pipeline_tasks(config)
     c = compare_tasks(config)
     demos = t.demonstrations(config)

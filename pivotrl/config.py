@@ -109,6 +109,15 @@ class RunSection(Section):
         description="Local cache for downloaded wheels, datasets and converted models ('~' is expanded).",
     )
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO", description="Logging level.")
+    sizing: Literal["auto", "fixed"] = Field(
+        "auto",
+        description=(
+            "auto = on a CPU slower than the one the default run was timed on, a one-second matmul "
+            "calibration (kept per machine in cache_dir) scales warm_start.epochs, probing.max_states, "
+            "training.max_steps and quality.out_of_domain_limit down so the run fits (pivotrl.sizing; "
+            "keys given with --set are never scaled; printed at start); fixed = the sizes as written."
+        ),
+    )
 
     @model_validator(mode="after")
     def _no_credentials(self) -> "RunSection":

@@ -117,3 +117,30 @@ def test_report_rejects_bad_input(tmp_path):
     with pytest.raises(ConfigError, match="no column 'loss'"):
         build_report(RESULTS, metrics_df=pd.DataFrame({"step": [0]}), probe_df=None, pivot_stats=None, meta={},
                      out_dir=tmp_path, reward_column="loss")
+
+
+def test_report_floor_note_and_reference_turn_interval(tmp_path):
+    """All policies at 0 task successes: the report says why; the reference row's turns-passed
+    interval is the bootstrap-over-tasks one from the statistics, as for every other policy."""
+    import pandas as pd
+
+    from pivotrl.evaluation.comparison import compare_policies
+
+    results = {name: {"local": _local(1, 4), "full_task": _full(0, 6, 2, 12)} for name in ("base", "reference", "pivotrl")}
+    per_task = pd.DataFrame([{"policy": p, "seed": 0, "task_id": f"t{i}", "success": False,
+                              "turns_passed": int(i < 2), "n_turns": 2} for p in ("base", "reference", "pivotrl")
+                             for i in range(6)])
+    stats = compare_policies(per_task, None, ["base", "reference", "pivotrl"])
+    json_path, md_path = build_report(results, metrics_df=None, probe_df=None, pivot_stats=None, meta={},
+                                      out_dir=tmp_path, statistics=stats)
+    md = md_path.read_text()
+    tp = stats["full_task"]["per_policy"]["reference"]["turn_pass"]
+    cell = f"0.167 (2/12), 95% CI {tp['low']:.3f}–{tp['high']:.3f}"
+    row = next(line for line in md.splitlines() if line.startswith("| reference (SFT warm start) |"))
+    assert cell in row
+    assert "Full-task success is at its floor: no policy solved any of the 6 held-out tasks" in md
+    assert any("at its floor" in x for x in json.loads(json_path.read_text())["known_limits"])
+    # one success anywhere and the note is gone
+    results["pivotrl"]["full_task"] = _full(1, 6, 3, 12)
+    _, md_path = build_report(results, metrics_df=None, probe_df=None, pivot_stats=None, meta={}, out_dir=tmp_path / "b")
+    assert "at its floor" not in md_path.read_text()

@@ -108,3 +108,27 @@ def test_compare_policies_pairs_on_the_same_tasks_and_states():
     assert (lp["only_a"], lp["only_b"], lp["p_value"], lp["verdict"]) == (0, 0, 1.0, "no significant difference")
     md = "\n".join(comparison_markdown(stats))
     assert "| pivotrl | 0.500 (5/10, 95% CI 0.237–0.763) |" in md and "no significant difference" in md
+
+
+def test_bootstrap_of_all_zero_or_all_one_units_is_not_zero_width():
+    """0 turns passed on every task is not certainty: the interval is Wilson over the units."""
+    est, lo, hi = bootstrap_mean_interval([0.0] * 12, [3.0] * 6 + [4.0] * 6)
+    assert (est, lo) == (0.0, 0.0) and hi == pytest.approx(wilson_interval(0, 12)[1]) and hi > 0.2
+    est, lo, hi = bootstrap_mean_interval([1.0] * 10)
+    assert (est, hi) == (1.0, 1.0) and lo == pytest.approx(wilson_interval(10, 10)[0]) and lo < 0.75
+    # a constant rate that is not 0 or 1 keeps its (zero-width) bootstrap, as before
+    assert bootstrap_mean_interval([0.25] * 5) == (0.25, 0.25, 0.25)
+
+
+def test_turn_pass_of_a_policy_that_passed_nothing_says_which_interval():
+    import pandas as pd
+
+    from pivotrl.evaluation.comparison import compare_policies
+
+    rows = [{"policy": p, "seed": 0, "task_id": f"t{i}", "success": False, "turns_passed": k * (i % 2),
+             "n_turns": 3} for p, k in (("base", 0), ("pivotrl", 1)) for i in range(12)]
+    stats = compare_policies(pd.DataFrame(rows), None, ["base", "pivotrl"])
+    base = stats["full_task"]["per_policy"]["base"]["turn_pass"]
+    assert base["rate"] == 0.0 and base["high"] == pytest.approx(wilson_interval(0, 12)[1])
+    assert base["interval"].startswith("Wilson over units")
+    assert stats["full_task"]["per_policy"]["pivotrl"]["turn_pass"]["interval"] == "bootstrap over units 95%"

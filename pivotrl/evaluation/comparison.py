@@ -21,7 +21,7 @@ Pairs are formed on units both policies have (inner join), so a comparison is al
 from __future__ import annotations
 
 from itertools import combinations
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import pandas as pd
 
@@ -33,7 +33,8 @@ from pivotrl.evaluation.stats import (
     wilson_interval,
 )
 
-__all__ = ["compare_policies", "comparison_markdown", "format_rate", "rate_with_interval", "turn_interval"]
+__all__ = ["compare_policies", "comparison_markdown", "floor_note", "format_rate", "rate_with_interval", "stats_name",
+           "turn_interval"]
 
 
 def rate_with_interval(k: int, n: int) -> dict[str, Any]:
@@ -46,8 +47,9 @@ def rate_with_interval(k: int, n: int) -> dict[str, Any]:
 def _boot(values: Sequence[float], weights: Sequence[float] | None, seed: int) -> dict[str, Any]:
     est, lo, hi = bootstrap_mean_interval(values, weights, seed=seed)
     n = len(values)
+    same = n and est in (0.0, 1.0) and (lo, hi) == wilson_interval(int(est) * n, n)
     return {"rate": est if n else None, "n": n, "low": lo if n else None, "high": hi if n else None,
-            "interval": "bootstrap over units 95%"}
+            "interval": "Wilson over units 95% (every unit at the same rate)" if same else "bootstrap over units 95%"}
 
 
 def _paired(r: PairedResult) -> dict[str, Any]:
@@ -186,3 +188,25 @@ def turn_interval(statistics: dict[str, Any] | None, policy: str) -> tuple[float
     per = (((statistics or {}).get("full_task") or {}).get("per_policy") or {}).get(policy) or {}
     tp = per.get("turn_pass") or {}
     return None if tp.get("low") is None else (tp["low"], tp["high"])
+
+
+def stats_name(policy: str, aliases: Mapping[str, str]) -> str:
+    """The key a policy has in a report's ``statistics`` (its short name, e.g. ``reference``), given
+    the report's short → display name ``aliases``."""
+    for short, long in aliases.items():
+        if policy == long:
+            return short
+    return policy
+
+
+def floor_note(rows: Sequence[Mapping[str, Any]]) -> list[str]:
+    """One known limit when no evaluated policy solved any held-out task (the metric is at its floor)."""
+    done = [r for r in rows if r.get("tasks")]
+    if not done or any(r.get("tasks_succeeded") for r in done):
+        return []
+    n = max(int(r["tasks"]) for r in done)
+    return [f"Full-task success is at its floor: no policy solved any of the {n} held-out tasks, so it "
+            "cannot separate them here. A BFCL multi-turn task needs every call of every turn right, which "
+            "this small model (and its few CPU-sized training steps) does not reach; turns passed and local "
+            "accuracy carry the signal at this scale. A larger model (see the README's model list and "
+            "configs/) is the way to a non-zero full-task number."]

@@ -18,7 +18,7 @@ from typing import Any, Callable, Mapping, Sequence
 import pandas as pd
 
 from pivotrl.errors import ConfigError, StorageError
-from pivotrl.evaluation.comparison import comparison_markdown, format_rate, turn_interval
+from pivotrl.evaluation.comparison import comparison_markdown, floor_note, format_rate, stats_name, turn_interval
 
 __all__ = ["KNOWN_LIMITS", "POLICIES", "POLICY_ALIASES", "build_report"]
 
@@ -39,6 +39,8 @@ KNOWN_LIMITS: tuple[str, ...] = (
 
 # Other spellings accepted as keys of ``results``.
 POLICY_ALIASES: dict[str, str] = {"reference": "reference (SFT warm start)", "sft": "reference (SFT warm start)"}
+
+
 
 REWARD_COLUMNS: tuple[str, ...] = ("reward_mean", "rewards/mean", "train/reward_mean", "reward", "rewards")
 MU_COLUMNS: tuple[str, ...] = ("mu", "mu_hat", "mean_reward", "reward_mean")
@@ -136,7 +138,7 @@ def build_report(
         },
         "plots": plots,
         "statistics": None if statistics is None else dict(statistics),
-        "known_limits": list(KNOWN_LIMITS),
+        "known_limits": list(KNOWN_LIMITS) + floor_note(rows),
     }
     json_path = out / "report.json"
     md_path = out / "report.md"
@@ -277,7 +279,7 @@ def _markdown(report: Mapping[str, Any], rows: list[dict[str, Any]], plots: Mapp
             _md_cell(r["policy"]),
             _fmt_rate(r["local_pivot_accuracy"], r["local_accepted"], r["local_samples"]),
             _fmt_rate(r["full_task_success"], r["tasks_succeeded"], r["tasks"]),
-            _fmt_rate(r["turn_pass_rate"], r["turns_passed"], r["turns_total"], turn_interval(report.get("statistics"), r["policy"])),
+            _fmt_rate(r["turn_pass_rate"], r["turns_passed"], r["turns_total"], turn_interval(report.get("statistics"), stats_name(r["policy"], POLICY_ALIASES))),
             "n/a" if r["format_error_rate"] is None else _fmt_rate(r["format_error_rate"], r["format_errors"], r["model_calls"]),
         ]
         if with_pivots:
@@ -318,7 +320,7 @@ def _markdown(report: Mapping[str, Any], rows: list[dict[str, Any]], plots: Mapp
         if "reward_curve" in plots:
             lines += ["", f"![mean reward per training step]({plots['reward_curve']})"]
     lines += ["", "## Known limits", ""]
-    lines += [f"- {limit}" for limit in KNOWN_LIMITS]
+    lines += [f"- {limit}" for limit in report["known_limits"]]
     lines.append("")
     return "\n".join(lines)
 

@@ -70,6 +70,12 @@ def bootstrap_mean_interval(
     With ``weights`` the statistic is Σ values / Σ weights over the resampled units (a ratio of
     sums: pass ``turns_passed`` as values and ``n_turns`` as weights for turns passed / turns).
     Units are resampled with replacement ``n_boot`` times from ``random.Random(seed)``.
+
+    A percentile bootstrap collapses to a zero-width interval when every unit has the same rate
+    (e.g. no turn passed on any task: 0.000–0.000), which would claim certainty. For a proportion
+    (0 ≤ value ≤ weight per unit) whose units all share the rate 0 or 1, the Wilson interval over
+    the units (n = number of units, the conservative effective sample size of clustered data) is
+    returned instead.
     """
     n = len(values)
     if weights is not None and len(weights) != n:
@@ -84,6 +90,10 @@ def bootstrap_mean_interval(
         return sum(v[i] for i in idx) / den if den else float("nan")
 
     est = stat(range(n))
+    if est in (0.0, 1.0) and all(0.0 <= v[i] <= w[i] for i in range(n)) and \
+            all(w[i] == 0 or v[i] / w[i] == est for i in range(n)):
+        lo, hi = wilson_interval(int(est) * n, n, confidence)
+        return est, lo, hi
     rng = random.Random(seed)
     boots = sorted(s for s in (stat([rng.randrange(n) for _ in range(n)]) for _ in range(n_boot)) if s == s)
     if not boots:

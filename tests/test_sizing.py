@@ -1,0 +1,70 @@
+"""run.sizing: a slower machine gets a smaller default run, decided by a measured calibration, kept
+per machine (stable stage keys), never overriding a size the user set."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pivotrl.config import config_hash, load_config
+from pivotrl.sizing import REFERENCE, apply_sizing, choose_tier, predict_minutes, sized_config
+
+AVX2_FP32 = 96.0  # best 1-thread 1024x1024 fp32 matmul under the AVX2 imitation (benchmarks/RESULTS.md)
+
+
+def _cfg(tmp_path, *overrides):
+    return load_config("configs/default.yaml", [f"run.cache_dir={tmp_path / 'cache'}", *overrides])
+
+
+def test_prediction_and_tier_follow_the_measured_throughput():
+    assert predict_minutes(REFERENCE["gflops"]) == pytest.approx(REFERENCE["minutes"])
+    assert choose_tier(REFERENCE["gflops"]) == 1.0 and choose_tier(2 * REFERENCE["gflops"]) == 1.0
+    # 2.2x slower: 66 min unscaled, 46 at half the work (over 40), 36 at a quarter
+    assert predict_minutes(AVX2_FP32) == pytest.approx(29.7 * 212 / 96)
+    assert predict_minutes(AVX2_FP32, 0.5) > 40 > predict_minutes(AVX2_FP32, 0.25)
+    assert choose_tier(AVX2_FP32) == 0.25
+    assert choose_tier(1.0) == 0.25  # nothing fits: the smallest tier, never zero
+
+
+def test_slow_machine_scales_the_work_sizes_and_keeps_explicit_ones(tmp_path):
+    calls = []
+
+    def measure(dtype, threads):
+        calls.append((dtype, threads))
+        return AVX2_FP32
+
+    cfg = _cfg(tmp_path, "training.max_steps=10")
+    sized, s = apply_sizing(cfg, ["run.cache_dir", "training.max_steps"], measure=measure)
+    assert (s.mode, s.tier, s.gflops) == ("auto", 0.25, AVX2_FP32) and len(calls) == 1
+    assert s.changed == {"warm_start.epochs": [2, 1], "probing.max_states": [160, 40],
+                         "quality.out_of_domain_limit": [50, 13]}
+    assert s.explicit == ("training.max_steps",) and sized.training.max_steps == 10
+    assert (sized.warm_start.epochs, sized.probing.max_states, sized.quality.out_of_domain_limit) == (1, 40, 13)
+    assert config_hash(sized) != config_hash(cfg)  # the sizes are part of every stage key
+    assert "work x0.25" in s.line() and "probing.max_states 160→40" in s.line()
+    # kept per machine: the next run measures nothing and gets the same sizes (same keys)
+    again, s2 = apply_sizing(cfg, ["training.max_steps"], measure=lambda *a: pytest.fail("measured twice"))
+    assert config_hash(again) == config_hash(sized) and s2.changed == s.changed
+    (entry,) = json.loads((tmp_path / "cache" / "calibration.json").read_text()).values()
+    assert entry["gflops"] == AVX2_FP32 and entry["threads"] == 1
+
+
+def test_reference_class_fixed_mode_and_overrides_leave_the_config_alone(tmp_path):
+    cfg = _cfg(tmp_path)
+    same, s = apply_sizing(cfg, measure=lambda *a: REFERENCE["gflops"])
+    assert same == cfg and s.changed is None and s.tier == 1.0 and "sizes fit" in s.line()
+    fixed = _cfg(tmp_path, "run.sizing=fixed")
+    out, s = apply_sizing(fixed, measure=lambda *a: pytest.fail("fixed measures nothing"))
+    assert out == fixed and s.mode == "fixed"
+    # every scaled key set explicitly: nothing changes even on a slow machine
+    keys = ["warm_start.epochs=2", "probing.max_states=160", "training.max_steps=10", "quality.out_of_domain_limit=50"]
+    slow = _cfg(tmp_path / "b", *keys)
+    (tmp_path / "b" / "cache").mkdir(parents=True)
+    lines = []
+    out = sized_config(slow, keys, echo=lines.append)  # measures this machine for real (about a second)
+    assert out == slow and lines[0].startswith("sizing: auto, ") and "GFLOP/s measured" in lines[0]
+
+
+def test_smoke_config_is_fixed():
+    assert load_config("configs/smoke.yaml").run.sizing == "fixed"
