@@ -13,7 +13,8 @@ import pytest
 
 from pivotrl.config import config_hash, load_config
 from pivotrl.errors import StorageError
-from pivotrl.storage import COMPLETE_MARKER, ArtifactStore, Manifest, lineage
+from pivotrl.lineage import lineage_tree
+from pivotrl.storage import COMPLETE_MARKER, ArtifactStore, Manifest
 
 HELLO_SHA256 = "2cf24dba5fb0a30e26e83b2ac5b9e29e1b161e5c1fa7425e73043362938b9824"  # sha256(b"hello")
 BUCKET = "pivotrl-test"
@@ -262,14 +263,14 @@ def test_lineage_walks_inputs_and_flags_changes(store):
     raw = store.write_artifact("l/raw.bin", b"hello", kind="raw", inputs={"src": "pypi:bfcl-eval==2026.3.23#multiple"})
     mid = store.write_artifact("l/mid.json", {"n": 1}, kind="mid", inputs={"raw": raw.uri})
     top = store.write_artifact("l/top.json", {"n": 2}, kind="top", inputs={"mid": mid.uri, "raw": raw.uri})
-    tree = lineage(store, "l/top.json")
+    tree = lineage_tree(store, "l/top.json")
     assert tree["sha256"] == top.sha256 and tree["kind"] == "top"
     assert tree["inputs"]["mid"]["kind"] == "mid" and tree["inputs"]["mid"]["stale"] is False
     assert tree["inputs"]["mid"]["inputs"]["raw"]["sha256"] == HELLO_SHA256
-    leaf = {"uri": "pypi:bfcl-eval==2026.3.23#multiple", "sha256": None, "manifest": False}
+    leaf = {"uri": "pypi:bfcl-eval==2026.3.23#multiple", "kind": "source", "source": True, "sha256": None}
     assert tree["inputs"]["raw"]["inputs"]["src"] == leaf
     store.write_artifact("l/raw.bin", b"changed", kind="raw")  # the input moved on after `mid` was built
-    assert lineage(store, "l/top.json")["inputs"]["mid"]["inputs"]["raw"]["stale"] is True
+    assert lineage_tree(store, "l/top.json")["inputs"]["mid"]["inputs"]["raw"]["stale"] is True
 
 
 # ---------------------------------------------------------------------------------- errors
