@@ -113,6 +113,8 @@ def _read_input(store: ArtifactStore, uri: str) -> Any:
     try:
         if uri.startswith(prefix):
             return store.read_parquet(uri[len(prefix):])
+        from pivotrl.lineage import open_artifact  # lineage re-exports this module
+
         other, key = open_artifact(uri)
         return other.read_parquet(key)
     except StorageError:

@@ -9,10 +9,10 @@ from typing import Any, Mapping, Sequence
 
 import yaml
 
+from pivotrl.config.schema import RunConfig
+from pivotrl.config.validate import _item_type, _models_of, parse_config
 from pivotrl.data.schema import canonical_json
 from pivotrl.errors import ConfigError
-from pivotrl.config.schema import RunConfig
-from pivotrl.config.validate import _config_error, _item_type, _models_of, parse_config
 
 
 def _read_yaml(path_or_url: str) -> Any:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from pydantic import Field, model_validator
+
 from pivotrl.config.base import Section, _rule
 from pivotrl.config.sections import (
     DataSection, ModelSection, ProbingSection, PromptSection, RolloutSection, RunSection, VerifierSection,

@@ -6,7 +6,8 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal, Mapping, Union
 
 from pydantic import Field, model_validator
-from pivotrl.config.base import Float, Int, Section, _rule
+
+from pivotrl.config.base import Float, Int, Section, _rule, is_credential_key
 
 
 class RunSection(Section):

@@ -7,6 +7,7 @@ import re
 from typing import Any, Literal
 
 from pydantic import Field, model_validator
+
 from pivotrl.config.base import Float, Int, Section, _rule
 
 

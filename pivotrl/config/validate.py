@@ -9,9 +9,9 @@ from typing import Annotated, Any, Mapping, Sequence, Union
 
 from pydantic import BaseModel, ValidationError
 
-from pivotrl.errors import ConfigError
 from pivotrl.config.base import _fmt
 from pivotrl.config.schema import RunConfig
+from pivotrl.errors import ConfigError
 
 
 def _type_members(tp: Any) -> list[Any]:
