@@ -1,4 +1,4 @@
-"""Local files: the one atomic-publish helper and the one file hash of the project.
+"""Local files: the one atomic-publish helper of the project (and the file hash, re-exported).
 
 :func:`atomic_file` and :func:`atomic_dir` hand out a temporary sibling of the target (same
 directory, so the final ``os.replace`` is an atomic rename on one file system); the caller fills it,
@@ -7,7 +7,7 @@ temporary path, so a reader sees the whole file/directory or the previous state,
 Remote artifacts go through :class:`pivotrl.storage.ArtifactStore` (temporary key, then move), which
 uses the same helpers for its local-disk moves.
 
-Pure core: standard library only.
+Pure core: standard library only (and :func:`pivotrl.data.schema.file_sha256`, re-exported).
 """
 
 from __future__ import annotations
@@ -20,13 +20,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Callable, Iterator
 
+from pivotrl.data.schema import file_sha256
+
 __all__ = ["HashingWriter", "atomic_dir", "atomic_file", "file_sha256", "replace_path"]
-
-
-def file_sha256(path: str | os.PathLike[str]) -> str:
-    """sha256 (hex) of the bytes of the local file ``path`` (``hashlib.file_digest``)."""
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def replace_path(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> None:
@@ -41,7 +37,7 @@ def replace_path(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> No
 
 @contextmanager
 def atomic_file(target: str | os.PathLike[str]) -> Iterator[Path]:
-    """Yield a temporary path beside ``target`` (not yet created); on success it replaces ``target``.
+    """Yield a temporary path beside ``target`` (an empty file, 0644); on success it replaces ``target``.
 
     Raises what the block raised (the temporary file is removed first).
     """
@@ -50,6 +46,7 @@ def atomic_file(target: str | os.PathLike[str]) -> Iterator[Path]:
     fd, name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
     os.close(fd)
     tmp = Path(name)
+    os.chmod(tmp, 0o644)  # mkstemp creates 0600; a published file is readable like any other
     try:
         yield tmp
         os.replace(tmp, target)
