@@ -11,6 +11,7 @@ from pydantic import BaseModel, ValidationError
 
 from pivotrl.config.base import _fmt
 from pivotrl.config.schema import RunConfig
+from pivotrl.data.schema import canonical_json
 from pivotrl.errors import ConfigError
 
 
@@ -142,10 +143,27 @@ def _config_error(exc: ValidationError, source: str | None) -> ConfigError:
 
 
 # --------------------------------------------------------------------------------- loading
+#: canonical JSON of a mapping → the RunConfig it validated to, in this process. A run config
+#: crosses process and Prefect-task boundaries as a JSON dict; each boundary calls
+#: :func:`parse_config`, which validates a given config once per process and then answers from here
+#: (RunConfig is frozen, so sharing it is safe). The validated config's own JSON dump is recorded
+#: too, so ``parse_config(cfg.model_dump(mode="json"))`` is no second validation.
+_VALIDATED: dict[str, RunConfig] = {}
+_VALIDATED_MAX = 16
+
+
+def _remember(key: str, cfg: RunConfig) -> None:
+    while len(_VALIDATED) >= _VALIDATED_MAX:
+        _VALIDATED.pop(next(iter(_VALIDATED)), None)
+    _VALIDATED[key] = cfg
+
+
 def parse_config(data: Mapping[str, Any] | None, source: str | None = None) -> RunConfig:
     """Validate a config mapping (as read from YAML) into a :class:`RunConfig`.
 
-    Raises ConfigError listing every problem (key path, value, rule); ``source`` names the file.
+    The same mapping (by canonical JSON) is validated once per process; later calls return the
+    same frozen RunConfig. Raises ConfigError listing every problem (key path, value, rule);
+    ``source`` names the file.
     """
     if data is None:
         data = {}
@@ -155,6 +173,16 @@ def parse_config(data: Mapping[str, Any] | None, source: str | None = None) -> R
     # A section written as an empty key ("probing:" with every field commented out) means defaults.
     data = {k: v for k, v in data.items() if not (v is None and k in RunConfig.model_fields)}
     try:
-        return RunConfig.model_validate(data)
+        key: str | None = canonical_json(data)
+    except (TypeError, ValueError):  # values JSON cannot encode (only ever a mistake): no memo
+        key = None
+    if key is not None and (known := _VALIDATED.get(key)) is not None:
+        return known
+    try:
+        cfg = RunConfig.model_validate(data)
     except ValidationError as exc:
         raise _config_error(exc, source) from None
+    if key is not None:
+        _remember(key, cfg)
+        _remember(canonical_json(cfg.model_dump(mode="json")), cfg)
+    return cfg
