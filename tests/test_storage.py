@@ -300,3 +300,62 @@ def test_bad_root_and_local_dir():
 def test_put_dir_refuses_a_missing_directory(store, tmp_path):
     with pytest.raises(StorageError, match="is not a directory"):
         store.put_dir(tmp_path / "absent", "ckpt/x")
+
+
+# ------------------------------------------------------------------ one retry, one atomic publish
+def test_call_with_retries_waits_exponentially_up_to_the_cap_and_counts(monkeypatch):
+    from pivotrl.storage import RetryStats, call_with_retries
+
+    waits: list[float] = []
+    monkeypatch.setattr("time.sleep", waits.append)
+    seen: list[tuple[int, float]] = []
+    attempts = iter([ConnectionResetError("reset")] * 4 + ["done"])
+
+    def flaky() -> str:
+        item = next(attempts)
+        if isinstance(item, Exception):
+            raise item
+        return item
+
+    stats = RetryStats()
+    out = call_with_retries(flaky, 5, 0.1, retry_on=(ConnectionError,), stats=stats, max_backoff_s=0.3,
+                            on_retry=lambda e, k, w: seen.append((k, w)))
+    assert out == "done"
+    assert waits == pytest.approx([0.1, 0.2, 0.3, 0.3])
+    assert [k for k, _ in seen] == [1, 2, 3, 4] and stats.retries == 4 and stats.failures == 0
+    with pytest.raises(ValueError):  # not retryable: raised at once, no wait
+        call_with_retries(lambda: int("x"), 5, 0.1, retry_on=(ConnectionError,), stats=stats)
+    assert len(waits) == 4 and stats.calls == 2
+
+
+def test_atomic_file_and_dir_publish_whole_or_leave_the_old_state(tmp_path):
+    from pivotrl.storage import atomic_dir, atomic_file
+
+    target = tmp_path / "result.json"
+    target.write_text("old")
+    with pytest.raises(RuntimeError):
+        with atomic_file(target) as tmp:
+            tmp.write_text("half")
+            raise RuntimeError("killed mid-write")
+    assert target.read_text() == "old" and sorted(p.name for p in tmp_path.iterdir()) == ["result.json"]
+    with atomic_file(target) as tmp:
+        tmp.write_text("new")
+    assert target.read_text() == "new" and sorted(p.name for p in tmp_path.iterdir()) == ["result.json"]
+
+    ckpt = tmp_path / "ckpt"
+    with pytest.raises(RuntimeError):
+        with atomic_dir(ckpt) as tmp:
+            (tmp / "config.json").write_text("{}")
+            raise RuntimeError("killed mid-write")
+    assert not ckpt.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["result.json"]
+    with atomic_dir(ckpt) as tmp:
+        (tmp / "config.json").write_text("{}")
+    assert (ckpt / "config.json").read_text() == "{}" and oct(ckpt.stat().st_mode & 0o777) == "0o755"
+    # A second writer of the same cache entry finds it published: its copy is dropped, no error.
+    with atomic_dir(ckpt, already_published=lambda t: (t / "config.json").is_file()) as tmp:
+        (tmp / "config.json").write_text('{"late": true}')
+    assert (ckpt / "config.json").read_text() == "{}"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "result.json"]
+    with pytest.raises(OSError):  # without that check, a non-empty target is an error
+        with atomic_dir(ckpt) as tmp:
+            (tmp / "x").write_text("x")
