@@ -21,7 +21,7 @@ from pathlib import Path
 from pivotrl.errors import ConfigError
 
 _CORE = ("pivotrl.data", "pivotrl.actions", "pivotrl.prompts")
-#: The environment glue: tool execution (pool and worker side, pivotrl.envs) and the retry helper
+#: The environment glue: tool execution (pool and worker side, pivotrl.envs) and the retry function
 #: that decides how often a failed tool request is tried again before the verifier gives up.
 _ENVS = ("pivotrl.envs", "pivotrl.storage.retry")
 

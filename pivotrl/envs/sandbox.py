@@ -47,7 +47,7 @@ from typing import Any, Mapping
 from pivotrl.envs.sandbox_worker import _HEADER, _write_msg
 from pivotrl.errors import ConfigError, ToolExecutionError
 from pivotrl.faults import FAULT_EXIT_CODE, FaultInjector, ToolFault
-from pivotrl.storage.retry import RetryStats, call_with_retries  # re-exported: the one retry helper
+from pivotrl.storage.retry import RetryStats, call_with_retries  # re-exported: the one retry mechanism
 
 __all__ = ["BUILTIN_FUNCTIONS", "RetryStats", "SandboxError", "SandboxPool", "call_with_retries"]
 

@@ -3,8 +3,8 @@
 * :mod:`~pivotrl.storage.store` — :class:`ArtifactStore` (keys, atomic writes, reads, listing);
 * :mod:`~pivotrl.storage.dirs` — checkpoint directories behind a ``_COMPLETE`` marker;
 * :mod:`~pivotrl.storage.manifest` — :class:`Manifest` beside every artifact, code and library versions;
-* :mod:`~pivotrl.storage.retry` — the project's one retry helper (tenacity) and the store's policy;
-* :mod:`~pivotrl.storage.files` — the one atomic-publish helper for local files and the file hash.
+* :mod:`~pivotrl.storage.retry` — the one retry mechanism (tenacity) and the store's policy;
+* :mod:`~pivotrl.storage.files` — the atomic publishing of local files and the file hash.
 
 Pure core: never imports prefect, vllm, deepspeed or torch.
 """

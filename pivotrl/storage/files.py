@@ -1,11 +1,11 @@
-"""Local files: the one atomic-publish helper of the project (and the file hash, re-exported).
+"""Local files: the atomic publishing of the project (and the file hash, re-exported).
 
 :func:`atomic_file` and :func:`atomic_dir` hand out a temporary sibling of the target (same
 directory, so the final ``os.replace`` is an atomic rename on one file system); the caller fills it,
 and only a block that finishes without an exception publishes it. A failed block removes the
 temporary path, so a reader sees the whole file/directory or the previous state, never a half one.
 Remote artifacts go through :class:`pivotrl.storage.ArtifactStore` (temporary key, then move), which
-uses the same helpers for its local-disk moves.
+uses the same functions for its local-disk moves.
 
 Pure core: standard library only (and :func:`pivotrl.data.schema.file_sha256`, re-exported).
 """

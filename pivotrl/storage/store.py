@@ -8,7 +8,7 @@ on these writes.
 
 Remote stores retry transient failures (timeouts, refused or reset connections, 5xx answers) with
 exponential backoff (:class:`~pivotrl.storage.retry.RetryPolicy`, through the project's one retry
-helper); every retried write starts again from a fresh temporary key, and temporary keys a failed
+function); every retried write starts again from a fresh temporary key, and temporary keys a failed
 attempt could not remove are removed once the store answers again, so an outage leaves neither a
 half artifact nor a stray temporary key.
 
