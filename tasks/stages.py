@@ -106,9 +106,9 @@ def _task(stage: str, retries: int):
 
 
 def _config_obj(config: Mapping[str, Any]):
-    from pivotrl.config import RunConfig
+    from pivotrl.config import parse_config
 
-    return RunConfig.model_validate(dict(config))
+    return parse_config(config, source="the flow's config")  # validated once per process
 
 
 def _store(config: Mapping[str, Any]):

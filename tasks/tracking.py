@@ -18,11 +18,11 @@ from prefect.cache_policies import NO_CACHE
 
 
 def _recorder(config: Mapping[str, Any], run_id: str | None):
-    from pivotrl.config import RunConfig
     from pivotrl.pipeline.common import make_store
+    from pivotrl.tasks.stages import _config_obj
     from pivotrl.tracking import RunRecorder
 
-    cfg = RunConfig.model_validate(dict(config))
+    cfg = _config_obj(config)
     return RunRecorder(cfg, make_store(cfg), run_id)
 
 

@@ -328,3 +328,32 @@ def test_importing_config_and_storage_pulls_no_heavy_backend():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=60)
     assert out.returncode == 0, out.stderr
     assert re.fullmatch(r"[0-9a-f]{8}\n", out.stdout)
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_a_run_config_is_validated_once_per_process(name, monkeypatch):
+    # The CLI, the flow, every Prefect task and the tracking hooks all parse the same config (the
+    # flow passes it on as its JSON dump); only the first parse validates, the rest share the result.
+    import pivotrl.config.validate as validate
+
+    monkeypatch.setattr(validate, "_VALIDATED", {})
+    calls = []
+    real = RunConfig.model_validate.__func__
+
+    def counting(cls, *args, **kwargs):
+        calls.append(1)
+        return real(cls, *args, **kwargs)
+
+    monkeypatch.setattr(RunConfig, "model_validate", classmethod(counting))
+    path = str(REPO / "configs" / f"{name}.yaml")
+    cli = load_config(path)
+    flow = load_config(path)
+    tasks = [parse_config(cli.model_dump(mode="json")) for _ in range(5)]
+    assert len(calls) == 1
+    assert all(t is cli for t in [flow, *tasks])
+    assert real(RunConfig, cli.model_dump(mode="json")) == cli  # the shared object is what validation gives
+    m = cli.probing.num_probes + 1
+    other = load_config(path, [f"probing.num_probes={m}"])  # a different config is validated on its own
+    assert len(calls) == 2 and other.probing.num_probes == m
+    with pytest.raises(ConfigError, match="num_probes"):  # errors are never remembered
+        parse_config({**cli.model_dump(mode="json"), "probing": {"num_probes": 1}})

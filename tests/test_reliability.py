@@ -174,8 +174,8 @@ def test_without_retries_a_failed_state_is_dropped_never_scored_zero(bfcl, engin
 
 
 @pytest.mark.parametrize("tool, limit, reason", [
-    ("pivotrl.envs.sandbox:_fn_sleep", {"timeout_s": 1.0}, "timed out after 1 s"),       # sleeps forever
-    ("pivotrl.envs.sandbox:_fn_allocate", {"memory_mb": 256}, "256 MiB memory limit"),   # allocates without bound
+    ("pivotrl.envs.sandbox_worker:_fn_sleep", {"timeout_s": 1.0}, "timed out after 1 s"),       # sleeps forever
+    ("pivotrl.envs.sandbox_worker:_fn_allocate", {"memory_mb": 256}, "256 MiB memory limit"),   # allocates without bound
 ])
 def test_a_runaway_tool_is_stopped_and_probing_goes_on(bfcl, engine, tool, limit, reason):
     from pivotrl.verifiers import get_verifier

@@ -52,7 +52,9 @@ def test_editing_a_verifier_changes_the_probe_key_and_nothing_else_does(tree):
     before = _keys(tree)
     report = tree / "pivotrl" / "evaluation" / "report.py"
     report.write_text(report.read_text() + "\n# a report-only change\n")
-    assert _keys(tree) == before  # the probe stage does not run the report
+    store = tree / "pivotrl" / "storage" / "store.py"
+    store.write_text(store.read_text() + "\n# how bytes reach the store, not what they are\n")
+    assert _keys(tree) == before  # the probe stage does not run the report; storage code decides no payload
 
     verifier = tree / "pivotrl" / "verifiers" / "tool_name.py"
     verifier.write_text(verifier.read_text() + "\n# a changed acceptance rule\n")
@@ -61,7 +63,8 @@ def test_editing_a_verifier_changes_the_probe_key_and_nothing_else_does(tree):
     assert after["demos"] == before["demos"]  # loading demonstrations does not run verifiers
 
 
-@pytest.mark.parametrize("module", ["actions.py", "prompts.py", "envs/bfcl.py", "rollout/base.py"])
+@pytest.mark.parametrize("module", ["actions.py", "prompts.py", "envs/bfcl.py", "envs/sandbox_worker.py",
+                                    "storage/retry.py", "rollout/base.py"])
 def test_parser_renderer_environment_and_sampling_code_are_in_the_probe_key(tree, module):
     before = _keys(tree)["probe"]
     f = tree / "pivotrl" / module

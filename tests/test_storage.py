@@ -13,7 +13,8 @@ import pytest
 
 from pivotrl.config import config_hash, load_config
 from pivotrl.errors import StorageError
-from pivotrl.storage import COMPLETE_MARKER, ArtifactStore, Manifest, lineage
+from pivotrl.lineage import lineage_tree
+from pivotrl.storage import COMPLETE_MARKER, ArtifactStore, Manifest
 
 HELLO_SHA256 = "2cf24dba5fb0a30e26e83b2ac5b9e29e1b161e5c1fa7425e73043362938b9824"  # sha256(b"hello")
 BUCKET = "pivotrl-test"
@@ -262,14 +263,14 @@ def test_lineage_walks_inputs_and_flags_changes(store):
     raw = store.write_artifact("l/raw.bin", b"hello", kind="raw", inputs={"src": "pypi:bfcl-eval==2026.3.23#multiple"})
     mid = store.write_artifact("l/mid.json", {"n": 1}, kind="mid", inputs={"raw": raw.uri})
     top = store.write_artifact("l/top.json", {"n": 2}, kind="top", inputs={"mid": mid.uri, "raw": raw.uri})
-    tree = lineage(store, "l/top.json")
+    tree = lineage_tree(store, "l/top.json")
     assert tree["sha256"] == top.sha256 and tree["kind"] == "top"
     assert tree["inputs"]["mid"]["kind"] == "mid" and tree["inputs"]["mid"]["stale"] is False
     assert tree["inputs"]["mid"]["inputs"]["raw"]["sha256"] == HELLO_SHA256
-    leaf = {"uri": "pypi:bfcl-eval==2026.3.23#multiple", "sha256": None, "manifest": False}
+    leaf = {"uri": "pypi:bfcl-eval==2026.3.23#multiple", "kind": "source", "source": True, "sha256": None}
     assert tree["inputs"]["raw"]["inputs"]["src"] == leaf
     store.write_artifact("l/raw.bin", b"changed", kind="raw")  # the input moved on after `mid` was built
-    assert lineage(store, "l/top.json")["inputs"]["mid"]["inputs"]["raw"]["stale"] is True
+    assert lineage_tree(store, "l/top.json")["inputs"]["mid"]["inputs"]["raw"]["stale"] is True
 
 
 # ---------------------------------------------------------------------------------- errors
@@ -299,3 +300,62 @@ def test_bad_root_and_local_dir():
 def test_put_dir_refuses_a_missing_directory(store, tmp_path):
     with pytest.raises(StorageError, match="is not a directory"):
         store.put_dir(tmp_path / "absent", "ckpt/x")
+
+
+# ------------------------------------------------------------------ one retry, one atomic publish
+def test_call_with_retries_waits_exponentially_up_to_the_cap_and_counts(monkeypatch):
+    from pivotrl.storage import RetryStats, call_with_retries
+
+    waits: list[float] = []
+    monkeypatch.setattr("time.sleep", waits.append)
+    seen: list[tuple[int, float]] = []
+    attempts = iter([ConnectionResetError("reset")] * 4 + ["done"])
+
+    def flaky() -> str:
+        item = next(attempts)
+        if isinstance(item, Exception):
+            raise item
+        return item
+
+    stats = RetryStats()
+    out = call_with_retries(flaky, 5, 0.1, retry_on=(ConnectionError,), stats=stats, max_backoff_s=0.3,
+                            on_retry=lambda e, k, w: seen.append((k, w)))
+    assert out == "done"
+    assert waits == pytest.approx([0.1, 0.2, 0.3, 0.3])
+    assert [k for k, _ in seen] == [1, 2, 3, 4] and stats.retries == 4 and stats.failures == 0
+    with pytest.raises(ValueError):  # not retryable: raised at once, no wait
+        call_with_retries(lambda: int("x"), 5, 0.1, retry_on=(ConnectionError,), stats=stats)
+    assert len(waits) == 4 and stats.calls == 2
+
+
+def test_atomic_file_and_dir_publish_whole_or_leave_the_old_state(tmp_path):
+    from pivotrl.storage import atomic_dir, atomic_file
+
+    target = tmp_path / "result.json"
+    target.write_text("old")
+    with pytest.raises(RuntimeError):
+        with atomic_file(target) as tmp:
+            tmp.write_text("half")
+            raise RuntimeError("killed mid-write")
+    assert target.read_text() == "old" and sorted(p.name for p in tmp_path.iterdir()) == ["result.json"]
+    with atomic_file(target) as tmp:
+        tmp.write_text("new")
+    assert target.read_text() == "new" and sorted(p.name for p in tmp_path.iterdir()) == ["result.json"]
+
+    ckpt = tmp_path / "ckpt"
+    with pytest.raises(RuntimeError):
+        with atomic_dir(ckpt) as tmp:
+            (tmp / "config.json").write_text("{}")
+            raise RuntimeError("killed mid-write")
+    assert not ckpt.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["result.json"]
+    with atomic_dir(ckpt) as tmp:
+        (tmp / "config.json").write_text("{}")
+    assert (ckpt / "config.json").read_text() == "{}" and oct(ckpt.stat().st_mode & 0o777) == "0o755"
+    # A second writer of the same cache entry finds it published: its copy is dropped, no error.
+    with atomic_dir(ckpt, already_published=lambda t: (t / "config.json").is_file()) as tmp:
+        (tmp / "config.json").write_text('{"late": true}')
+    assert (ckpt / "config.json").read_text() == "{}"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "result.json"]
+    with pytest.raises(OSError):  # without that check, a non-empty target is an error
+        with atomic_dir(ckpt) as tmp:
+            (tmp / "x").write_text("x")

@@ -14,7 +14,7 @@ from typing import Any, Callable, Mapping
 from pivotrl.config import RunConfig
 from pivotrl.errors import ModelError, StorageError
 from pivotrl.faults import FaultInjector, fault_seed
-from pivotrl.storage import ArtifactStore
+from pivotrl.storage import ArtifactStore, RetryStats, call_with_retries
 
 log = logging.getLogger("pivotrl.pipeline")
 
@@ -47,8 +47,6 @@ class RetryingArtifactStore(ArtifactStore):
         self.manifest_extra: dict[str, Any] = {}
 
     def _retry_write(self, what: str, fn: Callable[[], Any]) -> Any:
-        from pivotrl.envs.sandbox import RetryStats, call_with_retries
-
         stats = RetryStats()
         try:
             return call_with_retries(fn, self.retries, self.backoff_s, retry_on=(StorageError,), stats=stats,

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from pivotrl.errors import ConfigError, DataError, ModelError, PivotRLError, StorageAccessError, TrainingError
+from pivotrl.storage.files import atomic_file
 
 #: Stages of ``pivotrl compare`` (pivotrl.pipeline.compare / compare_eval), run the same way.
 COMPARE_STAGES = ("sft_baseline", "e2e_baseline", "compare_evaluate")
@@ -211,9 +212,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def write_result(path: str, result: dict[str, Any]) -> None:
     """Write a stage's result dict as JSON to ``path`` atomically (temp file, then rename)."""
-    tmp = Path(path + ".tmp")
-    tmp.write_text(json.dumps(result, default=str))
-    tmp.replace(path)
+    with atomic_file(path) as tmp:
+        tmp.write_text(json.dumps(result, default=str))
 
 
 if __name__ == "__main__":

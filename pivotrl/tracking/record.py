@@ -250,11 +250,8 @@ def source_sha256(uri: str) -> str | None:
 
         import fsspec
 
-        digest = hashlib.sha256()
         with fsspec.open(uri, "rb") as f:
-            for chunk in iter(lambda: f.read(1 << 20), b""):
-                digest.update(chunk)
-        return digest.hexdigest()
+            return hashlib.file_digest(f, "sha256").hexdigest()
     except Exception:  # an unreadable source leaves the tag out; the manifest still names it
         return None
 

@@ -215,7 +215,7 @@ class AutoVerifier:
     @property
     def stats(self) -> Any:
         """Retry statistics (``RetryStats``) summed over the underlying verifiers built so far."""
-        from pivotrl.envs.sandbox import RetryStats
+        from pivotrl.storage.retry import RetryStats
 
         total = RetryStats()
         for v in self._verifiers.values():

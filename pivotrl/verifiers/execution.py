@@ -27,9 +27,10 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from pivotrl.data.schema import ToolCall, TurnState, canonical_json
-from pivotrl.envs.sandbox import RetryStats, SandboxError, SandboxPool, call_with_retries
+from pivotrl.envs.sandbox import SandboxError, SandboxPool
 from pivotrl.errors import DataError, ToolExecutionError, VerifierError
 from pivotrl.faults import FaultInjector
+from pivotrl.storage.retry import RetryStats, call_with_retries
 from pivotrl.verifiers.base import VERIFIERS, VerifierResult, demo_calls, kind_check, parse_actions
 
 __all__ = ["ExecutionVerifier", "execute_candidates"]

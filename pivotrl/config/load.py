@@ -1,0 +1,201 @@
+"""Loading, overriding, hashing and dumping a run config (YAML file or fsspec URL)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import textwrap
+from typing import Any, Mapping, Sequence
+
+import yaml
+
+from pivotrl.config.schema import RunConfig
+from pivotrl.config.validate import _item_type, _models_of, parse_config
+from pivotrl.data.schema import canonical_json
+from pivotrl.errors import ConfigError
+
+
+def _read_yaml(path_or_url: str) -> Any:
+    import fsspec  # local import: only needed when a file is read
+
+    try:
+        with fsspec.open(path_or_url, "r", encoding="utf-8") as f:
+            text = f.read()
+    except FileNotFoundError:
+        raise ConfigError(f"config file not found: {path_or_url}") from None
+    except OSError as e:
+        raise ConfigError(f"cannot read config {path_or_url}: {e}") from None
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        raise ConfigError(f"config {path_or_url} is not valid YAML{at}: {getattr(e, 'problem', e)}") from None
+
+
+def _apply_override(data: dict[str, Any], override: str) -> None:
+    if "=" not in override:
+        raise ConfigError(f"override {override!r}: expected dotted.key=value")
+    dotted, raw = override.split("=", 1)
+    dotted = dotted.strip()
+    keys = dotted.split(".")
+    if not dotted or any(not k for k in keys):
+        raise ConfigError(f"override {override!r}: empty key")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"override {override!r}: value is not valid YAML ({e})") from None
+
+    tp: Any = RunConfig
+    node: Any = data
+    for i, key in enumerate(keys):
+        last = i == len(keys) - 1
+        here = ".".join(keys[: i + 1])
+        if isinstance(node, list):
+            if not key.isdigit() or int(key) >= len(node):
+                raise ConfigError(f"override {override!r}: {here} is not an index of a list of {len(node)}")
+            idx = int(key)
+            if last:
+                node[idx] = value
+                return
+            node[idx] = dict(node[idx]) if isinstance(node[idx], Mapping) else node[idx]
+            node, tp = node[idx], None  # union item: pydantic checks its keys
+            continue
+        if not isinstance(node, dict):
+            raise ConfigError(f"override {override!r}: {'.'.join(keys[:i])} is not a mapping")
+        models = _models_of(tp) if tp is not None else []
+        if models:
+            owner = next((m for m in models if key in m.model_fields), None)
+            if owner is None:
+                valid = ", ".join(models[0].model_fields)
+                section = ".".join(keys[:i]) or "the top level"
+                raise ConfigError(f"override {override!r}: unknown key {here!r}; valid keys of {section}: {valid}")
+            tp = owner.model_fields[key].annotation
+        else:
+            tp = None  # free-form mapping (e.g. training.deepspeed.extra)
+        if last:
+            node[key] = value
+            return
+        child = node.get(key)
+        if child is None:
+            if _item_type(tp) is not None:
+                default = _default_of(keys[: i + 1])
+                child = default if isinstance(default, list) else []
+            else:
+                child = {}
+        elif isinstance(child, Mapping):
+            child = dict(child)
+        elif isinstance(child, list):
+            child = [dict(c) if isinstance(c, Mapping) else c for c in child]
+        node[key] = child
+        node = child
+
+
+def _default_of(keys: Sequence[str]) -> Any:
+    obj: Any = RunConfig().model_dump(mode="json")
+    for k in keys:
+        obj = obj[k]
+    return obj
+
+
+def load_config(path_or_url: str | None, overrides: Sequence[str] = ()) -> RunConfig:
+    """Read a YAML config (local path or fsspec URL; None = schema defaults) and apply overrides.
+
+    ``overrides`` are ``"dotted.key=value"`` strings whose value is parsed as YAML
+    (``"training.beta=0.01"``, ``"evaluation.seeds=[0, 1]"``, ``"data.sources.0.limit_per_category=5"``),
+    applied in order. Raises ConfigError for an unreadable file, invalid YAML, an unknown override key
+    (naming it and the valid keys) or any invalid value (every problem listed).
+    """
+    data = _read_yaml(path_or_url) if path_or_url is not None else {}
+    if data is None:
+        data = {}
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"config {path_or_url}: the top level must be a mapping of sections, "
+                          f"got {type(data).__name__}")
+    data = json.loads(json.dumps(data, default=str))  # deep copy, plain containers
+    for override in overrides:
+        _apply_override(data, override)
+    # Name the overridden keys, never their values (a value could be a secret pasted by mistake).
+    keys = ", ".join(o.split("=", 1)[0].strip() for o in overrides)
+    source = path_or_url if not overrides else f"{path_or_url or '(defaults)'} with overrides of {keys}"
+    return parse_config(data, source)
+
+
+# ---------------------------------------------------------------------------------- hashing
+def public_config(cfg: RunConfig) -> dict[str, Any]:
+    """The config as JSON-compatible data without ``run.storage_options`` and ``tracking`` (what hashes and
+    manifests see)."""
+    data = cfg.model_dump(mode="json")
+    data["run"].pop("storage_options", None)
+    data.pop("tracking", None)  # where a run is recorded changes no result
+    return data
+
+
+def config_hash(cfg: RunConfig) -> str:
+    """sha256 hex digest of the canonical JSON of :func:`public_config` (storage options excluded)."""
+    return hashlib.sha256(canonical_json(public_config(cfg)).encode("utf-8")).hexdigest()
+
+
+def section_hash(cfg: RunConfig, *sections: str) -> str:
+    """sha256 of the named sections only (dotted names allowed, e.g. ``"training.deepspeed"``).
+
+    Used as a cache key: a stage depends only on the sections it reads. Raises ConfigError for an
+    unknown section name.
+    """
+    if not sections:
+        raise ConfigError("section_hash needs at least one section name")
+    data = public_config(cfg)
+    picked: dict[str, Any] = {}
+    for name in sections:
+        obj: Any = data
+        for part in name.split("."):
+            if not isinstance(obj, dict) or part not in obj:
+                valid = ", ".join(data)
+                raise ConfigError(f"section_hash: unknown section {name!r}; valid sections: {valid}")
+            obj = obj[part]
+        picked[name] = obj
+    return hashlib.sha256(canonical_json(picked).encode("utf-8")).hexdigest()
+
+
+# ---------------------------------------------------------------------------------- dumping
+def _scalar(value: Any) -> str:
+    text = yaml.safe_dump([value], default_flow_style=True, allow_unicode=True, width=1 << 30).strip()
+    return text[1:-1]
+
+
+def _emit(tp: Any, data: Mapping[str, Any], indent: int, lines: list[str], comments: bool) -> None:
+    models = _models_of(tp)
+    model = models[0]
+    if len(models) > 1 and "kind" in data:
+        model = next((m for m in models if m.model_fields["kind"].default == data["kind"]), model)
+    pad = " " * indent
+    for name, info in model.model_fields.items():
+        if name not in data:
+            continue
+        value = data[name]
+        if comments and info.description:
+            for line in textwrap.wrap(info.description, width=max(40, 100 - indent - 2)):
+                lines.append(f"{pad}# {line}")
+        item = _item_type(info.annotation)
+        if _models_of(info.annotation) and isinstance(value, Mapping):
+            lines.append(f"{pad}{name}:")
+            _emit(info.annotation, value, indent + 2, lines, comments)
+        elif item is not None and _models_of(item) and value:
+            lines.append(f"{pad}{name}:")
+            for entry in value:
+                start = len(lines)
+                _emit(item, entry, indent + 4, lines, comments)
+                first = next(j for j in range(start, len(lines)) if not lines[j].lstrip().startswith("#"))
+                lines[first] = f"{pad}  - " + lines[first][indent + 4 :]
+        else:
+            lines.append(f"{pad}{name}: {_scalar(value)}")
+
+
+def dump_config(cfg: RunConfig, *, comments: bool = False) -> str:
+    """YAML text of the whole config (section order as in the schema); ``load_config`` reads it back equal.
+
+    With ``comments=True`` each field's description is written as a comment above it (the manual).
+    """
+    lines: list[str] = []
+    _emit(RunConfig, cfg.model_dump(mode="json"), 0, lines, comments)
+    return "\n".join(lines) + "\n"

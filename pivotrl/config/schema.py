@@ -1,0 +1,74 @@
+"""The whole run configuration: :class:`RunConfig` (every section) and its cross-section rules."""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from pydantic import Field, model_validator
+
+from pivotrl.config.base import Section, _rule
+from pivotrl.config.sections import (
+    DataSection, ModelSection, ProbingSection, PromptSection, RolloutSection, RunSection, VerifierSection,
+    WarmStartSection,
+)
+from pivotrl.config.train_eval import (
+    CompareSection, EvaluationSection, FaultsSection, QualitySection, ScaleOutSection, TrackingSection,
+    TrainingSection,
+)
+
+
+class RunConfig(Section):
+    """A whole run. Load with :func:`load_config`; every section has defaults (the embedded CPU run)."""
+
+    run: RunSection = Field(default_factory=RunSection, description="Identity, seed and storage of the run.")
+    data: DataSection = Field(default_factory=DataSection, description="Demonstration sources and split.")
+    model: ModelSection = Field(default_factory=ModelSection, description="Policy / reference model.")
+    prompt: PromptSection = Field(default_factory=PromptSection, description="Prompt rendering.")
+    verifier: VerifierSection = Field(default_factory=VerifierSection, description="Functional verifier.")
+    rollout: RolloutSection = Field(default_factory=RolloutSection, description="Sampling engine.")
+    warm_start: WarmStartSection = Field(default_factory=WarmStartSection, description="Supervised warm start.")
+    probing: ProbingSection = Field(default_factory=ProbingSection, description="Pivot filtering (stage 1).")
+    training: TrainingSection = Field(default_factory=TrainingSection, description="Local GRPO (stage 2).")
+    evaluation: EvaluationSection = Field(default_factory=EvaluationSection, description="Evaluation.")
+    quality: QualitySection = Field(default_factory=QualitySection, description="Judge, text turns, data audit.")
+    faults: FaultsSection = Field(default_factory=FaultsSection, description="Fault injection (tests only).")
+    tracking: TrackingSection = Field(default_factory=TrackingSection, description="Experiment tracking (MLflow).")
+    scale_out: ScaleOutSection = Field(
+        default_factory=ScaleOutSection, description="Shards of probing and evaluation, and where they run.")
+    compare: CompareSection = Field(default_factory=CompareSection, description="SFT and end-to-end RL baselines.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _fill_refresh_tolerance(cls, data: Any) -> Any:
+        if not isinstance(data, Mapping):
+            return data
+        training = data.get("training")
+        if isinstance(training, TrainingSection):
+            training = training.model_dump()
+        if training is None or isinstance(training, Mapping):
+            training = dict(training or {})
+            if training.get("refresh_tolerance") is None:
+                model = data.get("model")
+                dtype = model.get("dtype", "auto") if isinstance(model, Mapping) else getattr(model, "dtype", "auto")
+                if dtype != "auto":  # auto: filled in once resolved (pivotrl.precision.with_resolved_dtype)
+                    training["refresh_tolerance"] = 1e-4 if dtype == "fp32" else 0.3
+            data = {**data, "training": training}
+        return data
+
+    @model_validator(mode="after")
+    def _cross_section(self) -> "RunConfig":
+        if self.warm_start.enabled and self.data.split.warm_start <= 0:
+            raise _rule(
+                "data.split.warm_start", self.data.split.warm_start, "must be > 0 when warm_start.enabled is true"
+            )
+        if self.rollout.max_tokens >= self.model.max_context:
+            raise _rule(
+                "rollout.max_tokens", self.rollout.max_tokens,
+                f"must be < model.max_context = {self.model.max_context}",
+            )
+        if self.warm_start.max_len > self.model.max_context:
+            raise _rule(
+                "warm_start.max_len", self.warm_start.max_len,
+                f"must be ≤ model.max_context = {self.model.max_context}",
+            )
+        return self

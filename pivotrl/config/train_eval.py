@@ -1,0 +1,258 @@
+"""Config sections of training, evaluation and operations: DeepSpeed, training, evaluation, quality,
+compare, faults, scale-out, tracking."""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Literal
+
+from pydantic import Field, model_validator
+
+from pivotrl.config.base import Float, Int, Section, _rule
+
+
+class DeepSpeedSection(Section):
+    zero_stage: Int = Field(0, ge=0, le=3, description="ZeRO stage (0 = plain data parallel, 3 = shard parameters).")
+    extra: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Extra DeepSpeed JSON config merged over the generated one (e.g. zero_optimization overrides).",
+    )
+
+
+class TrainingSection(Section):
+    group_size: Int = Field(
+        8,
+        ge=2,
+        description="K: actions sampled from π_old per pivot for one GRPO group (PivotRL §3.3).",
+        json_schema_extra={"why": "group-relative advantages need two actions"},
+    )
+    epsilon: Float = Field(
+        0.2, gt=0, lt=1, description="PPO clip range of the whole-action ratio: clip(r, 1-ε, 1+ε).",
+        json_schema_extra={"why": "the spec requires 0 < ε < 1"},
+    )
+    beta: Float = Field(
+        0.01,
+        ge=0,
+        description=(
+            "Weight of the reverse KL(π_θ ‖ π_ref) penalty; small and > 0 keeps valid alternatives (spec π*)."
+        ),
+    )
+    delta: Float = Field(
+        1e-6, gt=0, description="δ in Â = (R − R̄)/(σ_R + δ); only guards the division by zero.",
+        json_schema_extra={"why": "it guards a division by σ_R = 0"},
+    )
+    kl_estimator: Literal["squared_log_ratio", "k1", "k3_per_token"] = Field(
+        "squared_log_ratio",
+        description=(
+            "KL penalty estimator: squared_log_ratio = ½(Σ_t log π_θ − log π_ref)², whose gradient "
+            "estimates ∇ of the reverse KL (default); k1 = the plain log-ratio (zero expected gradient); k3_per_token = GRPO's "
+            "per-token k3 (follows the forward KL). The last two exist for comparison only."
+        ),
+    )
+    advantage_estimator: Literal["grpo", "dr_grpo", "rloo", "reinforce"] = Field(
+        "grpo", description="Advantage estimator (PivotRL uses grpo; the others are spec case 4 variants)."
+    )
+    ratio_type: Literal["sequence", "geometric_mean", "token"] = Field(
+        "sequence",
+        description=(
+            "sequence = exp(Σ_t log-ratio), the true whole-action ratio (PivotRL); geometric_mean = GSPO's "
+            "exp(mean_t); token = per-token PPO surrogate."
+        ),
+    )
+    lr: Float = Field(1e-5, gt=0, description="AdamW learning rate (1e-5 for 135M, 1e-6 for ≥ 1B models).")
+    epochs: Int = Field(1, ge=1, description="Passes over the pivot set.")
+    pivots_per_batch: Int = Field(
+        4, ge=1, description="Pivots per rollout batch (each gives one group of group_size actions)."
+    )
+    updates_per_batch: Int = Field(
+        1, ge=1, description="Optimiser updates per rollout batch; with 1 the ratio is 1 and clipping never binds."
+    )
+    micro_batch_groups: Int = Field(
+        1, ge=1, description="Groups per micro-batch on one rank (gradient accumulation covers the rest)."
+    )
+    max_steps: Int | None = Field(
+        10, ge=1, description="Stop after this many rollout batches (null = epochs decide)."
+    )
+    grad_clip: Float | None = Field(1.0, gt=0, description="Clip the global gradient norm to this value (null = off).")
+    shared_prefix: bool = Field(
+        True, description="Run the state once and its K actions on the cached prefix (same gradients, less compute)."
+    )
+    checkpoint_every: Int = Field(5, ge=1, description="Save a checkpoint every N rollout batches.")
+    refresh_tolerance: Float | None = Field(
+        None,
+        gt=0,
+        description=(
+            "Largest per-token log-prob gap allowed between trainer and engine after a weight refresh; "
+            "null = 1e-4 for fp32, 0.3 for bf16 (filled in once the dtype is resolved)."
+        ),
+    )
+    deepspeed: DeepSpeedSection = Field(default_factory=DeepSpeedSection, description="DeepSpeed engine settings.")
+    world_size: Int = Field(1, ge=1, description="Total training processes (= nnodes × nproc_per_node).")
+    nnodes: Int = Field(1, ge=1, description="Number of machines.")
+    nproc_per_node: Int = Field(1, ge=1, description="Training processes per machine (one per GPU, or CPU ranks).")
+    launcher: Literal["torchrun", "deepspeed", "inprocess"] = Field(
+        "inprocess",
+        description="How ranks start: torchrun, the deepspeed launcher (multi-node with hostfile), or in this process.",
+    )
+    hostfile: str | None = Field(
+        None,
+        description="DeepSpeed hostfile ('host slots=N' per line); required by the deepspeed launcher on > 1 node.",
+    )
+    master_addr: str = Field("127.0.0.1", min_length=1, description="Address of rank 0 for the rendezvous.")
+    master_port: Int = Field(29500, ge=1, le=65535, description="TCP port of rank 0 for the rendezvous.")
+
+    @model_validator(mode="after")
+    def _layout(self) -> "TrainingSection":
+        if self.world_size != self.nnodes * self.nproc_per_node:
+            raise _rule(
+                "world_size", self.world_size,
+                f"must equal nnodes × nproc_per_node = {self.nnodes} × {self.nproc_per_node}",
+            )
+        per_step = self.micro_batch_groups * self.world_size
+        if self.pivots_per_batch % per_step:
+            raise _rule(
+                "pivots_per_batch", self.pivots_per_batch,
+                f"must be a multiple of micro_batch_groups × world_size = {per_step}",
+            )
+        if self.launcher == "inprocess" and self.nnodes > 1:
+            raise _rule("launcher", self.launcher, "inprocess runs on one node; use torchrun or deepspeed")
+        if self.launcher == "deepspeed" and self.nnodes > 1 and not self.hostfile:
+            raise _rule("hostfile", self.hostfile, "the deepspeed launcher needs a hostfile for more than one node")
+        return self
+
+
+# ---------------------------------------------------------------------------------- evaluation
+class EvaluationSection(Section):
+    num_tasks: Int = Field(
+        200, ge=1,
+        description="Held-out tasks run from the start (full multi-turn task); all held-out tasks when fewer.",
+    )
+    max_steps_per_turn: Int = Field(
+        20, ge=1,
+        description="Executing model calls allowed per user turn; one more quits the task (BFCL's limit: 20).",
+    )
+    temperature: Float = Field(0.0, ge=0, description="Sampling temperature at evaluation (0 = greedy).")
+    seeds: list[Int] = Field(default_factory=lambda: [0], min_length=1, description="One evaluation pass per seed.")
+    local_pivots: bool = Field(
+        True, description="Also report the local success rate on held-out pivot states (never instead of the task)."
+    )
+
+
+# ------------------------------------------------------------------------------------- quality
+class QualitySection(Section):
+    """What the results may be trusted for: judge of record, text turns, audited data."""
+
+    judge: Literal["bfcl", "pivotrl"] = Field(
+        "bfcl",
+        description="Full-task judge: BFCL's own multi-turn checker from the wheel, or pivotrl's own judge.",
+    )
+    include_stop_decisions: bool = Field(
+        False,
+        description="Closing 'stop here' turns (BFCL's 'Done.') may become pivots (always reported apart).",
+    )
+    keep_flagged: bool = Field(
+        False,
+        description="Keep tasks the data audit flagged (failing gold calls) in warm start, pivots and evaluation.",
+    )
+    out_of_domain: list[str] = Field(
+        default_factory=lambda: ["parallel"],
+        description="BFCL categories never seen in warm start or training, scored locally as out-of-domain.",
+    )
+    out_of_domain_limit: Int = Field(50, ge=1, description="Records per out-of-domain category (file order).")
+
+
+# ------------------------------------------------------------------------------------- compare
+class CompareSection(Section):
+    """``pivotrl compare``: SFT and end-to-end RL baselines from the same π_ref as PivotRL."""
+
+    sft_budget: Literal["optimizer_steps"] = Field(
+        "optimizer_steps", description="What the SFT baseline matches with PivotRL: its optimiser steps."
+    )
+    sft_lr: Float | None = Field(None, gt=0, description="SFT learning rate (null = training.lr).")
+    sft_batch_size: Int = Field(8, ge=1, description="Demonstrations per SFT optimiser step.")
+    e2e_budget: Literal["generated_tokens"] = Field(
+        "generated_tokens", description="What the end-to-end RL baseline matches with PivotRL: generated tokens."
+    )
+    e2e_group_size: Int = Field(4, ge=2, description="K: episodes per task in one end-to-end GRPO group.")
+    e2e_tasks_per_batch: Int = Field(1, ge=1, description="Tasks per end-to-end RL step.")
+    e2e_max_steps: Int = Field(2, ge=1, description="Upper bound on end-to-end RL steps (the budget stops it first).")
+    e2e_reward: Literal["full_task", "per_turn"] = Field(
+        "full_task", description="Episode reward: all turns passed (0/1), or the fraction of turns passed."
+    )
+    e2e_max_steps_per_turn: Int = Field(2, ge=1, description="Executing model calls per user turn in training episodes.")
+    num_tasks: Int | None = Field(
+        50, ge=1, description="Held-out tasks the comparison evaluates (the same for every method; null = evaluation.num_tasks)."
+    )
+
+
+# -------------------------------------------------------------------------------------- faults
+class FaultsSection(Section):
+    tool_failure_rate: Float = Field(
+        0.0, ge=0, lt=1, description="Probability that a tool call raises (fault injection for tests; 0 = off)."
+    )
+    tool_latency_s: Float = Field(0.0, ge=0, description="Added delay in seconds per tool call (0 = off).")
+    storage_failure_rate: Float = Field(
+        0.0, ge=0, lt=1, description="Probability that an artifact write fails before publishing (0 = off)."
+    )
+    kill_trainer_at_step: Int | None = Field(
+        None, ge=1, description="Kill the trainer after this step to test resuming (null = off)."
+    )
+    tool_failure_trajectories: list[str] = Field(
+        default_factory=list,
+        description="Every tool execution for turn states of these trajectory ids fails (drills a shard that cannot finish).",
+    )
+
+
+# ------------------------------------------------------------------------------------ scale-out
+class ScaleOutSection(Section):
+    """Sharded probing and where shards run (evaluation is not sharded yet)."""
+
+    probe_shard_size: Int | None = Field(
+        None, ge=1, description=(
+            "Trajectories per probing shard, each its own Prefect task run with its own cache key and "
+            "retries (null = probe in one task).")
+    )
+    shard_retries: Int = Field(
+        2, ge=0, description="Retries of a shard task (a retry redoes only the states it could not decide)."
+    )
+    task_runner: Literal["inprocess", "ray"] = Field(
+        "inprocess", description=(
+            "Where shard tasks run: 'inprocess' (threads of the flow's process, each shard in a child "
+            "process) or 'ray' (prefect-ray's RayTaskRunner; one warm rollout engine per Ray worker).")
+    )
+    max_parallel_shards: Int = Field(
+        1, ge=1, description="In-process runner: shards run at the same time (each holds one engine)."
+    )
+    ray_address: str | None = Field(
+        None, description=(
+            "Ray cluster to join ('auto', 'HOST:6379' or 'ray://HOST:10001'; null = start a local one).")
+    )
+    ray_cpus_per_shard: Float = Field(1.0, gt=0, description="CPUs a shard task asks Ray for (its engine's threads).")
+    ray_gpus_per_shard: Float = Field(0.0, ge=0, description="GPUs a shard task asks Ray for (one engine per GPU: 1).")
+
+
+# ------------------------------------------------------------------------------------ tracking
+class TrackingSection(Section):
+    backend: Literal["none", "mlflow"] = Field(
+        "none", description="Experiment tracker: none (records nothing, imports nothing) or mlflow."
+    )
+    uri: str | None = Field(
+        None, description=(
+            "Tracking server or store URI (e.g. http://127.0.0.1:5000); null = a local store under the run "
+            "root (<storage_root>/mlflow). Credentials come from the environment (MLFLOW_TRACKING_USERNAME/"
+            "PASSWORD or MLFLOW_TRACKING_TOKEN), never from here."),
+    )
+    experiment: str | None = Field(
+        None, min_length=1, description="Experiment the runs are recorded in; null = 'pivotrl-<run.name>'."
+    )
+    run_name: str | None = Field(None, min_length=1, description="Name of the tracker run; null = run.name.")
+
+    @model_validator(mode="after")
+    def _no_credentials_in_uri(self) -> "TrackingSection":
+        if self.uri and re.match(r"^[A-Za-z][A-Za-z0-9+.-]*://[^/@]*:[^/@]*@", self.uri):
+            raise _rule("uri", "<hidden>", "contains a password; set MLFLOW_TRACKING_USERNAME and "
+                        "MLFLOW_TRACKING_PASSWORD in the environment instead")
+        return self
+
+
+# ------------------------------------------------------------------------------------------ run

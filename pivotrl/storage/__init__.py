@@ -1,0 +1,28 @@
+"""Artifact storage on fsspec: atomic writes, published directories, manifests and retries.
+
+* :mod:`~pivotrl.storage.store` — :class:`ArtifactStore` (keys, atomic writes, reads, listing);
+* :mod:`~pivotrl.storage.dirs` — checkpoint directories behind a ``_COMPLETE`` marker;
+* :mod:`~pivotrl.storage.manifest` — :class:`Manifest` beside every artifact, code and library versions;
+* :mod:`~pivotrl.storage.retry` — the one retry mechanism (tenacity) and the store's policy;
+* :mod:`~pivotrl.storage.files` — the atomic publishing of local files and the file hash.
+
+Pure core: never imports prefect, vllm, deepspeed or torch.
+"""
+
+from pivotrl.storage.dirs import COMPLETE_MARKER
+from pivotrl.storage.files import atomic_dir, atomic_file, file_sha256, replace_path
+from pivotrl.storage.manifest import (
+    MANIFEST_FORMAT_VERSION,
+    MANIFEST_SUFFIX,
+    Manifest,
+    code_version,
+    package_versions,
+)
+from pivotrl.storage.retry import RetryPolicy, RetryStats, call_with_retries, is_transient
+from pivotrl.storage.store import ArtifactStore
+
+__all__ = [
+    "ArtifactStore", "Manifest", "RetryPolicy", "RetryStats", "call_with_retries", "code_version",
+    "package_versions", "is_transient", "COMPLETE_MARKER", "MANIFEST_SUFFIX", "MANIFEST_FORMAT_VERSION",
+    "atomic_dir", "atomic_file", "file_sha256", "replace_path",
+]
