@@ -25,14 +25,17 @@ _CORE = ("pivotrl.data", "pivotrl.actions", "pivotrl.prompts")
 #: Modules (a package means every ``.py`` file under it) whose code decides each stage's artifact.
 STAGE_CODE: dict[str, tuple[str, ...]] = {
     "demonstrations": ("pivotrl.data", "pivotrl.envs", "pivotrl.pipeline.demos"),
+    # The warm start only: an edit to the train or evaluate stage never re-runs it.
     "reference": _CORE + ("pivotrl.models", "pivotrl.training.sft", "pivotrl.training.logprobs",
-                          "pivotrl.pipeline.stages"),
+                          "pivotrl.pipeline.reference"),
     "probe": _CORE + ("pivotrl.envs", "pivotrl.verifiers", "pivotrl.rollout", "pivotrl.filtering",
                       "pivotrl.pipeline.probe"),
+    # pivotrl.training holds the loop (training.loop), its checkpoints and the trainer.
     "train": _CORE + ("pivotrl.envs", "pivotrl.verifiers", "pivotrl.rollout", "pivotrl.objective",
-                      "pivotrl.training", "pivotrl.pipeline.stages"),
+                      "pivotrl.training", "pivotrl.pipeline.train"),
+    # The drift re-probe and the held-out state selection run pivotrl.pipeline.probe's code.
     "evaluate": _CORE + ("pivotrl.envs", "pivotrl.verifiers", "pivotrl.rollout", "pivotrl.evaluation",
-                         "pivotrl.pipeline.stages"),
+                         "pivotrl.pipeline.probe", "pivotrl.pipeline.evaluate"),
 }
 
 

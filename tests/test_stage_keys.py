@@ -98,7 +98,7 @@ class _Flaky:
 
 
 def test_resume_retries_then_raises_on_a_storage_outage_never_restarts_from_step_0(tmp_path):
-    from pivotrl.pipeline.stages import _latest_checkpoint
+    from pivotrl.training.checkpoints import latest_checkpoint as _latest_checkpoint
     from pivotrl.storage import ArtifactStore, RetryPolicy
 
     store = ArtifactStore("memory://resume-outage", retry=RetryPolicy(attempts=3, base_delay_s=0.0))
