@@ -73,7 +73,7 @@ def test_sharded_probing_equals_the_unsharded_run(unsharded, tiny_model, tmp_pat
 
 def test_every_sample_is_kept_and_pass_rates_rederive_without_rollouts(unsharded):
     cfg, store, _, _, probe = unsharded
-    df = store.read_parquet(f"{probe['probes_key']}/probes.parquet")
+    df = store.read_parquet(f"{probe.probes_key}/probes.parquet")
     m = cfg.probing.num_probes
     ok = df[df["status"] == "ok"]
     for col in ("rewards", "reasons", "samples", "sample_tokens"):
@@ -83,7 +83,7 @@ def test_every_sample_is_kept_and_pass_rates_rederive_without_rollouts(unsharded
     assert list(ok["action_tokens_mean"]) == pytest.approx([sum(ls) / m for ls in lengths])
     # Same m and λ: exactly the stored pivot set.
     again = rederive_pivots(df, cfg.probing.lambda_diff)
-    pivots = store.read_parquet(f"{probe['pivots_key']}/pivots.parquet")
+    pivots = store.read_parquet(f"{probe.pivots_key}/pivots.parquet")
     assert sorted(again.loc[again["decision"] == "kept", "state_id"]) == sorted(pivots["state_id"])
     # Another m: μ̂ from the first 2 samples of each state, by hand.
     two = rederive_pivots(df, 0.5, num_probes=2)

@@ -2,16 +2,17 @@
 
 :func:`mean_summary` averages the numeric fields of per-seed summaries, :func:`summarize_runs` fills
 a policy's combined sections from its per-seed runs, :func:`accuracy_by_category` gives local
-accuracy per (category, call | text) group.
+accuracy per (category, call | text) group, :func:`task_summary` summarises a full-task table.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any, Mapping, Sequence
 
 import pandas as pd
 
-__all__ = ["accuracy_by_category", "mean_summary", "summarize_runs"]
+__all__ = ["accuracy_by_category", "mean_summary", "summarize_runs", "task_summary"]
 
 #: combined section → the per-seed runs it comes from
 RUN_SECTIONS = {"full_task": "full_task_runs", "local": "local_heldout_runs", "local_sampled": "local_sampled_runs",
@@ -51,3 +52,32 @@ def accuracy_by_category(frame: pd.DataFrame, text_turn: Mapping[str, bool]) -> 
     groups = ok.assign(group=[f"{c}/{'text' if text_turn[sid] else 'call'}"
                               for c, sid in zip(ok["category"], ok["state_id"])]).groupby("group")
     return {c: float(g["n_accepted"].sum() / max(1, g["n_samples"].sum())) for c, g in groups}
+
+
+def task_summary(df: pd.DataFrame, **settings: Any) -> dict[str, Any]:
+    """The summary of a full-task table (``pivotrl.evaluation.full_task``, one row per task): counts,
+    success and turn-pass rates, model/tool calls, format errors, tokens, failure reasons, and
+    ``settings`` (``sampling``: its temperature and max_tokens; the rest as given)."""
+    n = len(df)
+    calls = int(df["model_calls"].sum()) if n else 0
+    turns_total = int(df["n_turns"].sum()) if n else 0
+    turns_passed = int(df["turns_passed"].sum()) if n else 0
+    sampling = settings.pop("sampling")
+    return {
+        "n_tasks": n,
+        "n_success": int(df["success"].sum()) if n else 0,
+        "success_rate": float(df["success"].mean()) if n else float("nan"),
+        "turns_total": turns_total,
+        "turns_passed": turns_passed,
+        "turn_pass_rate": turns_passed / turns_total if turns_total else float("nan"),
+        "mean_turns_passed": float(df["turns_passed"].mean()) if n else float("nan"),
+        "model_calls": calls,
+        "tool_calls": int(df["tool_calls"].sum()) if n else 0,
+        "format_errors": int(df["format_errors"].sum()) if n else 0,
+        "format_error_rate": int(df["format_errors"].sum()) / calls if calls else 0.0,
+        "tokens_generated": int(df["tokens_generated"].sum()) if n else 0,
+        "failure_reasons": {str(k): int(v) for k, v in Counter(r for r in df["reason"] if r).items()},
+        "temperature": float(sampling.temperature),
+        "max_tokens": int(sampling.max_tokens),
+        **settings,
+    }
