@@ -129,3 +129,16 @@ def test_a_refresh_that_did_not_take_fails_loudly() -> None:
         check_refresh(3, 0.2, 0.2, 0.3, "bf16")
     with pytest.raises(TrainingError, match="π_old"):
         check_refresh(1, 2e-4, 1e-5, 1e-4, "fp32")
+
+
+def test_the_loop_and_sample_and_score_import_without_prefect_vllm_deepspeed_or_the_pipeline() -> None:
+    import subprocess
+    import sys
+
+    code = ("import sys\n"
+            "for name in ('prefect', 'vllm', 'deepspeed', 'pivotrl.pipeline'):\n"
+            "    sys.modules[name] = None\n"
+            "import pivotrl.training.loop, pivotrl.training.checkpoints, pivotrl.rollout.scoring\n"
+            "print('ok')\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
