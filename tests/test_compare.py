@@ -64,7 +64,7 @@ def test_sft_and_pivotrl_start_from_the_same_reference_and_see_the_same_items(co
 
 def test_budgets_are_matched_and_stated(compared):
     cfg, store, demos, ref, probe, train, sft, e2e, ev = compared
-    pivot_led = pivotrl_ledger(cfg, store, probe, train, ref)
+    pivot_led = pivotrl_ledger(cfg, store, probe.to_dict(), train.to_dict(), ref.to_dict())
     # SFT: the same optimiser steps as PivotRL (smoke: 2 batches × 2 updates).
     assert sft["summary"]["budget"] == "optimizer_steps"
     assert sft["summary"]["steps"] == sft["summary"]["target_steps"] == pivot_led.optimizer_steps == 4
