@@ -51,7 +51,7 @@ def main() -> None:
     cfg = load_config(str(REPO / "configs" / "smoke.yaml"), base)
     store = ArtifactStore(cfg.run.storage_root)
     demos = build_demonstrations(cfg, store)
-    ref = stages.stage_reference(cfg, store, demos)
+    ref = stages.stage_reference(cfg, store, demos).to_dict()  # a flow input: the result's JSON dict
     rows = []
     os.environ["PREFECT_HOME"] = str(tmp / "prefect")
     with prefect_test_harness(server_startup_timeout=120):

@@ -55,7 +55,9 @@ def nightly(config_path: str = "configs/default.yaml", overrides: list[str] | No
         track.end("FAILED")
         raise
     track.end("FINISHED")
-    get_run_logger().info("report: %s", result["report_md"])
+    from pivotrl.pipeline.results import EvalResult
+
+    get_run_logger().info("report: %s", EvalResult.of(result).report_md)
     return result
 
 

@@ -28,14 +28,17 @@ _ENVS = ("pivotrl.envs", "pivotrl.storage.retry")
 #: Modules (a package means every ``.py`` file under it) whose code decides each stage's artifact.
 STAGE_CODE: dict[str, tuple[str, ...]] = {
     "demonstrations": ("pivotrl.data", *_ENVS, "pivotrl.pipeline.demos"),
+    # The warm start only: an edit to the train or evaluate stage never re-runs it.
     "reference": _CORE + ("pivotrl.models", "pivotrl.training.sft", "pivotrl.training.logprobs",
-                          "pivotrl.pipeline.stages"),
+                          "pivotrl.pipeline.reference"),
     "probe": _CORE + _ENVS + ("pivotrl.verifiers", "pivotrl.rollout", "pivotrl.filtering",
                               "pivotrl.pipeline.probe"),
+    # pivotrl.training holds the loop (training.loop), its checkpoints and the trainer.
     "train": _CORE + _ENVS + ("pivotrl.verifiers", "pivotrl.rollout", "pivotrl.objective",
-                              "pivotrl.training", "pivotrl.pipeline.stages"),
+                              "pivotrl.training", "pivotrl.pipeline.train"),
+    # The drift re-probe and the held-out state selection run pivotrl.pipeline.probe's code.
     "evaluate": _CORE + _ENVS + ("pivotrl.verifiers", "pivotrl.rollout", "pivotrl.evaluation",
-                                 "pivotrl.pipeline.stages"),
+                                 "pivotrl.pipeline.probe", "pivotrl.pipeline.evaluate"),
 }
 
 

@@ -1,7 +1,8 @@
 """Prefect tasks of the nightly pipeline: one per stage, each a thin wrapper.
 
-Every task takes the run config (as JSON) and the small result dicts of earlier tasks (URIs,
-hashes, counts — never tensors or tables), runs one ``pivotrl.pipeline`` stage under a lease on
+Every task takes the run config (as JSON) and the small results of earlier tasks (URIs, hashes,
+counts — never tensors or tables; typed in ``pivotrl.pipeline.results``, passed between tasks and
+cached as their JSON dicts: ``to_dict`` / ``of``), runs one ``pivotrl.pipeline`` stage under a lease on
 its key (:func:`_once`: a concurrent run on the same root waits and reuses it), and publishes its
 facts, Prefect artifacts and asset events (:mod:`pivotrl.tasks.publish`). Cache keys are content
 hashes of the config and the inputs (not the default policy, which includes the run id and never
@@ -30,6 +31,7 @@ from prefect import Task, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from pivotrl.data.schema import content_hash
+from pivotrl.pipeline.results import EvalResult, ProbeResult, ReferenceResult, TrainResult
 from pivotrl.tasks import publish
 
 #: Folder under the run root that holds Prefect's task results (the task cache).
@@ -237,9 +239,10 @@ def _run(stage: str, config: dict[str, Any], inputs: dict[str, Any]) -> tuple[di
 def reference(config: dict[str, Any], inputs: dict[str, Any]) -> dict[str, Any]:
     """Resolve the base model; supervised warm start on the warm-start split → π_ref."""
     out, computed = _run("reference", config, inputs)
+    ref = ReferenceResult.of(out)
     publish.reference(out)
-    if computed and out.get("ref_key"):
-        publish.emit_assets(_store(config), [_store(config).url(f"{out['ref_key']}.sft.json")])
+    if computed and ref.ref_key:
+        publish.emit_assets(_store(config), [_store(config).url(f"{ref.ref_key}.sft.json")])
     return out
 
 
@@ -247,9 +250,10 @@ def reference(config: dict[str, Any], inputs: dict[str, Any]) -> dict[str, Any]:
 def probe(config: dict[str, Any], inputs: dict[str, Any]) -> dict[str, Any]:
     """Probe π_ref (m samples per candidate, verifier-scored) and select the pivot set."""
     out, computed = _run("probe", config, inputs)
+    res = ProbeResult.of(out)
     publish.probe(out)
     if computed:
-        publish.emit_assets(_store(config), [out["probes"], out["pivots"]])
+        publish.emit_assets(_store(config), [res.probes, res.pivots])
     return out
 
 
@@ -257,10 +261,10 @@ def probe(config: dict[str, Any], inputs: dict[str, Any]) -> dict[str, Any]:
 def train(config: dict[str, Any], inputs: dict[str, Any]) -> dict[str, Any]:
     """PivotRL epochs on the pivot set; resumes from the latest checkpoint on retry."""
     out, computed = _run("train", config, inputs)
-    store = _store(config)
-    publish.train(out, store.read_parquet(f"{out['train_key']}/metrics.parquet"))
+    res, store = TrainResult.of(out), _store(config)
+    publish.train(out, store.read_parquet(f"{res.train_key}/metrics.parquet"))
     if computed:
-        publish.emit_assets(store, [out["metrics"], store.url(f"{out['train_key']}/summary.json")])
+        publish.emit_assets(store, [res.metrics, store.url(f"{res.train_key}/summary.json")])
     return out
 
 
@@ -268,10 +272,10 @@ def train(config: dict[str, Any], inputs: dict[str, Any]) -> dict[str, Any]:
 def evaluate(config: dict[str, Any], inputs: dict[str, Any]) -> dict[str, Any]:
     """Full multi-turn task + local evaluation of base, π_ref and PivotRL; report."""
     out, computed = _run("evaluate", config, inputs)
-    store = _store(config)
-    publish.evaluate(out, store.read_text(f"{out['eval_key']}/report.md"))
+    res, store = EvalResult.of(out), _store(config)
+    publish.evaluate(out, store.read_text(f"{res.eval_key}/report.md"))
     if computed:
-        publish.emit_assets(store, [out["report_json"]])
+        publish.emit_assets(store, [res.report_json])
     return out
 
 

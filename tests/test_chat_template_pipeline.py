@@ -39,17 +39,17 @@ def test_smoke_pipeline_runs_on_the_template(tmp_path, family):
     store = ArtifactStore(cfg.run.storage_root)
     demos = build_demonstrations(cfg, store)
     ref = stages.stage_reference(cfg, store, demos)
-    fmt = ref["prompt_format"]
+    fmt = ref.prompt_format
     assert (fmt["format"], fmt["tool_parser"], fmt["prefix_stable"]) == ("chat_template", parser, True)
-    assert ref["sft"]["examples"] > 0 and ref["sft"]["per_turn_trajectories"] == 0
-    manifest = store.read_manifest(f"{ref['ref_key']}.sft.json")
+    assert ref.sft["examples"] > 0 and ref.sft["per_turn_trajectories"] == 0
+    manifest = store.read_manifest(f"{ref.ref_key}.sft.json")
     assert manifest.extra["template_hash"] == fmt["template_hash"]
     probe = stages.stage_probe(cfg, store, demos, ref)
-    assert probe["stats"]["total"]["candidates"] > 0
-    assert store.read_manifest(f"{probe['pivots_key']}/pivots.parquet").extra["prompt_format"] == fmt
+    assert probe.stats["total"]["candidates"] > 0
+    assert store.read_manifest(f"{probe.pivots_key}/pivots.parquet").extra["prompt_format"] == fmt
     train = stages.stage_train(cfg, store, probe, ref)
     ev = stages.stage_evaluate(cfg, store, demos, ref, probe, train)
-    assert Path(str(ev["report_md"]).removeprefix("file://")).exists() or store.exists(f"{ev['eval_key']}/report.md")
+    assert Path(str(ev.report_md).removeprefix("file://")).exists() or store.exists(f"{ev.eval_key}/report.md")
     # The exported reference keeps the model's own chat template (it serves as it was trained).
     exported = load_tokenizer(stages.reference_dir(cfg, store, ref))
     assert exported.chat_template == tok.chat_template
@@ -72,10 +72,10 @@ def test_a_model_without_template_runs_with_prompt_chat_template(tmp_path):
     store = ArtifactStore(cfg.run.storage_root)
     demos = build_demonstrations(cfg, store)
     ref = stages.stage_reference(cfg, store, demos)
-    assert (ref["prompt_format"]["format"], ref["prompt_format"]["tool_parser"]) == ("chat_template", "pythonic")
-    base = Path(ref["base_dir"])
+    assert (ref.prompt_format["format"], ref.prompt_format["tool_parser"]) == ("chat_template", "pythonic")
+    base = Path(ref.base_dir)
     assert json.loads((base / "generation_config.json").read_text())["eos_token_id"] == [1, 4]  # <eos>, <end_of_turn>
     exported = load_tokenizer(stages.reference_dir(cfg, store, ref))
     assert exported.chat_template == template.read_text()
     probe = stages.stage_probe(cfg, store, demos, ref)
-    assert probe["stats"]["total"]["candidates"] > 0
+    assert probe.stats["total"]["candidates"] > 0

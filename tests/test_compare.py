@@ -36,9 +36,11 @@ def compared(tmp_path_factory):
     ref = stages.stage_reference(cfg, store, demos)
     probe = stages.stage_probe(cfg, store, demos, ref)
     train = stages.stage_train(cfg, store, probe, ref)
-    sft = stage_sft_baseline(cfg, store, demos, ref, train)
-    e2e = stage_e2e_baseline(cfg, store, demos, ref, probe, train)
-    ev = stage_compare_evaluate(cfg, store, demos, ref, probe, train, sft, e2e)
+    # The comparison stages take the results as the stage processes pass them (their dicts).
+    r, p, t = ref.to_dict(), probe.to_dict(), train.to_dict()
+    sft = stage_sft_baseline(cfg, store, demos, r, t)
+    e2e = stage_e2e_baseline(cfg, store, demos, r, p, t)
+    ev = stage_compare_evaluate(cfg, store, demos, r, p, t, sft, e2e)
     return cfg, store, demos, ref, probe, train, sft, e2e, ev
 
 
@@ -46,8 +48,8 @@ def test_sft_and_pivotrl_start_from_the_same_reference_and_see_the_same_items(co
     cfg, store, demos, ref, probe, train, sft, e2e, ev = compared
     ref_dir = stages.reference_dir(cfg, store, ref)
     # PivotRL trains from ref_dir (its train key is built from ref_hash); the baselines hashed what they loaded.
-    assert checkpoint_hash(ref_dir) == ref["ref_hash"] == sft["summary"]["start_hash"] == e2e["summary"]["start_hash"]
-    assert sft["summary"]["reference_hash"] == ref["ref_hash"]
+    assert checkpoint_hash(ref_dir) == ref.ref_hash == sft["summary"]["start_hash"] == e2e["summary"]["start_hash"]
+    assert sft["summary"]["reference_hash"] == ref.ref_hash
     rep = ev["report"]
     items = rep["items"]
     assert set(items) == set(METHODS)
@@ -62,7 +64,7 @@ def test_sft_and_pivotrl_start_from_the_same_reference_and_see_the_same_items(co
 
 def test_budgets_are_matched_and_stated(compared):
     cfg, store, demos, ref, probe, train, sft, e2e, ev = compared
-    pivot_led = pivotrl_ledger(cfg, store, probe, train, ref)
+    pivot_led = pivotrl_ledger(cfg, store, probe.to_dict(), train.to_dict(), ref.to_dict())
     # SFT: the same optimiser steps as PivotRL (smoke: 2 batches × 2 updates).
     assert sft["summary"]["budget"] == "optimizer_steps"
     assert sft["summary"]["steps"] == sft["summary"]["target_steps"] == pivot_led.optimizer_steps == 4
@@ -91,8 +93,9 @@ def test_report_puts_the_methods_side_by_side_with_their_ledgers(compared):
     md = store.read_text(ev["report_md"].split(store.root_url + "/", 1)[1])
     assert "Cost ledger" in md and "claims at this scale" in md and "| pivotrl |" in md
     # Cached: a second call reuses every artifact.
-    assert stage_sft_baseline(cfg, store, demos, ref, train)["key"] == sft["key"]
-    assert stage_compare_evaluate(cfg, store, demos, ref, probe, train, sft, e2e)["key"] == ev["key"]
+    assert stage_sft_baseline(cfg, store, demos, ref.to_dict(), train.to_dict())["key"] == sft["key"]
+    assert stage_compare_evaluate(cfg, store, demos, ref.to_dict(), probe.to_dict(), train.to_dict(), sft,
+                                  e2e)["key"] == ev["key"]
 
 
 def test_compare_flow_runs_and_a_second_run_is_all_cached(tmp_path):

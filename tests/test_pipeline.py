@@ -55,11 +55,11 @@ def test_smoke_pipeline_end_to_end(smoke_run):
     assert c["trajectories_per_category"] == {"simple_python": 6, "multiple": 6, "multi_turn_base": 2}
     assert sum(c["candidates_per_split"].values()) == c["assistant_turns"]
     # The warm start trained on the warm-start split only and changed the weights.
-    assert ref["sft"]["examples"] == c["trajectories_per_split"]["warm_start"]
-    assert ref["ref_hash"] != ref["base_hash"]
-    assert ref["sft"]["metrics"]["final_loss"] < ref["sft"]["metrics"]["first_loss"]
+    assert ref.sft["examples"] == c["trajectories_per_split"]["warm_start"]
+    assert ref.ref_hash != ref.base_hash
+    assert ref.sft["metrics"]["final_loss"] < ref.sft["metrics"]["first_loss"]
     # Probing: one row per pivot-split candidate, m rewards each; the filter's counts add up.
-    probes = store.read_parquet(f"{probe['probes_key']}/probes.parquet")
+    probes = store.read_parquet(f"{probe.probes_key}/probes.parquet")
     # Pivot candidates: the pivot split's call states and (smoke: quality.include_stop_decisions)
     # stop decisions; rule-less text turns never.
     cand = store.read_parquet(f"{demos['key']}/candidates.parquet")
@@ -69,24 +69,24 @@ def test_smoke_pipeline_end_to_end(smoke_run):
     assert set(kinds) <= {"call", "stop", "text_no_rule"} and c["candidates_per_kind"]["stop"] > 0
     ok = probes[probes["status"] == "ok"]
     assert all(len(json.loads(r)) == cfg.probing.num_probes for r in ok["rewards"])
-    t = probe["stats"]["total"]
+    t = probe.stats["total"]
     assert t["candidates"] == len(probes)
     assert t["all_fail"] + t["all_pass"] + t["above_threshold"] + t["kept"] + t["skipped_too_long"] \
         + t["skipped_verifier_error"] == t["candidates"]
-    pivots = store.read_parquet(f"{probe['pivots_key']}/pivots.parquet")
+    pivots = store.read_parquet(f"{probe.pivots_key}/pivots.parquet")
     assert len(pivots) == t["kept"] > 0
     # Kept states are exactly those with mixed outcomes (λ_diff = 1.0 in the smoke config).
     mixed = {sid for sid, v in zip(ok["state_id"], ok["var"]) if v > 0}
     assert set(pivots["state_id"]) == mixed
     # Training: one metrics row per rollout batch; fp32 refresh is exact to 1e-4 per token.
-    m = store.read_parquet(f"{train['train_key']}/metrics.parquet")
+    m = store.read_parquet(f"{train.train_key}/metrics.parquet")
     assert list(m["step"]) == list(range(1, len(m) + 1))
-    assert len(m) == train["summary"]["steps"] > 0
+    assert len(m) == train.summary["steps"] > 0
     assert (m["refresh_max_abs_delta"] <= 1e-4).all()
     assert (m["groups"] + m["dropped_groups"] == m["pivots"]).all()
     # The report states local and full-task numbers for all three policies.
-    report = ev["report"]
-    md = store.read_text(f"{ev['eval_key']}/report.md")
+    report = ev.report
+    md = store.read_text(f"{ev.eval_key}/report.md")
     for name in ("base", "reference (SFT warm start)", "pivotrl"):
         assert name in md
     assert "full-task success" in md and "local accuracy (held-out states)" in md
@@ -105,16 +105,16 @@ def test_smoke_pipeline_end_to_end(smoke_run):
 def test_second_run_reuses_every_artifact(smoke_run):
     cfg, store, demos, ref, probe, train, ev = smoke_run
     before = {k: store.read_manifest(k).created_at for k in (
-        f"{demos['key']}/candidates.parquet", f"{probe['probes_key']}/probes.parquet",
-        f"{probe['pivots_key']}/pivots.parquet", f"{train['train_key']}/metrics.parquet",
-        f"{ev['eval_key']}/report.json")}
+        f"{demos['key']}/candidates.parquet", f"{probe.probes_key}/probes.parquet",
+        f"{probe.pivots_key}/pivots.parquet", f"{train.train_key}/metrics.parquet",
+        f"{ev.eval_key}/report.json")}
     demos2 = build_demonstrations(cfg, store)
     ref2 = stages.stage_reference(cfg, store, demos2)
     probe2 = stages.stage_probe(cfg, store, demos2, ref2)
     train2 = stages.stage_train(cfg, store, probe2, ref2)
     ev2 = stages.stage_evaluate(cfg, store, demos2, ref2, probe2, train2)
-    assert (demos2["key"], ref2["ref_hash"], probe2["pivots_key"], train2["train_key"], ev2["eval_key"]) == \
-        (demos["key"], ref["ref_hash"], probe["pivots_key"], train["train_key"], ev["eval_key"])
+    assert (demos2["key"], ref2.ref_hash, probe2.pivots_key, train2.train_key, ev2.eval_key) == \
+        (demos["key"], ref.ref_hash, probe.pivots_key, train.train_key, ev.eval_key)
     after = {k: store.read_manifest(k).created_at for k in before}
     assert after == before  # nothing was rewritten
 
@@ -124,12 +124,12 @@ def test_lambda_change_refilters_without_reprobing(smoke_run):
     cfg, store, demos, ref, probe, _, _ = smoke_run
     cfg2 = cfg.model_copy(update={"probing": cfg.probing.model_copy(update={"lambda_diff": 0.3})})
     probe2 = stages.stage_probe(cfg2, store, demos, ref)
-    assert probe2["probes_key"] == probe["probes_key"]  # same probe table
-    assert probe2["pivots_key"] != probe["pivots_key"]
-    probes = store.read_parquet(f"{probe['probes_key']}/probes.parquet")
+    assert probe2.probes_key == probe.probes_key  # same probe table
+    assert probe2.pivots_key != probe.pivots_key
+    probes = store.read_parquet(f"{probe.probes_key}/probes.parquet")
     ok = probes[probes["status"] == "ok"]
     expected = {s for s, mu, v in zip(ok["state_id"], ok["mu"], ok["var"]) if v > 0 and mu < 0.3}
-    assert set(store.read_parquet(f"{probe2['pivots_key']}/pivots.parquet")["state_id"]) == expected
+    assert set(store.read_parquet(f"{probe2.pivots_key}/pivots.parquet")["state_id"]) == expected
 
 
 @pytest.mark.integration
@@ -149,15 +149,15 @@ def test_training_stage_two_ranks_matches_one_rank(smoke_run, tmp_path):
           "master_port": 29500 + (hash(str(tmp_path)) % 1000), "omp_num_threads": 1}
     cfg2 = cfg.model_copy(update={"run": cfg.run.model_copy(update={"storage_root": str(root2)})})
     out = tmp_path / "result.json"
-    spec = {"config": cfg2.model_dump(mode="json"), "inputs": {"probe": probe, "reference": ref},
+    spec = {"config": cfg2.model_dump(mode="json"), "inputs": {"probe": probe.to_dict(), "reference": ref.to_dict()},
             "output": str(out)}
     launch(tr, entry="rl_stage", spec=spec, workdir=tmp_path, timeout_s=600)
     res = json.loads(out.read_text())
-    assert res["train_key"] == train["train_key"]
-    m1 = store.read_parquet(f"{train['train_key']}/metrics.parquet")
+    assert res["train_key"] == train.train_key
+    m1 = store.read_parquet(f"{train.train_key}/metrics.parquet")
     m2 = pd.read_parquet(root2 / res["train_key"] / "metrics.parquet")
     assert list(m2["reward_mean"]) == list(m1["reward_mean"])  # identical rollouts (rank 0's engine)
-    w1 = load_file(str(Path(cfg.run.storage_root) / train["policy_key"] / "model.safetensors"))
+    w1 = load_file(str(Path(cfg.run.storage_root) / train.policy_key / "model.safetensors"))
     w2 = load_file(str(root2 / res["policy_key"] / "model.safetensors"))
     assert w1.keys() == w2.keys()
     for k in w1:

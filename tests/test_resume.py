@@ -43,7 +43,7 @@ CHILD = textwrap.dedent(
         ref = stages.stage_reference(cfg, store, demos)
         probe = stages.stage_probe(cfg, store, demos, ref)
         train = stages.stage_train(cfg, store, probe, ref)
-        print("RESULT " + json.dumps({"train": train, "pivots": probe["stats"]["total"]["kept"]}, default=str))
+        print("RESULT " + json.dumps({"train": train.to_dict(), "pivots": probe.stats["total"]["kept"]}, default=str))
     """
 )
 

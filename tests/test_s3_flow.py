@@ -127,7 +127,9 @@ def _run_in_process(cfg: RunConfig) -> dict[str, Any]:
     probe = stages.stage_probe(cfg, store, demos, ref)
     train = stages.stage_train(cfg, store, probe, ref)
     ev = stages.stage_evaluate(cfg, store, demos, ref, probe, train)
-    return {"demos": demos, "reference": ref, "probe": probe, "train": train, "evaluate": ev}
+    # the stages' typed results as the flow passes them between tasks (their dicts)
+    return {"demos": demos, "reference": ref.to_dict(), "probe": probe.to_dict(), "train": train.to_dict(),
+            "evaluate": ev.to_dict()}
 
 
 def _mask(obj: Any, root: str) -> Any:

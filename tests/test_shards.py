@@ -11,6 +11,7 @@ import pytest
 
 from pivotrl.config import load_config
 from pivotrl.pipeline import stages
+from pivotrl.pipeline.results import ProbeResult
 from pivotrl.pipeline.demos import build_demonstrations
 from pivotrl.pipeline.probe import rederive_pivots
 from pivotrl.pipeline.shards import merge_probe_shards, plan_probe_shards, probe_shard
@@ -40,9 +41,10 @@ def unsharded(tmp_path_factory, tiny_model):
     return cfg, store, demos, ref, probe
 
 
-def _tables(store: ArtifactStore, probe: dict) -> tuple[pd.DataFrame, pd.DataFrame]:
-    return (store.read_parquet(f"{probe['probes_key']}/probes.parquet"),
-            store.read_parquet(f"{probe['pivots_key']}/pivots.parquet"))
+def _tables(store: ArtifactStore, probe) -> tuple[pd.DataFrame, pd.DataFrame]:
+    probe = ProbeResult.of(probe)  # a stage's result, or its dict from the merge
+    return (store.read_parquet(f"{probe.probes_key}/probes.parquet"),
+            store.read_parquet(f"{probe.pivots_key}/pivots.parquet"))
 
 
 @pytest.mark.integration
@@ -56,7 +58,7 @@ def test_sharded_probing_equals_the_unsharded_run(unsharded, tiny_model, tmp_pat
     plan = plan_probe_shards(cfg, store, demos, ref)
     trajs = [t for s in plan["shards"] for t in s["trajectories"]]
     assert len(trajs) == len(set(trajs)) and all(len(s["trajectories"]) <= shard_size for s in plan["shards"])
-    assert sum(s["states"] for s in plan["shards"]) == probe0["stats"]["total"]["candidates"] == 17
+    assert sum(s["states"] for s in plan["shards"]) == probe0.stats["total"]["candidates"] == 17
     results = [probe_shard(cfg, store, demos, ref, s) for s in plan["shards"]]
     assert [r["probed"] for r in results] == [s["states"] for s in plan["shards"]]
     out = merge_probe_shards(cfg, store, demos, ref, plan, results)
@@ -64,14 +66,14 @@ def test_sharded_probing_equals_the_unsharded_run(unsharded, tiny_model, tmp_pat
     probes0, pivots0 = _tables(store0, probe0)
     pd.testing.assert_frame_equal(probes, probes0)
     pd.testing.assert_frame_equal(pivots, pivots0)
-    assert out["stats"] == probe0["stats"] and out["probes_key"] == probe0["probes_key"]
+    assert out["stats"] == probe0.stats and out["probes_key"] == probe0.probes_key
     # A second pass finds every shard's table: nothing is probed again.
     assert [probe_shard(cfg, store, demos, ref, s)["probed"] for s in plan["shards"]] == [0] * len(plan["shards"])
 
 
 def test_every_sample_is_kept_and_pass_rates_rederive_without_rollouts(unsharded):
     cfg, store, _, _, probe = unsharded
-    df = store.read_parquet(f"{probe['probes_key']}/probes.parquet")
+    df = store.read_parquet(f"{probe.probes_key}/probes.parquet")
     m = cfg.probing.num_probes
     ok = df[df["status"] == "ok"]
     for col in ("rewards", "reasons", "samples", "sample_tokens"):
@@ -81,7 +83,7 @@ def test_every_sample_is_kept_and_pass_rates_rederive_without_rollouts(unsharded
     assert list(ok["action_tokens_mean"]) == pytest.approx([sum(ls) / m for ls in lengths])
     # Same m and λ: exactly the stored pivot set.
     again = rederive_pivots(df, cfg.probing.lambda_diff)
-    pivots = store.read_parquet(f"{probe['pivots_key']}/pivots.parquet")
+    pivots = store.read_parquet(f"{probe.pivots_key}/pivots.parquet")
     assert sorted(again.loc[again["decision"] == "kept", "state_id"]) == sorted(pivots["state_id"])
     # Another m: μ̂ from the first 2 samples of each state, by hand.
     two = rederive_pivots(df, 0.5, num_probes=2)

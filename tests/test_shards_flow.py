@@ -16,6 +16,7 @@ import pytest
 
 from pivotrl.config import load_config
 from pivotrl.pipeline import stages
+from pivotrl.pipeline.results import ProbeResult
 from pivotrl.pipeline.demos import build_demonstrations, read_trajectories
 from pivotrl.ray_local import RayCluster
 from pivotrl.storage import ArtifactStore
@@ -64,16 +65,17 @@ def clean_run(tmp_path_factory, expert_model):
     demos = build_demonstrations(cfg, store)
     ref = stages.stage_reference(cfg, store, demos)
     probe = stages.stage_probe(cfg, store, demos, ref)
-    probes = store.read_parquet(f"{probe['probes_key']}/probes.parquet")
+    probes = store.read_parquet(f"{probe.probes_key}/probes.parquet")
     # The drill needs real tool executions: the memorised trajectory's calls are verified in the sandbox.
     drill = probes[probes["trajectory_id"] == DRILL]
     assert any("match" in json.loads(r) for r in drill["reasons"])
     return store, probe
 
 
-def _tables(store: ArtifactStore, probe: dict[str, Any]) -> tuple[pd.DataFrame, pd.DataFrame]:
-    return (store.read_parquet(f"{probe['probes_key']}/probes.parquet"),
-            store.read_parquet(f"{probe['pivots_key']}/pivots.parquet"))
+def _tables(store: ArtifactStore, probe: Any) -> tuple[pd.DataFrame, pd.DataFrame]:
+    probe = ProbeResult.of(probe)  # a stage's result, or its dict from a flow
+    return (store.read_parquet(f"{probe.probes_key}/probes.parquet"),
+            store.read_parquet(f"{probe.pivots_key}/pivots.parquet"))
 
 
 async def _shard_runs() -> dict[str, list[Any]]:
@@ -128,7 +130,7 @@ def test_failed_shard_is_failed_then_retried_alone(expert_model, clean_run, tmp_
     clean_probes, clean_pivots = _tables(clean_store, clean_probe)
     pd.testing.assert_frame_equal(probes, clean_probes)
     pd.testing.assert_frame_equal(pivots, clean_pivots)
-    assert out["stats"] == clean_probe["stats"]
+    assert out["stats"] == clean_probe.stats
 
 
 @pytest.fixture(scope="module")
@@ -168,7 +170,7 @@ def test_ray_task_runner_gives_the_in_process_probe_table(ray_cluster, tmp_path,
     probes0, pivots0 = _tables(store0, probe0)
     pd.testing.assert_frame_equal(probes, probes0)
     pd.testing.assert_frame_equal(pivots, pivots0)
-    assert out["stats"] == probe0["stats"]
+    assert out["stats"] == probe0.stats
     shards = [json.loads(json.loads(p.read_text())["result"]) for p in (root / ".prefect-results").glob("pivotrl-probe-shard-*")]
     assert sorted(s["index"] for s in shards) == [0, 1, 2, 3]
     # The shards ran on both worker nodes (never on the CPU-less head), one engine per worker process,

@@ -101,7 +101,7 @@ class _Flaky:
 
 
 def test_resume_retries_then_raises_on_a_storage_outage_never_restarts_from_step_0(tmp_path):
-    from pivotrl.pipeline.stages import _latest_checkpoint
+    from pivotrl.training.checkpoints import latest_checkpoint as _latest_checkpoint
     from pivotrl.storage import ArtifactStore, RetryPolicy
 
     store = ArtifactStore("memory://resume-outage", retry=RetryPolicy(attempts=3, base_delay_s=0.0))
@@ -113,3 +113,68 @@ def test_resume_retries_then_raises_on_a_storage_outage_never_restarts_from_step
     with pytest.raises(StorageError, match="after 3 attempts"):
         _latest_checkpoint(store, "train/k/checkpoints")
     assert store.fs.calls == 3
+
+
+DIGESTS = """
+import json
+from pivotrl.code_digest import STAGE_CODE, stage_code_digest
+print(json.dumps({s: stage_code_digest(s) for s in STAGE_CODE}))
+"""
+
+
+def _digests(tree: Path) -> dict[str, str]:
+    import json
+
+    out = subprocess.run([sys.executable, "-c", DIGESTS], capture_output=True, text=True, cwd=tree, timeout=120,
+                         env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(tree), "HOME": str(tree)})
+    assert out.returncode == 0, out.stderr[-2000:]
+    return json.loads(out.stdout)
+
+
+def _changed(tree: Path, module: str) -> set[str]:
+    """The stages whose code digest changes when ``module`` (a path under pivotrl/) is edited."""
+    before = _digests(tree)
+    f = tree / "pivotrl" / module
+    f.write_text(f.read_text() + "\n# changed\n")
+    after = _digests(tree)
+    f.write_text(f.read_text().removesuffix("\n# changed\n"))
+    return {s for s in before if before[s] != after[s]}
+
+
+@pytest.mark.parametrize("module, stages", [
+    # The warm start is keyed by its own code only: train/evaluate edits never re-run it.
+    ("pipeline/reference.py", {"reference"}),
+    ("pipeline/train.py", {"train"}),
+    ("pipeline/evaluate.py", {"evaluate"}),
+    ("evaluation/aggregate.py", {"evaluate"}),
+    ("training/loop.py", {"train"}),
+    ("training/checkpoints.py", {"train"}),
+    ("training/sft.py", {"reference", "train"}),
+    # sample → score decides probing, training and local evaluation alike
+    ("rollout/scoring.py", {"probe", "train", "evaluate"}),
+    # the drift re-probe and the held-out state selection of the evaluation run probe.py's code
+    ("pipeline/probe.py", {"probe", "evaluate"}),
+])
+def test_each_stage_digest_covers_the_modules_that_hold_its_code(tree, module, stages):
+    assert _changed(tree, module) == stages
+
+
+def test_the_training_package_imports_no_pipeline_module():
+    """``pivotrl.training`` (the loop, checkpoints, trainer) imports nothing of ``pivotrl.pipeline``;
+    the launcher shim ``training/rl_stage.py`` reaches it only at run time, inside ``main``."""
+    import ast
+
+    offenders = []
+    for f in sorted((REPO / "pivotrl" / "training").glob("*.py")):
+        for node in ast.walk(ast.parse(f.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            if any(n.startswith("pivotrl.pipeline") for n in names):
+                offenders.append(f"{f.name}:{node.lineno}")
+    assert offenders == ["rl_stage.py:" + str(next(
+        i for i, line in enumerate((REPO / "pivotrl/training/rl_stage.py").read_text().splitlines(), 1)
+        if "from pivotrl.pipeline" in line))]
+    code = ("import sys; sys.modules['pivotrl.pipeline'] = None\n"
+            "import pivotrl.training.loop, pivotrl.training.checkpoints, pivotrl.training.rl_stage\nprint('ok')")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]

@@ -45,7 +45,7 @@ def _prepare(args: argparse.Namespace) -> int:
     demos = build_demonstrations(cfg, store)
     ref = stages.stage_reference(cfg, store, demos)
     probe = stages.stage_probe(cfg, store, demos, ref)
-    spec = {"config": cfg.model_dump(mode="json"), "inputs": {"probe": probe, "reference": ref}}
+    spec = {"config": cfg.model_dump(mode="json"), "inputs": {"probe": probe.to_dict(), "reference": ref.to_dict()}}
     key = f"launch/rl_stage-{content_hash(spec)[:16]}.json"
     print(store.write_json(key, spec))
     return 0

@@ -18,6 +18,7 @@ from pivotrl.data.schema import TurnState
 from pivotrl.errors import ConfigError, StateTooLongError
 from pivotrl.prompts import encode_state
 from pivotrl.rollout.base import SamplingConfig
+from pivotrl.rollout.scoring import sample_and_score
 
 __all__ = ["evaluate_local"]
 
@@ -62,16 +63,16 @@ def evaluate_local(
 
     Returns:
         ``(per_state, summary)``. ``per_state``: one row per state with state_id, trajectory_id,
-        turn_index, category, status ("ok" | "too_long"), n_samples, n_accepted, accuracy
+        turn_index, category, status ("ok" | "too_long" | "verifier_error": the verifier could not
+        decide, see :mod:`pivotrl.rollout.scoring`; counted, never scored), n_samples, n_accepted, accuracy
         (n_accepted / n_samples, NaN when skipped), parse_errors (results with reason
         "parse_error"), tokens_generated, reasons ({reason: count} over the samples).
-        ``summary``: n_states (evaluated), n_too_long, n_samples, n_accepted, accuracy (accepted
+        ``summary``: n_states (evaluated), n_too_long, n_verifier_error, n_samples, n_accepted, accuracy (accepted
         samples / samples), mean_state_accuracy, any_accepted_rate (states with ≥ 1 accepted
         sample / states), parse_error_rate (per sample), tokens_generated, temperature, n.
 
     Raises:
         ConfigError: n < 1, batch_size < 1, or max_context not above sampling.max_tokens.
-        VerifierError: propagated from the verifier (a state it cannot decide is not a reward of 0).
     """
     if sampling is None:
         sampling = SamplingConfig(n=1, temperature=0.0, max_tokens=256)
@@ -113,9 +114,15 @@ def evaluate_local(
     with Progress("local evaluation", len(todo), "states") as bar:
         for start in range(0, len(todo), batch_size):
             chunk = todo[start : start + batch_size]
-            outs = engine.generate([ids for _, ids in chunk], sampling)
-            for (i, _), gens in zip(chunk, outs):
-                _score_state(rows[i], verifier.score(states[i], [g.text for g in gens]), gens)
+            scored = sample_and_score(engine, verifier, [states[i] for i, _ in chunk], [ids for _, ids in chunk],
+                                      sampling)
+            for (i, _), g in zip(chunk, scored):
+                if g.decided:
+                    _score_state(rows[i], g.results, g.samples)
+                else:  # undecided: counted, left out of the accuracy (pivotrl.rollout.scoring)
+                    rows[i].update(status="verifier_error", n_samples=0, n_accepted=0, accuracy=float("nan"),
+                                   parse_errors=0, tokens_generated=sum(len(x.token_ids) for x in g.samples),
+                                   reasons={"verifier_error": len(g.samples)}, samples="[]")
             bar.update(len(chunk))
 
     df = pd.DataFrame([rows[i] for i in range(len(states))], columns=_COLUMNS)
@@ -125,6 +132,7 @@ def evaluate_local(
     summary = {
         "n_states": len(ok),
         "n_too_long": int((df["status"] == "too_long").sum()),
+        "n_verifier_error": int((df["status"] == "verifier_error").sum()),
         "n_samples": n_samples,
         "n_accepted": n_accepted,
         "accuracy": n_accepted / n_samples if n_samples else float("nan"),

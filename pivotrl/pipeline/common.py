@@ -15,6 +15,7 @@ from pivotrl.config import RunConfig
 from pivotrl.errors import ModelError, StorageError
 from pivotrl.faults import FaultInjector, fault_seed
 from pivotrl.storage import ArtifactStore, RetryStats, call_with_retries
+from pivotrl.training.checkpoints import is_local, local_checkpoint, local_path  # noqa: F401 (re-export)
 
 log = logging.getLogger("pivotrl.pipeline")
 
@@ -126,33 +127,11 @@ def verify_checkpoint(directory: str | os.PathLike[str]) -> Path:
     return root
 
 
-def is_local(store: ArtifactStore) -> bool:
-    root = str(store.root_url)
-    return root.startswith(("/", "file://")) or "://" not in root
-
-
-def local_path(store: ArtifactStore, key: str) -> Path:
-    url = str(store.url(key))
-    return Path(url[len("file://"):] if url.startswith("file://") else url)
-
-
-def local_checkpoint(store: ArtifactStore, key: str, cache: Path) -> Path:
-    """A local directory holding the checkpoint published at ``key`` (downloaded if remote).
-
-    Raises StorageError when ``key`` has no completion marker (never published, or its upload was
-    interrupted) or a downloaded file does not match it.
-    """
-    if is_local(store):
-        p = local_path(store, key)
-        if (p / "_COMPLETE").exists():
-            return p
-    target = cache / "checkpoints" / key.replace("/", "_")
-    if not (target / "_COMPLETE").exists():
-        if target.exists():
-            shutil.rmtree(target)
-        store.get_dir(key, str(target))
-        (target / "_COMPLETE").touch()
-    return target
+def close_quietly(obj: Any) -> None:
+    """Call ``obj.close()`` if it has one (verifiers with sandboxes, engines)."""
+    close = getattr(obj, "close", None)
+    if callable(close):
+        close()
 
 
 def sampling_for(cfg: RunConfig, *, n: int, temperature: float, seed: int | None,

@@ -34,7 +34,8 @@ from pivotrl.errors import StateTooLongError
 from pivotrl.ledger import CostLedger
 from pivotrl.pipeline.common import make_rollout_engine, prompt_kwargs
 from pivotrl.pipeline.demos import cache_dir, read_trajectories
-from pivotrl.pipeline.stages import TRAINER_DTYPE, pivot_schedule, reference_dir
+from pivotrl.pipeline.reference import TRAINER_DTYPE, reference_dir
+from pivotrl.training.loop import pivot_schedule
 from pivotrl.storage import ArtifactStore
 
 log = logging.getLogger("pivotrl.pipeline.compare")

@@ -29,7 +29,7 @@ from pivotrl.ledger import CostLedger
 from pivotrl.pipeline.common import local_checkpoint, make_rollout_engine, make_verifier, prompt_kwargs, sampling_for
 from pivotrl.pipeline.compare import _CODE, pivotrl_ledger
 from pivotrl.pipeline.demos import cache_dir, read_trajectories
-from pivotrl.pipeline.stages import reference_dir
+from pivotrl.pipeline.reference import reference_dir
 from pivotrl.storage import ArtifactStore
 
 __all__ = ["claims", "cost_per_point", "run_compare_stage", "stage_compare_evaluate"]

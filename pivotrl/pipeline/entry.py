@@ -52,7 +52,8 @@ def is_permanent(exc: BaseException) -> bool:
 
 
 def run_stage(stage: str, config: dict[str, Any], inputs: dict[str, Any], *, attempt: int = 0) -> dict[str, Any]:
-    """Run ``stage`` in this process and return its result dict.
+    """Run ``stage`` in this process and return its result as a dict (a stage's typed result,
+    :mod:`pivotrl.pipeline.results`, through its ``to_dict``).
 
     The store is the run's (``pivotrl.pipeline.common.make_store``: storage faults of
     ``faults.storage_failure_rate`` seeded by ``run.seed`` and ``attempt``, writes retried).
@@ -63,7 +64,6 @@ def run_stage(stage: str, config: dict[str, Any], inputs: dict[str, Any], *, att
     """
     from pivotrl.config import parse_config
     from pivotrl.errors import ConfigError
-    from pivotrl.pipeline import stages
     from pivotrl.pipeline.common import make_store
     from pivotrl.precision import run_precision, with_resolved_dtype
 
@@ -78,14 +78,8 @@ def run_stage(stage: str, config: dict[str, Any], inputs: dict[str, Any], *, att
     cfg = with_resolved_dtype(cfg)
     store = make_store(cfg, attempt=attempt)
     store.manifest_extra = {"precision": precision.record()}
-    if stage == "reference":
-        return stages.stage_reference(cfg, store, inputs["demos"])
-    if stage == "probe":
-        return stages.stage_probe(cfg, store, inputs["demos"], inputs["reference"])
-    if stage == "train":
-        return stages.stage_train(cfg, store, inputs["probe"], inputs["reference"])
-    if stage == "evaluate":
-        return stages.stage_evaluate(cfg, store, inputs["demos"], inputs["reference"], inputs["probe"], inputs["train"])
+    if stage in ("reference", "probe", "train", "evaluate"):
+        return _stage_result(stage, cfg, store, inputs).to_dict()
     if stage == "probe_shard":
         from pivotrl.pipeline.shards import probe_shard
 
@@ -95,6 +89,29 @@ def run_stage(stage: str, config: dict[str, Any], inputs: dict[str, Any], *, att
 
         return run_compare_stage(stage, cfg, store, inputs)
     raise ConfigError(f"unknown stage {stage!r}; valid: {', '.join(STAGES)}")
+
+
+def _stage_result(stage: str, cfg: Any, store: Any, inputs: dict[str, Any]) -> Any:
+    """Run one of the four nightly stages on its typed inputs (pivotrl.pipeline.results)."""
+    from pivotrl.pipeline.results import ProbeResult, ReferenceResult, TrainResult
+
+    if stage == "reference":
+        from pivotrl.pipeline.reference import stage_reference
+
+        return stage_reference(cfg, store, inputs["demos"])
+    ref = ReferenceResult.of(inputs["reference"])
+    if stage == "probe":
+        from pivotrl.pipeline.probe import stage_probe
+
+        return stage_probe(cfg, store, inputs["demos"], ref)
+    if stage == "train":
+        from pivotrl.pipeline.train import stage_train
+
+        return stage_train(cfg, store, ProbeResult.of(inputs["probe"]), ref)
+    from pivotrl.pipeline.evaluate import stage_evaluate
+
+    return stage_evaluate(cfg, store, inputs["demos"], ref, ProbeResult.of(inputs["probe"]),
+                          TrainResult.of(inputs["train"]))
 
 
 def stage_log_path(config: dict[str, Any], stage: str) -> Path:

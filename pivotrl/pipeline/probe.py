@@ -22,13 +22,19 @@ from __future__ import annotations
 
 import json
 from collections import Counter
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import numpy as np
 import pandas as pd
 
 from pivotrl.data.schema import TurnState, content_hash
-from pivotrl.errors import StateTooLongError, VerifierError
+from pivotrl.errors import StateTooLongError
+from pivotrl.pipeline.results import ProbeResult, ReferenceResult
+
+if TYPE_CHECKING:
+    from pivotrl.config import RunConfig
+    from pivotrl.storage import ArtifactStore
+from pivotrl.rollout.scoring import ScoredState, sample_and_score, verifier_retries  # noqa: F401 (re-export)
 
 #: 2: each state's samples are seeded by (probing seed, state id), not by its position in a batch,
 #: so a state probes the same in any shard; the table keeps every sample's length.
@@ -112,50 +118,38 @@ def probe_states(
         for b in range(0, len(encoded), batch_size):
             chunk = encoded[b : b + batch_size]
             base = int(getattr(sampling, "seed", None) or 0)
-            gens = engine.generate([ids for _, ids in chunk], sampling,
-                                   seeds=[state_seed(base, s.state_id) for s, _ in chunk])
-            rows.extend(_score_chunk(chunk, gens, verifier))
-            bar.update(len(chunk), samples=sum(len(g) for g in gens))
+            scored = sample_and_score(engine, verifier, [s for s, _ in chunk], [ids for _, ids in chunk], sampling,
+                                      seeds=[state_seed(base, s.state_id) for s, _ in chunk])
+            rows.extend(_probe_row(g) for g in scored)
+            bar.update(len(chunk), samples=sum(len(g.samples) for g in scored))
     order = {s.state_id: i for i, s in enumerate(states)}
     rows.sort(key=lambda r: order[r["state_id"]])
     return pd.DataFrame(rows, columns=PROBE_COLUMNS)
 
 
-def _score_chunk(chunk: Sequence[tuple[TurnState, list[int]]], gens: Sequence[Any], verifier: Any) -> list[dict[str, Any]]:
-    """Probe-table rows of a batch of encoded states and their sampled groups (see probe_states)."""
+def _probe_row(g: ScoredState) -> dict[str, Any]:
+    """The probe-table row of one sampled and scored state (see probe_states)."""
     from pivotrl.filtering import probe_stats
 
-    rows: list[dict[str, Any]] = []
-    for (s, ids), samples in zip(chunk, gens):
-        texts = [g.text for g in samples]
-        before = verifier_retries(verifier)
-        try:
-            results = verifier.score(s, texts)
-            if len(results) != len(texts):  # a partial group is never scored
-                raise VerifierError(f"turn state {s.state_id!r}: the verifier returned {len(results)} "
-                                    f"results for {len(texts)} actions")
-        except VerifierError as e:
-            rows.append(_row(s, prompt_tokens=len(ids), status="verifier_error", reason=str(e), samples=texts,
-                             verifier_retries=verifier_retries(verifier) - before))
-            continue
-        rewards = [float(r.reward) for r in results]
-        mu, var = probe_stats(rewards)
-        rows.append(
-            _row(
-                s,
-                prompt_tokens=len(ids),
-                rewards=rewards,
-                mu=float(mu),
-                var=float(var),
-                action_tokens_mean=float(np.mean([len(g.token_ids) for g in samples])),
-                samples=texts,
-                sample_tokens=[len(g.token_ids) for g in samples],
-                reasons=[r.reason for r in results],
-                status="ok",
-                verifier_retries=verifier_retries(verifier) - before,
-            )
-        )
-    return rows
+    texts = [x.text for x in g.samples]
+    if not g.decided:
+        return _row(g.state, prompt_tokens=len(g.prompt_ids), status="verifier_error", reason=g.error or "",
+                    samples=texts, verifier_retries=g.verifier_retries)
+    rewards = g.rewards
+    mu, var = probe_stats(rewards)
+    return _row(
+        g.state,
+        prompt_tokens=len(g.prompt_ids),
+        rewards=rewards,
+        mu=float(mu),
+        var=float(var),
+        action_tokens_mean=float(np.mean([len(x.token_ids) for x in g.samples])),
+        samples=texts,
+        sample_tokens=[len(x.token_ids) for x in g.samples],
+        reasons=[r.reason for r in g.results],
+        status="ok",
+        verifier_retries=g.verifier_retries,
+    )
 
 
 PROBE_COLUMNS = [
@@ -163,12 +157,6 @@ PROBE_COLUMNS = [
     "action_tokens_mean", "samples", "reasons", "status", "reason", "decision", "verifier_retries",
     "sample_tokens",
 ]
-
-
-def verifier_retries(verifier: Any) -> int:
-    """Retries made so far by ``verifier`` (``verifier.stats.retries``; 0 if it keeps no stats)."""
-    stats = getattr(verifier, "stats", None)
-    return int(getattr(stats, "retries", 0) or 0)
 
 
 def _row(s: TurnState, **kw: Any) -> dict[str, Any]:
@@ -308,3 +296,93 @@ def rederive_pivots(probe_df: pd.DataFrame, lambda_diff: float, *, num_probes: i
             if col in df:
                 df[col] = [json.dumps(json.loads(v)[:num_probes], ensure_ascii=False) for v in df[col]]
     return apply_pivot_filter(df, lambda_diff)
+
+
+# ------------------------------------------------------------------------------ the stage
+def probe_table_key(cfg: RunConfig, candidates_hash: str, ref: ReferenceResult | Mapping[str, Any]) -> str:
+    """The content key of a probe table over the candidates with content hash ``candidates_hash``
+    (the whole pivot split, or one shard of it): :func:`probe_key` with the
+    run's probing, verifier, prompt and engine settings (the resolved dtype)."""
+    from pivotrl.pipeline.reference import prompt_identity
+    from pivotrl.precision import with_resolved_dtype
+
+    cfg = with_resolved_dtype(cfg)
+    return probe_key(candidates_hash, ReferenceResult.of(ref).ref_hash, cfg.probing.model_dump(mode="json"),
+                     cfg.verifier.model_dump(mode="json"), prompt_identity(cfg, ref),
+                     {"engine": cfg.rollout.engine, "max_tokens": cfg.rollout.max_tokens,
+                      "dtype": cfg.model.dtype, "max_context": cfg.model.max_context,
+                      "include_stop_decisions": cfg.quality.include_stop_decisions})
+
+
+def stage_probe(cfg: RunConfig, store: ArtifactStore, demos: Mapping[str, Any], ref: ReferenceResult | Mapping[str, Any]) -> ProbeResult:
+    """The probe stage: probe π_ref on the pivot-candidate split (:func:`probe_states`), then apply
+    the pivot rule (λ_diff). The probe table is reused under its content key
+    (:func:`probe_table_key`); the pivot set under that key and λ_diff."""
+    import time
+
+    from pivotrl.data.bfcl import ensure_bfcl
+    from pivotrl.data.states import candidate_kinds_for_pivots, frame_to_states
+    from pivotrl.fingerprints import capture_hashes
+    from pivotrl.models import load_tokenizer
+    from pivotrl.pipeline.common import close_quietly, make_rollout_engine, make_verifier, prompt_kwargs, sampling_for
+    from pivotrl.pipeline.demos import cache_dir
+    from pivotrl.pipeline.reference import reference_dir
+    from pivotrl.precision import with_resolved_dtype
+
+    cfg = with_resolved_dtype(cfg)  # model.dtype: auto → bf16 | fp32 on this hardware
+    ref = ReferenceResult.of(ref)
+
+    cand_manifest = store.read_manifest(f"{demos['key']}/candidates.parquet")
+    pkey = probe_table_key(cfg, cand_manifest.sha256, ref)
+    probes_uri = store.url(f"{pkey}/probes.parquet")
+    if not store.exists(f"{pkey}/probes.parquet"):
+        cand = select_candidates(store.read_parquet(f"{demos['key']}/candidates.parquet"), "pivot",
+                                 cfg.probing.max_states, cfg.probing.seed,
+                                 kinds=candidate_kinds_for_pivots(cfg.quality.include_stop_decisions))
+        states = frame_to_states(cand)
+        rdir = reference_dir(cfg, store, ref)
+        tok = load_tokenizer(rdir)
+        verifier = make_verifier(cfg, ensure_bfcl(cache_dir(cfg)), tokenizer=tok)
+        engine = make_rollout_engine(cfg, rdir)
+        t0 = time.time()
+        try:
+            df = probe_states(
+                engine, tok, states, verifier, num_probes=cfg.probing.num_probes,
+                sampling=sampling_for(cfg, n=cfg.probing.num_probes, temperature=cfg.probing.temperature,
+                                      seed=cfg.probing.seed, top_p=cfg.probing.top_p, top_k=cfg.probing.top_k),
+                max_context=cfg.model.max_context, max_tokens=cfg.rollout.max_tokens, prompt_kwargs=prompt_kwargs(cfg),
+            )
+        finally:
+            engine.close()
+            close_quietly(verifier)
+        store.write_artifact(
+            f"{pkey}/probes.parquet", df, kind="probes",
+            inputs={"candidates": store.url(f"{demos['key']}/candidates.parquet"),
+                    "reference": store.url(ref.ref_key) if ref.ref_key else f"{cfg.model.source}#{ref.base_hash}"},
+            # λ_diff is not part of the probe table's identity (changing it only re-filters).
+            config={**{k: getattr(cfg, k).model_dump(mode="json") for k in ("verifier", "prompt", "rollout", "model")},
+                    "probing": cfg.probing.model_dump(mode="json", exclude={"lambda_diff"})},
+            extra={"seed": cfg.probing.seed, "reference_hash": ref.ref_hash, "verifier": cfg.verifier.name,
+                   "prompt_format": ref.prompt_format,
+                   "wall_s": round(time.time() - t0, 2), **capture_hashes(cfg, tok)},
+        )
+    lam = cfg.probing.lambda_diff
+    vkey = pkey.replace("probes/", "pivots/") + "-" + content_hash({"lambda_diff": lam})[:8]
+    if not store.exists(f"{vkey}/pivots.parquet"):
+        df = apply_pivot_filter(store.read_parquet(f"{pkey}/probes.parquet"), lam)
+        stats = pivot_stats(df, lam)
+        cand = store.read_parquet(f"{demos['key']}/candidates.parquet")
+        kept = df[df["decision"] == "kept"][["state_id", "mu", "var"]]
+        pivots = cand.merge(kept, on="state_id", how="inner").sort_values("state_id").reset_index(drop=True)
+        store.write_json(f"{vkey}/stats.json", stats)
+        store.write_text(f"{vkey}/summary.md", stats_markdown(stats))
+        store.write_artifact(
+            f"{vkey}/pivots.parquet", pivots, kind="pivots",
+            inputs={"probes": probes_uri, "candidates": store.url(f"{demos['key']}/candidates.parquet")},
+            config={"lambda_diff": lam, "probing": cfg.probing.model_dump(mode="json")},
+            extra={"reference_hash": ref.ref_hash, "verifier": cfg.verifier.name, "num_pivots": len(pivots),
+                   "prompt_format": ref.prompt_format},
+        )
+    stats = store.read_json(f"{vkey}/stats.json")
+    return ProbeResult(pkey, probes_uri, vkey, store.url(f"{vkey}/pivots.parquet"), stats,
+                       store.read_text(f"{vkey}/summary.md"))

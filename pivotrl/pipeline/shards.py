@@ -16,7 +16,7 @@ Artifacts:
 - ``probes/shards/<key>/partial.parquet``: the decided rows of a shard that could not finish (a
   tool environment kept failing); the next attempt probes only the other states.
 - the merged ``probes/<pkey>/probes.parquet`` and the pivot set, exactly as
-  :func:`pivotrl.pipeline.stages.stage_probe` writes them (which then filters them).
+  :func:`pivotrl.pipeline.probe.stage_probe` writes them (which then filters them).
 
 The functions here are the pure pipeline; ``pivotrl.tasks.shards`` wraps them as Prefect tasks.
 """
@@ -33,6 +33,7 @@ import pandas as pd
 
 from pivotrl.config import RunConfig
 from pivotrl.errors import VerifierError
+from pivotrl.pipeline.results import ReferenceResult
 from pivotrl.storage import ArtifactStore
 
 log = logging.getLogger("pivotrl.pipeline")
@@ -56,7 +57,7 @@ class ShardIncomplete(VerifierError):
 
 def merged_probe_key(cfg: RunConfig, store: ArtifactStore, demos: dict[str, Any], ref: dict[str, Any]) -> str:
     """The key of the whole probe table (``probes/<16 hex>``), the one ``stage_probe`` uses."""
-    from pivotrl.pipeline.stages import probe_table_key
+    from pivotrl.pipeline.probe import probe_table_key
 
     return probe_table_key(cfg, store.read_manifest(f"{demos['key']}/candidates.parquet").sha256, ref)
 
@@ -76,7 +77,7 @@ def plan_probe_shards(cfg: RunConfig, store: ArtifactStore, demos: dict[str, Any
     Returns {"probes_key", "done" (the merged table exists), "shards": [{"index", "key",
     "trajectories", "states"}]} — small JSON, one entry per shard.
     """
-    from pivotrl.pipeline.stages import probe_table_key
+    from pivotrl.pipeline.probe import probe_table_key
 
     pkey = merged_probe_key(cfg, store, demos, ref)
     cand = _selected(cfg, store, demos)
@@ -142,7 +143,7 @@ def probe_shard(cfg: RunConfig, store: ArtifactStore, demos: dict[str, Any], ref
     from pivotrl.pipeline.common import prompt_kwargs, sampling_for
     from pivotrl.pipeline.demos import cache_dir
     from pivotrl.pipeline.probe import PROBE_COLUMNS, probe_states
-    from pivotrl.pipeline.stages import reference_dir
+    from pivotrl.pipeline.reference import reference_dir
 
     key = shard["key"]
     out = {"index": shard["index"], "key": key, "uri": store.url(f"{key}/probes.parquet"), "probed": 0,
@@ -202,7 +203,7 @@ def probe_shard(cfg: RunConfig, store: ArtifactStore, demos: dict[str, Any], ref
                          inputs={"candidates": store.url(f"{demos['key']}/candidates.parquet")},
                          config={"probing": cfg.probing.model_dump(mode="json", exclude={"lambda_diff"})},
                          extra={"shard": shard["index"], "trajectories": shard["trajectories"],
-                                "reference_hash": ref["ref_hash"]})
+                                "reference_hash": ReferenceResult.of(ref).ref_hash})
     for leftover in ("partial.parquet", "failed.json"):
         if store.exists(f"{key}/{leftover}"):
             store.delete(f"{key}/{leftover}")
@@ -224,12 +225,13 @@ def _counts(df: pd.DataFrame) -> dict[str, int]:
 def merge_probe_shards(cfg: RunConfig, store: ArtifactStore, demos: dict[str, Any], ref: dict[str, Any],
                        plan: dict[str, Any], shards: list[dict[str, Any]]) -> dict[str, Any]:
     """Concatenate the shard tables (in the unsharded table's state order) into the run's probe
-    table, then select the pivot set as :func:`~pivotrl.pipeline.stages.stage_probe` does.
+    table, then select the pivot set as :func:`~pivotrl.pipeline.probe.stage_probe` does.
 
-    Returns stage_probe's result dict. Raises VerifierError if a shard's table is missing.
+    Returns stage_probe's result as a dict (``ProbeResult.to_dict``). Raises VerifierError if a shard's table is missing.
     """
-    from pivotrl.pipeline.stages import stage_probe
+    from pivotrl.pipeline.probe import stage_probe
 
+    rr = ReferenceResult.of(ref)
     pkey = plan["probes_key"]
     if not store.exists(f"{pkey}/probes.parquet"):
         missing = [s["index"] for s in plan["shards"] if not store.exists(f"{s['key']}/probes.parquet")]
@@ -243,14 +245,14 @@ def merge_probe_shards(cfg: RunConfig, store: ArtifactStore, demos: dict[str, An
         store.write_artifact(
             f"{pkey}/probes.parquet", df, kind="probes",
             inputs={"candidates": store.url(f"{demos['key']}/candidates.parquet"),
-                    "reference": store.url(ref["ref_key"]) if ref["ref_key"] else f"{cfg.model.source}#{ref['base_hash']}",
+                    "reference": store.url(rr.ref_key) if rr.ref_key else f"{cfg.model.source}#{rr.base_hash}",
                     **{f"shard-{s['index']}": store.url(f"{s['key']}/probes.parquet") for s in plan["shards"]}},
             config={**{k: getattr(cfg, k).model_dump(mode="json") for k in ("verifier", "prompt", "rollout", "model")},
                     "probing": cfg.probing.model_dump(mode="json", exclude={"lambda_diff"})},
-            extra={"seed": cfg.probing.seed, "reference_hash": ref["ref_hash"], "verifier": cfg.verifier.name,
+            extra={"seed": cfg.probing.seed, "reference_hash": rr.ref_hash, "verifier": cfg.verifier.name,
                    "shards": len(plan["shards"])},
         )
     out = stage_probe(cfg, store, demos, ref)  # finds the table: filters only
-    if out["probes_key"] != pkey:  # pragma: no cover - the two keys are built from the same settings
-        raise RuntimeError(f"probe key mismatch: {out['probes_key']} != {pkey}")
-    return out
+    if out.probes_key != pkey:  # pragma: no cover - the two keys are built from the same settings
+        raise RuntimeError(f"probe key mismatch: {out.probes_key} != {pkey}")
+    return out.to_dict()

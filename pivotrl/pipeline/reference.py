@@ -1,0 +1,112 @@
+"""The reference stage: resolve the base model and, if enabled, the supervised warm start (π_ref).
+
+``stage_reference(cfg, store, demos) -> ReferenceResult``; :func:`reference_dir` gives π_ref's
+local directory to the later stages, :func:`prompt_identity` what their keys need of the prompt.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import tempfile
+from pathlib import Path
+from typing import Any, Mapping
+
+from pivotrl.code_digest import stage_code_digest
+from pivotrl.config import RunConfig
+from pivotrl.data.schema import content_hash
+from pivotrl.errors import StateTooLongError
+from pivotrl.pipeline.common import local_checkpoint, prompt_format, prompt_kwargs, resolve_base_model
+from pivotrl.pipeline.demos import cache_dir, read_trajectories
+from pivotrl.pipeline.results import ReferenceResult
+from pivotrl.precision import with_resolved_dtype
+from pivotrl.storage import ArtifactStore
+
+log = logging.getLogger("pivotrl.pipeline")
+
+#: config dtype names → the trainer's names
+TRAINER_DTYPE = {"bf16": "bfloat16", "fp32": "float32"}
+
+
+def stage_reference(cfg: RunConfig, store: ArtifactStore, demos: Mapping[str, Any]) -> ReferenceResult:
+    """Resolve the base model and, if enabled, fine-tune it on the warm-start split (π_ref).
+
+    ``demos``: the demonstrations stage's result (``key``, ``trajectories``). The warm start never
+    sees the pivot-candidate split it will be probed on.
+    """
+    cfg = with_resolved_dtype(cfg)  # model.dtype: auto → bf16 | fp32 on this hardware
+    from pivotrl.models import checkpoint_hash, load_tokenizer
+    from pivotrl.prompts import build_sft_examples
+
+    cache = cache_dir(cfg)
+    base_dir = resolve_base_model(cfg, cache)
+    base_hash = checkpoint_hash(base_dir)
+    tok = load_tokenizer(base_dir)
+    fmt = prompt_format(cfg, tok).to_dict()  # checked once here: format, parser, template hash, stability
+    log.info("prompt format %s, tool parser %s, chat template %s (%s)", fmt["format"], fmt["tool_parser"],
+             fmt["template_hash"], "prefix-stable" if fmt["prefix_stable"] else
+             "not prefix-stable: per-turn examples")
+    if not cfg.warm_start.enabled:
+        return ReferenceResult(str(base_dir), base_hash, None, base_hash, None, fmt)
+    ws = cfg.warm_start.model_dump(mode="json")
+    key = "models/warm_start/" + content_hash(
+        {"base": base_hash, "demos": demos["key"], "warm_start": ws, "prompt": cfg.prompt.model_dump(mode="json"),
+         "template": fmt["template_hash"], "dtype": cfg.model.dtype, "seed": cfg.run.seed,
+         "code": stage_code_digest("reference")})[:16]
+    if store.exists(f"{key}/_COMPLETE") and store.exists(f"{key}.sft.json"):
+        sft = store.read_json(f"{key}.sft.json")
+        return ReferenceResult(str(base_dir), base_hash, key, sft["checkpoint_hash"], sft, fmt)
+
+    from pivotrl.training.sft import run_sft
+
+    trajs = read_trajectories(store, demos["key"], split="warm_start")
+    examples, too_long, per_turn = [], 0, 0
+    for t in trajs:
+        try:
+            got, split = build_sft_examples(t, tok, max_len=cfg.warm_start.max_len, **prompt_kwargs(cfg))
+        except StateTooLongError:
+            too_long += 1
+            continue
+        examples.extend(got)
+        per_turn += int(split)
+    if per_turn:
+        log.warning("warm start: %d of %d trajectories trained as per-turn examples (the chat template re-renders "
+                    "earlier turns)", per_turn, len(trajs))
+    with tempfile.TemporaryDirectory(dir=cache) as tmp:
+        ckpt = Path(tmp) / "ckpt"
+        metrics = run_sft(
+            str(base_dir), examples, str(ckpt), epochs=cfg.warm_start.epochs, lr=cfg.warm_start.lr,
+            batch_size=cfg.warm_start.batch_size, dtype=TRAINER_DTYPE[cfg.model.dtype],
+            zero_stage=cfg.training.deepspeed.zero_stage, seed=cfg.run.seed,
+        )
+        ref_hash = checkpoint_hash(ckpt)
+        store.put_dir(str(ckpt), key)
+    metrics = {k: v for k, v in _jsonable(metrics).items() if k != "out_dir"}  # a deleted temp dir
+    sft = {"examples": len(examples), "skipped_too_long": too_long, "per_turn_trajectories": per_turn,
+           "prompt_format": fmt, "checkpoint_hash": ref_hash, "metrics": metrics}
+    store.write_artifact(f"{key}.sft.json", sft, kind="reference_checkpoint",
+                         inputs={"trajectories": demos["trajectories"], "base_model": f"{cfg.model.source}#{base_hash}"},
+                         config={"warm_start": ws, "model": cfg.model.model_dump(mode="json")},
+                         extra={"seed": cfg.run.seed, "checkpoint": store.url(key), "checkpoint_hash": ref_hash,
+                                "template_hash": fmt["template_hash"], "prompt_format": fmt})
+    return ReferenceResult(str(base_dir), base_hash, key, ref_hash, sft, fmt)
+
+
+def prompt_identity(cfg: RunConfig, ref: ReferenceResult | Mapping[str, Any]) -> dict[str, Any]:
+    """What a stage key needs of the prompt: the config section and the chat template's hash."""
+    fmt = ReferenceResult.of(ref).prompt_format or {}
+    return {**cfg.prompt.model_dump(mode="json"), "template_hash": fmt.get("template_hash"),
+            "resolved": [fmt.get("format"), fmt.get("tool_parser")]}
+
+
+def reference_dir(cfg: RunConfig, store: ArtifactStore, ref: ReferenceResult | Mapping[str, Any]) -> Path:
+    """A local directory holding π_ref (HF format): the base model without warm start, else the
+    warm-started checkpoint (downloaded into the run's cache if the store is remote)."""
+    ref = ReferenceResult.of(ref)
+    if ref.ref_key is None:
+        return Path(ref.base_dir)
+    return local_checkpoint(store, ref.ref_key, cache_dir(cfg))
+
+
+def _jsonable(x: Any) -> Any:
+    return json.loads(json.dumps(x, default=lambda o: o.item() if hasattr(o, "item") else str(o)))

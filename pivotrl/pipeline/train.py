@@ -1,0 +1,171 @@
+"""The train stage: keys and I/O around the PivotRL loop (:mod:`pivotrl.training.loop`).
+
+``stage_train(cfg, store, probe, ref) -> TrainResult`` keys the run by its pivot set, π_ref,
+settings and code; reuses a finished run; otherwise reads the pivots, builds the trainer, the
+rollout engine and the verifier, resumes from the latest complete checkpoint under
+``train/<key>/checkpoints`` (:mod:`pivotrl.training.checkpoints`), runs the loop and publishes
+``metrics.parquet``, ``summary.json`` and the policy (``train/<key>/policy``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import signal
+import tempfile
+from pathlib import Path
+from typing import Any, Mapping
+
+import pandas as pd
+
+from pivotrl.code_digest import stage_code_digest
+from pivotrl.config import RunConfig
+from pivotrl.data.schema import content_hash
+from pivotrl.pipeline.common import close_quietly, make_rollout_engine, make_verifier, prompt_kwargs
+from pivotrl.pipeline.demos import cache_dir
+from pivotrl.pipeline.reference import TRAINER_DTYPE, prompt_identity, reference_dir
+from pivotrl.pipeline.results import ProbeResult, ReferenceResult, TrainResult
+from pivotrl.precision import with_resolved_dtype
+from pivotrl.storage import ArtifactStore
+
+log = logging.getLogger("pivotrl.pipeline")
+
+
+def train_key(cfg: RunConfig, store: ArtifactStore, probe: ProbeResult, ref: ReferenceResult) -> str:
+    """``train/<16 hex>``: content hash of the pivot set, π_ref, the training, rollout, verifier and
+    prompt settings, the dtype, the seed and the train stage's code (pivotrl.code_digest)."""
+    tr = cfg.training
+    return "train/" + content_hash({"pivots": store.read_manifest(f"{probe.pivots_key}/pivots.parquet").sha256,
+                                    "reference": ref.ref_hash, "training": tr.model_dump(mode="json"),
+                                    "rollout": cfg.rollout.model_dump(mode="json"),
+                                    "verifier": cfg.verifier.model_dump(mode="json"),
+                                    "prompt": prompt_identity(cfg, ref), "dtype": cfg.model.dtype,
+                                    "seed": cfg.run.seed, "code": stage_code_digest("train")})[:16]
+
+
+def stage_train(cfg: RunConfig, store: ArtifactStore, probe: ProbeResult | Mapping[str, Any],
+                ref: ReferenceResult | Mapping[str, Any]) -> TrainResult:
+    """Local GRPO on the pivot set (PivotRL §3 stage 2), with π_old refreshed in the rollout engine
+    after every batch and the refresh verified against the trainer's log-probs.
+
+    Resumes from the latest complete checkpoint under ``train/<key>/checkpoints`` and consumes the
+    same pivot order as an uninterrupted run. A storage failure while looking for that checkpoint
+    raises (StorageError), never restarts from step 0.
+    """
+    cfg = with_resolved_dtype(cfg)  # model.dtype: auto → bf16 | fp32 on this hardware
+    probe, ref = ProbeResult.of(probe), ReferenceResult.of(ref)
+    from pivotrl.data.bfcl import ensure_bfcl
+    from pivotrl.data.states import frame_to_states
+    from pivotrl.models import load_tokenizer
+    from pivotrl.prompts import encode_state
+    from pivotrl.rollouts import record_train_step
+    from pivotrl.tracking.live import step_logger
+    from pivotrl.training.checkpoints import fetch_checkpoint, latest_checkpoint, rank_and_world, save_checkpoint
+    from pivotrl.training.loop import LoopHooks, LoopSettings, pivot_schedule, run_rl_loop
+    from pivotrl.training.pivotrl import PivotRLTrainer
+
+    tr = cfg.training
+    tkey = train_key(cfg, store, probe, ref)
+    final_key = f"{tkey}/policy"
+    metrics_uri = store.url(f"{tkey}/metrics.parquet")
+    if store.exists(f"{tkey}/summary.json") and store.exists(f"{tkey}/metrics.parquet"):
+        summary = store.read_json(f"{tkey}/summary.json")
+        return TrainResult(tkey, final_key if summary["steps"] else None, metrics_uri, summary)
+
+    cache = cache_dir(cfg)
+    pivots = frame_to_states(store.read_parquet(f"{probe.pivots_key}/pivots.parquet"))
+    rdir = reference_dir(cfg, store, ref)
+    if not pivots:
+        return _empty(cfg, store, probe, tkey)
+    tok = load_tokenizer(rdir)
+    prompts = [encode_state(s, tok, max_len=cfg.model.max_context - cfg.rollout.max_tokens, **prompt_kwargs(cfg))
+               for s in pivots]
+    schedule = pivot_schedule(len(pivots), tr.pivots_per_batch, tr.epochs, cfg.run.seed, tr.max_steps)
+    work = Path(tempfile.mkdtemp(prefix="pivotrl-train-", dir=cache))
+    trainer = PivotRLTrainer(
+        str(rdir), str(rdir), tokenizer_dir=str(rdir), group_size=tr.group_size, epsilon=tr.epsilon, beta=tr.beta, delta=tr.delta,
+        kl_estimator=tr.kl_estimator, advantage_estimator=tr.advantage_estimator, ratio_type=tr.ratio_type,
+        lr=tr.lr, updates_per_batch=tr.updates_per_batch, micro_batch_groups=tr.micro_batch_groups,
+        shared_prefix=tr.shared_prefix, dtype=TRAINER_DTYPE[cfg.model.dtype], zero_stage=tr.deepspeed.zero_stage,
+        grad_clip=tr.grad_clip, seed=cfg.run.seed, deepspeed_extra=tr.deepspeed.extra or None,
+    )
+    # Data parallel: every rank trains; rank 0 alone owns the rollout engine and the verifier.
+    rank, world = rank_and_world()
+    lead = rank == 0
+    start, rows = 0, []
+    latest = latest_checkpoint(store, f"{tkey}/checkpoints")
+    policy_dir = rdir
+    if latest is not None:
+        step_dir = fetch_checkpoint(store, latest, cache, rank)
+        state = trainer.load_checkpoint(str(step_dir))
+        start = int(state["step"])
+        rows = pd.read_parquet(step_dir / "metrics.parquet").to_dict("records")
+        policy_dir = step_dir / "hf"
+        log.info("resuming PivotRL training from %s (step %d)", latest, start)
+    verifier = make_verifier(cfg, ensure_bfcl(cache), tokenizer=tok) if lead else None
+    engine = make_rollout_engine(cfg, policy_dir) if lead else None
+    settings = LoopSettings(
+        group_size=tr.group_size, max_tokens=cfg.rollout.max_tokens, seed=cfg.run.seed,
+        checkpoint_every=tr.checkpoint_every, dtype=cfg.model.dtype,
+        refresh_tolerance=tr.refresh_tolerance if tr.refresh_tolerance is not None
+        else (1e-4 if cfg.model.dtype == "fp32" else 0.3),
+        pivots_per_batch=tr.pivots_per_batch, updates_per_batch=tr.updates_per_batch)
+    hooks = LoopHooks(
+        before_step=lambda step: _maybe_kill(cfg, store, tkey, step),
+        record_step=lambda step, scored, groups: record_train_step(
+            store, tkey, step, scored, trainer, groups, world, tr.advantage_estimator, tr.delta),
+        log_row=step_logger(cfg, store, tkey),  # to the experiment tracker, live (a no-op unless tracking is on)
+        save_checkpoint=lambda step, rows_so_far: save_checkpoint(
+            store, trainer, f"{tkey}/checkpoints/step-{step:06d}", rows_so_far, work, rank, world))
+    try:
+        rows = run_rl_loop(trainer, engine, verifier, pivots, prompts, schedule, settings, work,
+                           start=start, rows=rows, hooks=hooks, rank=rank, world=world)
+    finally:
+        if engine is not None:
+            engine.close()
+        close_quietly(verifier)
+    if not lead:
+        shutil.rmtree(work, ignore_errors=True)
+        return TrainResult(tkey, final_key, metrics_uri, None)
+    metrics_df = pd.DataFrame(rows)
+    last = latest_checkpoint(store, f"{tkey}/checkpoints")
+    final = fetch_checkpoint(store, last, cache, 0) / "hf"
+    store.put_dir(str(final), final_key)
+    inputs = {"pivots": probe.pivots, "reference": store.url(ref.ref_key) if ref.ref_key else ref.base_dir}
+    store.write_artifact(f"{tkey}/metrics.parquet", metrics_df, kind="training_metrics", inputs=inputs,
+                         config={"training": tr.model_dump(mode="json")}, extra={"seed": cfg.run.seed})
+    summary = {"steps": len(rows), "pivots": len(pivots), "final_reward_mean": float(metrics_df["reward_mean"].iloc[-1])
+               if "reward_mean" in metrics_df and len(metrics_df) else None,
+               "policy": store.url(final_key)}
+    store.write_artifact(f"{tkey}/summary.json", summary, kind="policy_checkpoint", inputs=inputs,
+                         config={"training": tr.model_dump(mode="json")}, extra={"checkpoint": store.url(final_key),
+                                                                         "prompt_format": ref.prompt_format})
+    shutil.rmtree(work, ignore_errors=True)
+    return TrainResult(tkey, final_key, metrics_uri, summary)
+
+
+def _empty(cfg: RunConfig, store: ArtifactStore, probe: ProbeResult, tkey: str) -> TrainResult:
+    """Nothing to train on tonight: the policy stays π_ref, and the report says so."""
+    tr = cfg.training
+    log.warning("the pivot set %s is empty: no PivotRL update; the policy is the reference. Probe more "
+                "states (probing.max_states), raise probing.lambda_diff, or warm-start the reference.", probe.pivots)
+    empty = pd.DataFrame({"step": pd.Series([], dtype="int64"), "reward_mean": pd.Series([], dtype="float64")})
+    summary = {"steps": 0, "pivots": 0, "final_reward_mean": None, "policy": "reference",
+               "note": "empty pivot set: policy = reference"}
+    inputs = {"pivots": probe.pivots}
+    store.write_artifact(f"{tkey}/metrics.parquet", empty, kind="training_metrics", inputs=inputs,
+                         config={"training": tr.model_dump(mode="json")})
+    store.write_artifact(f"{tkey}/summary.json", summary, kind="policy_checkpoint", inputs=inputs,
+                         config={"training": tr.model_dump(mode="json")})
+    return TrainResult(tkey, None, store.url(f"{tkey}/metrics.parquet"), summary)
+
+
+def _maybe_kill(cfg: RunConfig, store: ArtifactStore, tkey: str, step: int) -> None:
+    """Fault injection: SIGKILL this process once at ``faults.kill_trainer_at_step``."""
+    at = cfg.faults.kill_trainer_at_step
+    marker = f"{tkey}/faults/killed-at-{at}"
+    if at is not None and step == at and not store.exists(marker):
+        store.write_text(marker, "killed\n")
+        os.kill(os.getpid(), signal.SIGKILL)
+

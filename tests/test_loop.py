@@ -1,0 +1,144 @@
+"""The PivotRL loop without a store: the transformers engine on a tiny random model, a real trainer
+and a toy verifier (pivotrl.training.loop), and the one undecided-state policy of sample → score
+(pivotrl.rollout.scoring) as probing, training and local evaluation see it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from pivotrl.errors import TrainingError, VerifierError
+from pivotrl.rollout import SamplingConfig, make_engine
+from pivotrl.rollout.scoring import sample_and_score
+from pivotrl.testing import save_tiny_checkpoint
+from pivotrl.training.loop import LoopHooks, LoopSettings, check_refresh, pivot_schedule, run_rl_loop
+from pivotrl.verifiers import VerifierResult
+
+
+class ToyVerifier:
+    """Accepts an action whose text has an even number of characters; cannot decide at "undecided"
+    states (a sandbox that keeps failing); returns one result too few at "partial" states."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def score(self, state, actions):
+        self.calls.append(state.state_id)
+        if state.state_id.startswith("undecided"):
+            raise VerifierError(f"turn state {state.state_id!r}: sandbox crashed after 2 retries")
+        out = [VerifierResult.accept() if len(a) % 2 == 0 else VerifierResult.reject("odd") for a in actions]
+        return out[:-1] if state.state_id.startswith("partial") else out
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "model")
+
+
+@pytest.fixture()
+def engine(ckpt: Path):
+    eng = make_engine("transformers", str(ckpt), dtype="fp32", max_model_len=256)
+    yield eng
+    eng.close()
+
+
+def _states(*names: str):
+    return [SimpleNamespace(state_id=n) for n in names]
+
+
+PROMPTS = [[5, 17, 42, 9, 11], [7, 8, 9], [100, 3, 64, 2], [12, 13, 14, 15, 16, 17]]
+
+
+def test_sample_and_score_returns_undecided_states_counted_never_scored(engine) -> None:
+    states = _states("a", "undecided-1", "partial-1", "b")
+    got = sample_and_score(engine, ToyVerifier(), states, PROMPTS, SamplingConfig(n=3, max_tokens=6, seed=1))
+    assert [g.state.state_id for g in got] == ["a", "undecided-1", "partial-1", "b"]
+    assert [g.decided for g in got] == [True, False, False, True]
+    assert all(len(g.samples) == 3 for g in got)  # the samples are kept, also of undecided states
+    assert "sandbox crashed" in got[1].error and "2 results for 3 actions" in got[2].error
+    assert got[0].rewards == [1.0 if len(x.text) % 2 == 0 else 0.0 for x in got[0].samples]
+    with pytest.raises(ValueError, match="undecided-1"):
+        got[1].rewards
+    with pytest.raises(ValueError, match="4 states, 3 prompts"):
+        sample_and_score(engine, ToyVerifier(), states, PROMPTS[:3], SamplingConfig(n=1))
+
+
+def test_local_evaluation_counts_an_undecided_state_instead_of_failing(engine, ckpt: Path, monkeypatch) -> None:
+    from transformers import AutoTokenizer
+
+    import pivotrl.evaluation.local as local
+
+    tok = AutoTokenizer.from_pretrained(str(ckpt))
+    # Prompts given directly (the renderer is tested on its own); engine and scoring are real.
+    prompts = dict(zip(["a", "undecided-1"], PROMPTS))
+    monkeypatch.setattr(local, "encode_state", lambda state, tokenizer, max_len, **kw: prompts[state.state_id])
+    states = [SimpleNamespace(state_id=sid, trajectory_id="t", turn_index=i, category="c")
+              for i, sid in enumerate(prompts)]
+    df, summ = local.evaluate_local(engine, tok, states, ToyVerifier(),
+                                    sampling=SamplingConfig(n=2, max_tokens=6, seed=0), max_context=256)
+    assert list(df["status"]) == ["ok", "verifier_error"]
+    assert summ["n_states"] == 1 and summ["n_verifier_error"] == 1 and summ["n_samples"] == 2
+
+
+def _settings(**kw) -> LoopSettings:
+    base = dict(group_size=4, max_tokens=6, seed=0, checkpoint_every=2, dtype="fp32", refresh_tolerance=1e-4,
+                pivots_per_batch=2, updates_per_batch=1)
+    return LoopSettings(**{**base, **kw})
+
+
+def test_the_loop_trains_refreshes_drops_undecided_pivots_and_checkpoints(engine, ckpt: Path, tmp_path: Path) -> None:
+    from pivotrl.training.pivotrl import PivotRLTrainer
+
+    trainer = PivotRLTrainer(ckpt, group_size=4, dtype="float32", lr=1e-3, beta=0.0, updates_per_batch=1, seed=0)
+    pivots = _states("p0", "p1", "undecided-2", "p3")
+    schedule = pivot_schedule(len(pivots), 2, 1, seed=0, max_steps=None)
+    assert sorted(i for b in schedule for i in b) == [0, 1, 2, 3] and len(schedule) == 2
+    events: list[tuple] = []
+    hooks = LoopHooks(before_step=lambda s: events.append(("before", s)),
+                      record_step=lambda s, scored, groups: events.append(("record", s, len(scored), len(groups))),
+                      log_row=lambda row: events.append(("row", row["step"])),
+                      save_checkpoint=lambda s, rows: events.append(("checkpoint", s, len(rows))))
+    verifier = ToyVerifier()
+    rows = run_rl_loop(trainer, engine, verifier, pivots, PROMPTS, schedule, _settings(), tmp_path / "work",
+                       hooks=hooks, progress=False)
+    assert [r["step"] for r in rows] == [1, 2]
+    assert sum(r["dropped_groups"] for r in rows) == 1  # the undecided pivot, never a reward of 0
+    assert sum(r["groups"] for r in rows) == 3 and all(r["pivots"] == 2 for r in rows)
+    assert sorted(verifier.calls) == ["p0", "p1", "p3", "undecided-2"]
+    # π_old refreshed in the engine every step: its log-probs match the trainer's (fp32)
+    assert all(r["refresh_max_abs_delta"] <= 1e-4 for r in rows)
+    assert all(0.0 <= r["reward_mean"] <= 1.0 for r in rows if "reward_mean" in r)
+    assert events[0] == ("before", 0) and ("checkpoint", 2, 2) in events and ("row", 2) in events
+    assert [e for e in events if e[0] == "checkpoint"] == [("checkpoint", 2, 2)]  # every 2 steps, and the last
+    assert {e[1] for e in events if e[0] == "record"} == {1, 2}
+
+    # Resuming at step 1 with step 1's row runs step 2 only (the same pivot order).
+    more = run_rl_loop(trainer, engine, ToyVerifier(), pivots, PROMPTS, schedule, _settings(checkpoint_every=1),
+                       tmp_path / "work2", start=1, rows=rows[:1], progress=False)
+    # (a row's "step" is the trainer's own step counter: this trainer has already taken two)
+    assert len(more) == 2 and more[0] == rows[0] and more[1]["step"] == 3.0
+    assert more[1]["pivots"] == rows[1]["pivots"] and more[1]["groups"] == rows[1]["groups"]
+
+
+def test_a_refresh_that_did_not_take_fails_loudly() -> None:
+    check_refresh(1, 5e-5, 1e-5, 1e-4, "fp32")
+    check_refresh(1, 0.4, 0.01, 0.3, "bf16")  # a bf16 max alone is kernel noise
+    with pytest.raises(TrainingError, match="step 3"):
+        check_refresh(3, 0.2, 0.2, 0.3, "bf16")
+    with pytest.raises(TrainingError, match="π_old"):
+        check_refresh(1, 2e-4, 1e-5, 1e-4, "fp32")
+
+
+def test_the_loop_and_sample_and_score_import_without_prefect_vllm_deepspeed_or_the_pipeline() -> None:
+    import subprocess
+    import sys
+
+    code = ("import sys\n"
+            "for name in ('prefect', 'vllm', 'deepspeed', 'pivotrl.pipeline'):\n"
+            "    sys.modules[name] = None\n"
+            "import pivotrl.training.loop, pivotrl.training.checkpoints, pivotrl.rollout.scoring\n"
+            "print('ok')\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
