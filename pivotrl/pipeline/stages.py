@@ -25,7 +25,7 @@ from pivotrl.errors import StateTooLongError, TrainingError, VerifierError
 from pivotrl.pipeline.common import (
     local_checkpoint, make_rollout_engine, make_verifier, prompt_format, prompt_kwargs, resolve_base_model, sampling_for,
 )
-from pivotrl.pipeline.demos import cache_dir, read_trajectories
+from pivotrl.pipeline.demos import cache_dir, read_histories, read_trajectories
 from pivotrl.fingerprints import capture_hashes
 from pivotrl.rollouts import record_evaluation, record_train_step
 from pivotrl.precision import with_resolved_dtype
@@ -144,7 +144,7 @@ def stage_probe(cfg: RunConfig, store: ArtifactStore, demos: dict[str, Any], ref
     """Probe π_ref on the pivot-candidate split, then apply the pivot rule (λ_diff)."""
     cfg = with_resolved_dtype(cfg)  # model.dtype: auto → bf16 | fp32 on this hardware
     from pivotrl.data.bfcl import ensure_bfcl
-    from pivotrl.data.states import candidate_kinds_for_pivots, frame_to_states
+    from pivotrl.data.states import candidate_kinds_for_pivots, expand_candidates, frame_to_states
     from pivotrl.models import load_tokenizer
     from pivotrl.pipeline.probe import (
         apply_pivot_filter, pivot_stats, probe_states, select_candidates, stats_markdown,
@@ -157,7 +157,7 @@ def stage_probe(cfg: RunConfig, store: ArtifactStore, demos: dict[str, Any], ref
         cand = select_candidates(store.read_parquet(f"{demos['key']}/candidates.parquet"), "pivot",
                                  cfg.probing.max_states, cfg.probing.seed,
                                  kinds=candidate_kinds_for_pivots(cfg.quality.include_stop_decisions))
-        states = frame_to_states(cand)
+        states = frame_to_states(cand, read_histories(store, demos["key"], cand["trajectory_id"]))
         rdir = reference_dir(cfg, store, ref)
         tok = load_tokenizer(rdir)
         verifier = make_verifier(cfg, ensure_bfcl(cache_dir(cfg)), tokenizer=tok)
@@ -192,6 +192,7 @@ def stage_probe(cfg: RunConfig, store: ArtifactStore, demos: dict[str, Any], ref
         cand = store.read_parquet(f"{demos['key']}/candidates.parquet")
         kept = df[df["decision"] == "kept"][["state_id", "mu", "var"]]
         pivots = cand.merge(kept, on="state_id", how="inner").sort_values("state_id").reset_index(drop=True)
+        pivots = expand_candidates(pivots, read_histories(store, demos["key"], pivots["trajectory_id"]))
         store.write_json(f"{vkey}/stats.json", stats)
         store.write_text(f"{vkey}/summary.md", stats_markdown(stats))
         store.write_artifact(
@@ -532,9 +533,10 @@ def stage_evaluate(cfg: RunConfig, store: ArtifactStore, demos: dict[str, Any], 
     heldout = sorted(heldout, key=lambda t: t.id)[: ev.num_tasks]
     cand = store.read_parquet(f"{demos['key']}/candidates.parquet")
     n_local = max(min(ev.num_tasks * 4, 40), 32)  # held-out states for local accuracy (m samples each)
-    local_states = frame_to_states(select_candidates(cand, "heldout", n_local, cfg.run.seed, kinds=("call", "text_rule")))
+    hist = read_histories(store, demos["key"], cand.loc[cand["split"] == "heldout", "trajectory_id"])
+    local_states = frame_to_states(select_candidates(cand, "heldout", n_local, cfg.run.seed, kinds=("call", "text_rule")), hist)
     # Stop decisions (BFCL's closing "Done.") are scored apart; text turns without a rule never.
-    stop_states = frame_to_states(select_candidates(cand, "heldout", n_local, cfg.run.seed, kinds=("stop",)))
+    stop_states = frame_to_states(select_candidates(cand, "heldout", n_local, cfg.run.seed, kinds=("stop",)), hist)
     ood_states = out_of_domain_states(cfg, cache)  # BFCL categories never trained on
     pivots = frame_to_states(store.read_parquet(f"{probe['pivots_key']}/pivots.parquet"))
     text_turn = {st.state_id: not st.demo_action.tool_calls for st in local_states}
