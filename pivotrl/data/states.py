@@ -167,15 +167,17 @@ def candidates_frame(states: Sequence[TurnState]) -> pd.DataFrame:
     """The candidates form of ``states`` (module docstring): columns :data:`CANDIDATE_COLUMNS`, one
     row per state, ``history_len`` = ``len(state.messages)``, the other structured columns as JSON.
 
-    ``verifier_context["prior_calls"]`` is left out where it is its last key and equals the calls of
-    the history (as :func:`extract_turn_states` builds it); :func:`frame_to_states` restores it.
+    ``verifier_context["prior_calls"]`` is left out where the context has an ``env``, it is the last
+    key and equals the calls of the history (as :func:`extract_turn_states` builds it);
+    :func:`frame_to_states` and :func:`expand_candidates` restore it.
     Size: O(states + tools and demo actions), independent of the histories' lengths.
     """
     rows = []
     for s in states:
         ctx = dict(s.verifier_context)
         calls = ctx.get("prior_calls")
-        if isinstance(calls, list) and list(ctx)[-1] == "prior_calls" and calls == _prior_calls(s.messages):
+        if ("env" in ctx and isinstance(calls, list) and list(ctx)[-1] == "prior_calls"
+                and calls == _prior_calls(s.messages)):
             del ctx["prior_calls"]
         rows.append({"state_id": s.state_id, "trajectory_id": s.trajectory_id, "turn_index": s.turn_index,
                      "category": s.category, "history_len": len(s.messages),
