@@ -109,3 +109,20 @@ def test_a_candidate_row_without_its_trajectory_names_the_row():
     with pytest.raises(DataError, match=r"row 0 \(state 'nine#0'\)\.history_len: 999, but trajectory 'nine' has 23 messages"):
         expand_candidates(bad, _hist(TRAJS))
     assert set(STATE_COLUMNS) - set(CANDIDATE_COLUMNS) == {"messages"}
+
+
+@pytest.mark.data
+def test_real_bfcl_states_are_the_same_from_either_form():
+    import os
+
+    from pivotrl.data.bfcl import load_bfcl
+
+    cache = Path(os.environ.get("PIVOTRL_CACHE_DIR") or Path.home() / ".cache" / "pivotrl")
+    trajs = load_bfcl(["simple_python", "multi_turn_base"], cache, limit_per_category=4)
+    states = [s for t in trajs for s in extract_turn_states(t)]
+    assert any("prior_calls" in s.verifier_context for s in states)
+    full, cand = states_to_frame(states), candidates_frame(states)
+    pd.testing.assert_frame_equal(expand_candidates(cand, _hist(trajs)), full)
+    tok = tiny_tokenizer()
+    for a, b in zip(frame_to_states(cand, _hist(trajs)), frame_to_states(full)):
+        assert a.to_dict() == b.to_dict() and encode_state(a, tok, max_len=10**6) == encode_state(b, tok, max_len=10**6)
