@@ -2,7 +2,8 @@
 
 A turn is one assistant tool call and its tool result (2 messages), after a system and a user
 message, so N = 5,000 turns is a 10,002-message trajectory. Each size runs `pivotrl demos` in a
-fresh process (its own storage root); peak RSS is that process's ``ru_maxrss``. A process that
+fresh process (its own storage root); peak RSS is that process's ``ru_maxrss``; also reported: the
+size of the candidates table and how many states were skipped as longer than ``model.max_context``. A process that
 passes ``--cap-gib`` of address space is stopped and reported as such (the machine is shared).
 
     python benchmarks/bench_long_trajectories.py --turns 10 100 1000 5000 [--cap-gib 8]
@@ -56,10 +57,14 @@ def run(turns: int, cap_gib: float, work: Path) -> dict:
     wall = time.time() - t0
     rc = os.waitstatus_to_exitcode(status)
     tail = log.read_text().strip().splitlines()[-1:] if rc else []
+    counts = [json.loads(p.read_text()) for p in (d / "root").rglob("counts.json")]
+    tables = list((d / "root").rglob("candidates.parquet"))
     return {"turns": turns, "messages": 2 + 2 * turns, "rc": rc, "wall_s": round(wall, 2),
             "peak_rss_mib": round(usage.ru_maxrss / 1024, 1),
-            "source_mib": round(src.stat().st_size / 2**20, 2), "error": tail[0][:300] if tail else "",
-            "load_avg": os.getloadavg()[0]}
+            "source_mib": round(src.stat().st_size / 2**20, 2),
+            "candidates_mib": round(tables[0].stat().st_size / 2**20, 3) if tables else None,
+            "skipped_too_long": counts[0]["skipped_too_long"] if counts else None,
+            "error": tail[0][:300] if tail else "", "load_avg": os.getloadavg()[0]}
 
 
 def main() -> None:

@@ -149,14 +149,15 @@ def _state_lengths(cfg: Any, store: Any, key: str) -> dict[str, Any]:
     from pivotrl.data.states import frame_to_states
     from pivotrl.models import load_tokenizer
     from pivotrl.pipeline.common import prompt_kwargs, resolve_base_model
-    from pivotrl.pipeline.demos import cache_dir
+    from pivotrl.pipeline.demos import cache_dir, read_histories
     from pivotrl.prompts import encode_state
 
     tok = load_tokenizer(resolve_base_model(cfg, cache_dir(cfg)))
     df = store.read_parquet(f"{key}/candidates.parquet")
     out: dict[str, Any] = {}
     for cat, g in df.groupby("category"):
-        n = [len(encode_state(s, tok, max_len=10**9, **prompt_kwargs(cfg))) for s in frame_to_states(g)]
+        states = frame_to_states(g, read_histories(store, key, g["trajectory_id"]))
+        n = [len(encode_state(s, tok, max_len=10**9, **prompt_kwargs(cfg))) for s in states]
         q = np.percentile(n, [0, 50, 90, 100])
         out[str(cat)] = {"states": len(n), "min": int(q[0]), "median": int(q[1]), "p90": int(q[2]), "max": int(q[3]),
                          "over_context": int(sum(x > cfg.model.max_context for x in n))}

@@ -327,7 +327,9 @@ def test_nemo_rows_round_trip_as_a_demonstration_source(smoke_flow, tiny_model, 
 def test_export_checks_fail_naming_the_pivot(smoke_flow, tiny_model, tmp_path):
     import pandas as pd
 
+    from pivotrl.data.states import expand_candidates
     from pivotrl.errors import DataError
+    from pivotrl.pipeline.demos import read_histories
     from pivotrl.testing import tiny_tokenizer
 
     _, _, store, overrides = smoke_flow
@@ -338,8 +340,10 @@ def test_export_checks_fail_naming_the_pivot(smoke_flow, tiny_model, tmp_path):
     probes = store.read_parquet(_key_of(store, "probes/", "probes.parquet"))
     # 1. A "pivot" whose probes all had one outcome.
     one = probes[(probes["status"] == "ok") & (probes["var"] == 0)].iloc[0]["state_id"]
-    cand = store.read_parquet(_key_of(store, "demos/", "candidates.parquet"))
-    bad = pd.concat([pivots, cand[cand["state_id"] == one].assign(mu=1.0, var=0.0)[pivots.columns]], ignore_index=True)
+    cand_key = _key_of(store, "demos/", "candidates.parquet")
+    cand = store.read_parquet(cand_key)
+    row = expand_candidates(cand[cand["state_id"] == one], read_histories(store, cand_key.rsplit("/", 1)[0]))
+    bad = pd.concat([pivots, row.assign(mu=1.0, var=0.0)[pivots.columns]], ignore_index=True)
     store.write_artifact("bad/one-outcome/pivots.parquet", bad, kind="pivots", inputs={k: v["uri"] for k, v in pm.inputs.items()},
                          config=pm.config, extra=pm.extra)
     with pytest.raises(DataError, match=re.escape(repr(one)) + ".*fewer than two distinct probe rewards") as e:

@@ -10,10 +10,11 @@ history before one assistant (model) call; the *demo action* is the assistant me
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
 from dataclasses import dataclass, field
-from typing import Any, Literal, Mapping
+from typing import Any, Iterator, Literal, Mapping, Sequence
 
 from pivotrl.errors import DataError
 
@@ -213,11 +214,58 @@ class Trajectory:
         )
 
 
+class MessagePrefix(Sequence[Message]):
+    """The first ``n`` messages of a shared message tuple (a trajectory's), without copying them.
+
+    Behaves as the tuple ``base[:n]``: indexing, slicing (a slice is a plain tuple), iteration,
+    ``len`` and equality with any sequence of the same messages. Every turn state of a trajectory
+    holds one of these over the same tuple, so the states of an N-message trajectory take O(N)
+    memory instead of O(N²). Raises ValueError if ``n`` is outside ``0..len(base)``.
+    """
+
+    __slots__ = ("_base", "_n")
+
+    def __init__(self, base: tuple[Message, ...], n: int) -> None:
+        if not 0 <= n <= len(base):
+            raise ValueError(f"a prefix of {n} messages of a {len(base)}-message history")
+        self._base = base
+        self._n = n
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __getitem__(self, i: Any) -> Any:
+        if isinstance(i, slice):
+            start, stop, step = i.indices(self._n)
+            return self._base[start:stop:step] if step > 0 else self._base[: self._n][i]
+        if not -self._n <= i < self._n:
+            raise IndexError("message index out of range")
+        return self._base[i % self._n]
+
+    def __iter__(self) -> Iterator[Message]:
+        return itertools.islice(self._base, self._n)
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, MessagePrefix) and other._base is self._base:
+            return other._n == self._n
+        if not isinstance(other, Sequence) or isinstance(other, (str, bytes)):
+            return NotImplemented
+        return len(other) == self._n and all(a == b for a, b in zip(self, other))
+
+    def __hash__(self) -> int:
+        return hash(tuple(self))
+
+    def __repr__(self) -> str:
+        return f"MessagePrefix({self._n} of {len(self._base)} messages)"
+
+
 @dataclass(frozen=True)
 class TurnState:
     """A pivot candidate: the history before one assistant call, and that call (the demo action).
 
-    ``messages``: every message before the call (system, user, assistant, tool), in order.
+    ``messages``: every message before the call (system, user, assistant, tool), in order; a
+    :class:`MessagePrefix` of the trajectory's messages when extracted or read from a candidates
+    table (shared, not copied), a tuple otherwise.
     ``turn_index``: index of the demo action among the trajectory's assistant messages (0-based).
     ``verifier_context``: JSON data the verifiers need (acceptable values, environment + the calls
     executed before this state, the demonstration's calls). ``state_id`` is
@@ -227,7 +275,7 @@ class TurnState:
     state_id: str
     trajectory_id: str
     turn_index: int
-    messages: tuple[Message, ...]
+    messages: Sequence[Message]
     tools: tuple[ToolSpec, ...]
     demo_action: Message
     category: str = ""

@@ -40,6 +40,19 @@ OnInvalid = Literal["error", "quarantine"]
 _PARQUET_SUFFIXES = (".parquet", ".pq")
 _JSON_COLUMNS = ("messages", "tools", "env", "meta")
 
+#: Largest record (bytes of one JSON line, or of a Parquet row's ``messages`` JSON, or of a
+#: trajectory's canonical JSON in the trajectory table) a demonstration may have. Parsing a record
+#: takes several times its size in memory and the trajectory table keeps it as one Arrow string;
+#: a bigger record is a DataError naming the file and record, read no further.
+MAX_RECORD_BYTES = 256 << 20
+_LEADING_ID = re.compile(rb'\A\s*\{\s*"id"\s*:\s*(?:"((?:[^"\\]|\\.){0,200})"|(\d{1,40}))')
+
+
+def _too_big(url: str, loc: str, size: int, rid: str = "") -> DataError:
+    return DataError(f"{url} {loc}{f' {rid!r}' if rid else ''}: the record is {size / 2**20:.0f} MiB, more than "
+                     f"the {MAX_RECORD_BYTES / 2**20:.0f} MiB one demonstration may hold; split it into "
+                     "shorter trajectories")
+
 
 def validate_trajectory(traj: Trajectory, where: str = "") -> None:
     """Check the invariants every demonstration must hold; DataError naming ``where`` and the field.
@@ -101,6 +114,11 @@ def _iter_jsonl(url: str) -> Iterator[tuple[str, str, Any]]:
         if not raw.strip():
             continue
         loc = f"line {lineno}"
+        if len(raw) > MAX_RECORD_BYTES:  # before decoding: json.loads would take ~10x this in memory
+            m = _LEADING_ID.match(raw[:4096])
+            rid = (m.group(1) or m.group(2) or b"").decode("utf-8", "replace") if m else ""
+            yield loc, rid, _too_big(url, loc, len(raw), rid)
+            continue
         try:
             text = raw.decode("utf-8")
         except UnicodeDecodeError as e:
@@ -138,6 +156,9 @@ def _iter_parquet(url: str) -> Iterator[tuple[str, str, Any]]:
         bad = None
         for col in _JSON_COLUMNS:
             v = obj.get(col)
+            if isinstance(v, str) and len(v) > MAX_RECORD_BYTES:
+                bad = _too_big(url, f"{loc} column {col}", len(v), rid)
+                break
             if isinstance(v, str):
                 try:
                     obj[col] = json.loads(v) if v.strip() else None

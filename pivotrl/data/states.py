@@ -16,20 +16,33 @@ history before it (``messages``), the tools, and the demonstration's action (``d
   "Done."), "text_rule" (``meta["answer_rules"][str(turn_index)]`` or, for the last assistant
   message, ``meta["answer_rule"]`` gives an acceptance rule, copied to ``"answer_rule"``) or
   "text_no_rule" (see :mod:`pivotrl.verifiers.text_rules`; :func:`candidate_kinds_for_pivots`).
+
+Two table forms. The *full* form (:func:`states_to_frame`, columns :data:`STATE_COLUMNS`; the pivot
+set) stores each state's history as JSON. The *candidates* form (:func:`candidates_frame`, columns
+:data:`CANDIDATE_COLUMNS`; every assistant turn of every trajectory) stores ``history_len`` (the
+number of messages before the demo action) instead, and leaves out ``prior_calls``, which is derived
+from that history: a state refers to its trajectory and position, so the table grows linearly with
+a trajectory's length, not with its square. :func:`frame_to_states` reads either form (the second
+with the trajectories' messages); :func:`expand_candidates` turns candidate rows into the full form.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
+import numpy as np
 import pandas as pd
 
-from pivotrl.data.schema import Trajectory, TurnState
+from pivotrl.data.schema import Message, MessagePrefix, Trajectory, TurnState
 from pivotrl.errors import DataError
 
 __all__ = [
+    "CANDIDATE_COLUMNS",
     "STATE_COLUMNS",
+    "candidates_frame",
+    "expand_candidates",
     "candidate_kinds_for_pivots",
     "extract_turn_states",
     "frame_to_states",
@@ -75,6 +88,9 @@ STATE_COLUMNS: tuple[str, ...] = (
 )
 _JSON_COLUMNS = ("messages", "tools", "demo_action", "verifier_context")
 
+#: Columns of :func:`candidates_frame`: ``history_len`` (int64) in the place of ``messages``.
+CANDIDATE_COLUMNS: tuple[str, ...] = tuple("history_len" if c == "messages" else c for c in STATE_COLUMNS)
+
 
 def extract_turn_states(traj: Trajectory) -> list[TurnState]:
     """One TurnState per assistant message of ``traj`` (in order; see the module docstring).
@@ -114,7 +130,7 @@ def extract_turn_states(traj: Trajectory) -> list[TurnState]:
                 state_id=f"{traj.id}#{turn_index}",
                 trajectory_id=traj.id,
                 turn_index=turn_index,
-                messages=traj.messages[:pos],
+                messages=MessagePrefix(traj.messages, pos),
                 tools=traj.tools,
                 demo_action=msg,
                 category=traj.category,
@@ -142,27 +158,131 @@ def states_to_frame(states: Sequence[TurnState]) -> pd.DataFrame:
     return df.astype({"turn_index": "int64"})
 
 
-def frame_to_states(df: pd.DataFrame) -> list[TurnState]:
-    """Turn states from a table written by :func:`states_to_frame` (e.g. read back from Parquet).
+def _prior_calls(history: Sequence[Message]) -> list[dict[str, Any]]:
+    """Every call of the assistant messages of ``history``, in order (``verifier_context["prior_calls"]``)."""
+    return [c.to_dict() for m in history if m.role == "assistant" for c in m.tool_calls]
 
+
+def candidates_frame(states: Sequence[TurnState]) -> pd.DataFrame:
+    """The candidates form of ``states`` (module docstring): columns :data:`CANDIDATE_COLUMNS`, one
+    row per state, ``history_len`` = ``len(state.messages)``, the other structured columns as JSON.
+
+    ``verifier_context["prior_calls"]`` is left out where the context has an ``env``, it is the last
+    key and equals the calls of the history (as :func:`extract_turn_states` builds it);
+    :func:`frame_to_states` and :func:`expand_candidates` restore it.
+    Size: O(states + tools and demo actions), independent of the histories' lengths.
+    """
+    rows = []
+    for s in states:
+        ctx = dict(s.verifier_context)
+        calls = ctx.get("prior_calls")
+        if ("env" in ctx and isinstance(calls, list) and list(ctx)[-1] == "prior_calls"
+                and calls == _prior_calls(s.messages)):
+            del ctx["prior_calls"]
+        rows.append({"state_id": s.state_id, "trajectory_id": s.trajectory_id, "turn_index": s.turn_index,
+                     "category": s.category, "history_len": len(s.messages),
+                     "tools": _dumps([t.to_dict() for t in s.tools]), "demo_action": _dumps(s.demo_action.to_dict()),
+                     "verifier_context": _dumps(ctx)})
+    df = pd.DataFrame(rows, columns=list(CANDIDATE_COLUMNS))
+    return df.astype({"turn_index": "int64", "history_len": "int64"})
+
+
+def _history(bases: dict[str, tuple[Message, ...]], histories: Mapping[str, Sequence[Message]] | None,
+             tid: str, n: Any, where: str) -> MessagePrefix:
+    """The first ``n`` messages of trajectory ``tid`` (``bases`` caches each trajectory's tuple)."""
+    if tid not in bases:
+        if histories is None:
+            raise DataError(f"{where}: a candidates-table row (history_len) needs its trajectory's messages")
+        if histories.get(tid) is None:
+            raise DataError(f"{where}: trajectory {tid!r} is not among the trajectories given")
+        bases[tid] = tuple(histories[tid])
+    base = bases[tid]
+    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or not 0 < n < len(base):
+        raise DataError(f"{where}.history_len: {n!r}, but trajectory {tid!r} has {len(base)} messages "
+                        "(expected 1 to one less than that)")
+    return MessagePrefix(base, int(n))
+
+
+def expand_candidates(df: pd.DataFrame, histories: Mapping[str, Sequence[Message]]) -> pd.DataFrame:
+    """Candidate rows (:func:`candidates_frame`, any extra columns such as ``split``) in the full form
+    of :func:`states_to_frame`: ``messages`` (the history as JSON) in the place of ``history_len``,
+    ``prior_calls`` restored; the extra columns kept, in order. Byte for byte the JSON
+    :func:`states_to_frame` writes for the same states.
+
+    ``histories``: trajectory id → its messages. Size: the histories of these rows only (use it on a
+    selection, e.g. the pivot set). Raises DataError naming the row for an unknown trajectory.
+    """
+    if "history_len" not in df.columns:
+        return df
+    bases: dict[str, tuple[Message, ...]] = {}
+    parts: dict[str, list[str]] = {}  # per trajectory, each message's JSON once
+    messages, contexts = [], []
+    for i, (sid, tid, n, ctx) in enumerate(zip(df["state_id"], df["trajectory_id"], df["history_len"],
+                                                df["verifier_context"])):
+        where = f"candidates table row {i} (state {sid!r})"
+        tid = str(tid)
+        hist = _history(bases, histories, tid, n, where)
+        if tid not in parts:
+            parts[tid] = [_dumps(m.to_dict()) for m in bases[tid]]
+        messages.append("[" + ",".join(parts[tid][: len(hist)]) + "]")
+        contexts.append(_with_prior_calls(ctx, hist, where))
+    out = df.copy()
+    pos = list(out.columns).index("history_len")
+    out = out.drop(columns=["history_len"])
+    # The string dtype of the other JSON columns (pandas' default string type), as the full form has.
+    out.insert(pos, "messages", pd.Series(messages, index=out.index, dtype=df["tools"].dtype))
+    out["verifier_context"] = pd.Series(contexts, index=out.index, dtype=df["verifier_context"].dtype)
+    return out
+
+
+def _with_prior_calls(ctx_json: str, history: Sequence[Message], where: str) -> str:
+    """``ctx_json`` with ``prior_calls`` (the history's calls) appended when it has ``env`` but no
+    ``prior_calls`` (left out by :func:`candidates_frame`)."""
+    try:
+        ctx = json.loads(ctx_json)
+    except (TypeError, json.JSONDecodeError) as e:
+        raise DataError(f"{where}.verifier_context: not a JSON string ({e})") from None
+    if not isinstance(ctx, dict) or "env" not in ctx or "prior_calls" in ctx:
+        return ctx_json
+    ctx["prior_calls"] = _prior_calls(history)
+    return _dumps(ctx)
+
+
+def frame_to_states(df: pd.DataFrame, histories: Mapping[str, Sequence[Message]] | None = None) -> list[TurnState]:
+    """Turn states from a table of either form (module docstring), e.g. read back from Parquet.
+
+    The full form (:func:`states_to_frame`) is self-contained. The candidates form
+    (:func:`candidates_frame`) needs ``histories`` (trajectory id → its messages, e.g.
+    :func:`pivotrl.pipeline.demos.read_histories`); each state's ``messages`` is then a
+    :class:`MessagePrefix` of its trajectory's tuple, shared by all its states, and
+    ``verifier_context["prior_calls"]`` is restored.
     Raises DataError naming the missing column, or the row (state id) and column of a bad cell.
     """
-    missing = [c for c in STATE_COLUMNS if c not in df.columns]
+    compact = "history_len" in df.columns and "messages" not in df.columns
+    cols = CANDIDATE_COLUMNS if compact else STATE_COLUMNS
+    missing = [c for c in cols if c not in df.columns]
     if missing:
         raise DataError(f"turn-state table: column(s) {', '.join(missing)} missing")
+    bases: dict[str, tuple[Message, ...]] = {}
     out: list[TurnState] = []
-    for i, row in enumerate(df[list(STATE_COLUMNS)].itertuples(index=False, name=None)):
-        rec = dict(zip(STATE_COLUMNS, row))
+    for i, row in enumerate(df[list(cols)].itertuples(index=False, name=None)):
+        rec = dict(zip(cols, row))
         where = f"turn-state table row {i} (state {rec['state_id']!r})"
+        hist = None
+        if compact:
+            hist = _history(bases, histories, str(rec["trajectory_id"]), rec.pop("history_len"), where)
+            rec["verifier_context"] = _with_prior_calls(rec["verifier_context"], hist, where)
+            rec["messages"] = "[]"
         for c in _JSON_COLUMNS:
             try:
                 rec[c] = json.loads(rec[c])
             except (TypeError, json.JSONDecodeError) as e:
                 raise DataError(f"{where}.{c}: not a JSON string ({e})") from None
         try:
-            out.append(TurnState.from_dict(rec))
+            state = TurnState.from_dict(rec)
         except (KeyError, TypeError, ValueError) as e:
             if isinstance(e, DataError):
                 raise DataError(f"{where}: {e}") from None
             raise DataError(f"{where}: {type(e).__name__}: {e}") from None
+        out.append(state if hist is None else dataclasses.replace(state, messages=hist))
     return out

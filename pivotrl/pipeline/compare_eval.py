@@ -28,7 +28,7 @@ from pivotrl.data.schema import content_hash
 from pivotrl.ledger import CostLedger
 from pivotrl.pipeline.common import local_checkpoint, make_rollout_engine, make_verifier, prompt_kwargs, sampling_for
 from pivotrl.pipeline.compare import _CODE, pivotrl_ledger
-from pivotrl.pipeline.demos import cache_dir, read_trajectories
+from pivotrl.pipeline.demos import cache_dir, read_histories, read_trajectories
 from pivotrl.pipeline.reference import reference_dir
 from pivotrl.storage import ArtifactStore
 
@@ -181,7 +181,8 @@ def stage_compare_evaluate(cfg: RunConfig, store: ArtifactStore, demos: dict[str
                      key=lambda t: t.id)[: cfg.compare.num_tasks or ev.num_tasks]
     cand = store.read_parquet(f"{demos['key']}/candidates.parquet")
     n_local = max(min(ev.num_tasks * 4, 40), 32)  # as the nightly evaluation
-    local_states = frame_to_states(select_candidates(cand, "heldout", n_local, cfg.run.seed, kinds=("call", "text_rule")))
+    sel = select_candidates(cand, "heldout", n_local, cfg.run.seed, kinds=("call", "text_rule"))
+    local_states = frame_to_states(sel, read_histories(store, demos["key"], sel["trajectory_id"]))
     ood_states = out_of_domain_states(cfg, cache)
     rdir = reference_dir(cfg, store, ref)
     policies = {"reference": rdir,

@@ -7,7 +7,11 @@ Outputs (under ``demos/<key>/``):
   replays that do not reproduce), one ``{"id", "category", "flags"}`` per line (only when some are);
   unless ``quality.keep_flagged`` they get the split "flagged", so no warm start, pivot or
   evaluation ever sees them;
-- ``candidates.parquet``: one row per assistant turn (see ``pivotrl.data.states``), with its split.
+- ``candidates.parquet``: one row per assistant turn, with its split, in the candidates form of
+  ``pivotrl.data.states`` (``history_len`` refers to the trajectory's messages in
+  ``trajectories.parquet``; no history is copied per state, so the table, and the memory of this
+  stage, grow linearly with a trajectory's length). :func:`read_histories` gives the messages
+  that ``frame_to_states`` and ``expand_candidates`` need to rebuild states from it.
 """
 
 from __future__ import annotations
@@ -22,11 +26,12 @@ from typing import Any
 import pandas as pd
 
 from pivotrl.config import RunConfig
-from pivotrl.data.schema import Trajectory, canonical_json, content_hash
+from pivotrl.data.schema import Message, Trajectory, canonical_json, content_hash
 from pivotrl.errors import DataError
 from pivotrl.storage import ArtifactStore
 
-DATA_FORMAT_VERSION = 1
+DATA_FORMAT_VERSION = 2  # 2: candidates refer to their trajectory's history (history_len)
+
 
 log = logging.getLogger(__name__)
 
@@ -51,8 +56,10 @@ def demos_key(cfg: RunConfig) -> str:
     )[:16]
 
 
-def load_sources(cfg: RunConfig, quarantine: list[dict[str, Any]]) -> list[Trajectory]:
-    """Load every configured source; invalid records raise or go to ``quarantine``."""
+def load_sources(cfg: RunConfig, quarantine: list[dict[str, Any]],
+                 origins: dict[str, str] | None = None) -> list[Trajectory]:
+    """Load every configured source; invalid records raise or go to ``quarantine``. ``origins``,
+    when given, gets each trajectory id's source (``"data.sources.<i> (<url or categories>)"``)."""
     from pivotrl.data.bfcl import load_bfcl
     from pivotrl.data.sources import load_trajectories
 
@@ -83,6 +90,8 @@ def load_sources(cfg: RunConfig, quarantine: list[dict[str, Any]]) -> list[Traje
                             + (f": all {bad} records were invalid; the first: {first}" if bad else
                                ": the source is empty"))
         trajs += got
+        if origins is not None:
+            origins.update({t.id: f"data.sources.{i} ({name})" for t in got})
     seen: set[str] = set()
     for t in trajs:
         if t.id in seen:
@@ -99,7 +108,7 @@ def build_demonstrations(cfg: RunConfig, store: ArtifactStore) -> dict[str, Any]
     """
     from pivotrl.data.audit import AUDIT_FLAGS_KEY, is_flagged
     from pivotrl.data.split import split_trajectories
-    from pivotrl.data.states import extract_turn_states, states_to_frame
+    from pivotrl.data.states import candidates_frame, extract_turn_states
     from pivotrl.verifiers.text_rules import candidate_kind
 
     key = demos_key(cfg)
@@ -107,7 +116,8 @@ def build_demonstrations(cfg: RunConfig, store: ArtifactStore) -> dict[str, Any]
         return _result(store, key, store.read_json(f"{key}/counts.json"))
 
     quarantine: list[dict[str, Any]] = []
-    trajs = load_sources(cfg, quarantine)
+    origins: dict[str, str] = {}
+    trajs = load_sources(cfg, quarantine, origins)
     sp = cfg.data.split
     if not trajs:
         raise DataError("data.sources: every record of every source was quarantined; nothing to train on "
@@ -124,7 +134,7 @@ def build_demonstrations(cfg: RunConfig, store: ArtifactStore) -> dict[str, Any]
             "source": [t.source for t in trajs],
             "category": [t.category for t in trajs],
             "split": [split_of[t.id] for t in trajs],
-            "record": [canonical_json(t.to_dict()) for t in trajs],
+            "record": [_record_json(t, origins.get(t.id, "")) for t in trajs],
         }
     )
     states: list[Any] = []
@@ -133,7 +143,7 @@ def build_demonstrations(cfg: RunConfig, store: ArtifactStore) -> dict[str, Any]
         kept, skipped = _fitting_states(t, extract_turn_states(t), cfg.model.max_context)
         states += kept
         too_long += skipped
-    cand_df = states_to_frame(states)
+    cand_df = candidates_frame(states)
     cand_df["split"] = [split_of[s.trajectory_id] for s in states]
     kinds = [candidate_kind(s) for s in states]
 
@@ -175,31 +185,50 @@ def build_demonstrations(cfg: RunConfig, store: ArtifactStore) -> dict[str, Any]
     return _result(store, key, counts)
 
 
-#: Largest candidate table one trajectory may produce (bytes of history JSON over its states). Each
-#: turn state stores its whole history, so a table grows with the square of a trajectory's length;
-#: beyond this a trajectory fails with a DataError naming it, instead of exhausting memory.
-MAX_CANDIDATE_BYTES_PER_TRAJECTORY = 1 << 30
+def _record_json(traj: Trajectory, origin: str) -> str:
+    """The trajectory table's ``record`` cell; DataError naming the record and its source if it
+    passes ``pivotrl.data.sources.MAX_RECORD_BYTES`` (a record the loader could not measure before
+    reading it: nested Parquet values, BFCL)."""
+    from pivotrl.data.sources import MAX_RECORD_BYTES
+
+    text = canonical_json(traj.to_dict())
+    if len(text) > MAX_RECORD_BYTES:
+        raise DataError(
+            f"trajectory {traj.id!r}{f' of {origin}' if origin else ''}: the record is {len(text) / 2**20:.0f} MiB "
+            f"of JSON ({len(traj.messages)} messages), more than the {MAX_RECORD_BYTES / 2**20:.0f} MiB one "
+            "demonstration may hold; split it into shorter trajectories")
+    return text
 
 
 def _fitting_states(traj: Trajectory, states: list[Any], max_context: int) -> tuple[list[Any], int]:
-    """The states of ``traj`` whose history could fit ``max_context`` tokens, and how many could not.
-
-    Raises DataError naming the trajectory when the kept states' histories would take more than
-    MAX_CANDIDATE_BYTES_PER_TRAJECTORY as JSON (computed from per-message sizes, in linear time).
-    """
+    """The states of ``traj`` whose history could fit ``max_context`` tokens, and how many could not:
+    a state with more messages than ``max_context`` can never fit (every message renders to at
+    least one token), so it is skipped before anything is serialised."""
     kept = [s for s in states if len(s.messages) <= max_context]
-    sizes = [len(canonical_json(m.to_dict())) + 1 for m in traj.messages]
-    prefix = [0]
-    for n in sizes:
-        prefix.append(prefix[-1] + n)
-    total = sum(prefix[len(s.messages)] for s in kept)
-    if total > MAX_CANDIDATE_BYTES_PER_TRAJECTORY:
-        raise DataError(
-            f"trajectory {traj.id!r} ({len(traj.messages)} messages, {len(states)} assistant turns): its turn states "
-            f"would store {total / 2**30:.1f} GiB of history (limit {MAX_CANDIDATE_BYTES_PER_TRAJECTORY / 2**30:.0f} "
-            f"GiB; each state keeps the whole history before it). Split it into shorter trajectories or lower "
-            f"model.max_context ({max_context}; states with more messages than that are skipped).")
     return kept, len(states) - len(kept)
+
+
+def read_histories(store: ArtifactStore, key: str, ids: Any = None) -> dict[str, tuple[Message, ...]]:
+    """Trajectory id → messages, from ``<key>/trajectories.parquet``: what the rows of
+    ``candidates.parquet`` refer to (``frame_to_states(cand, histories)``). ``ids``: only these
+    trajectories (an iterable of ids, e.g. a selection's ``trajectory_id`` column); None = all.
+    Raises DataError naming the table and the record of an unreadable one.
+    """
+    df = store.read_parquet(f"{key}/trajectories.parquet")
+    if ids is not None:
+        df = df[df["id"].isin({str(i) for i in ids})]
+    out: dict[str, tuple[Message, ...]] = {}
+    for tid, rec in zip(df["id"], df["record"]):
+        where = f"{store.url(f'{key}/trajectories.parquet')} record {tid!r}"
+        try:
+            d = json.loads(rec)
+        except (TypeError, json.JSONDecodeError) as e:
+            raise DataError(f"{where}: not a JSON string ({e})") from None
+        msgs = d.get("messages") if isinstance(d, dict) else None
+        if not isinstance(msgs, list):
+            raise DataError(f"{where}.messages: missing")
+        out[str(tid)] = tuple(Message.from_dict(m, f"{where}.messages[{i}]") for i, m in enumerate(msgs))
+    return out
 
 
 def _source_uri(src: Any) -> dict[str, Any]:

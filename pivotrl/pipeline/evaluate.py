@@ -18,7 +18,7 @@ from pivotrl.code_digest import stage_code_digest
 from pivotrl.config import RunConfig, config_hash
 from pivotrl.data.schema import content_hash
 from pivotrl.pipeline.common import close_quietly, local_checkpoint, make_rollout_engine, make_verifier, prompt_kwargs, sampling_for
-from pivotrl.pipeline.demos import cache_dir, read_trajectories
+from pivotrl.pipeline.demos import cache_dir, read_histories, read_trajectories
 from pivotrl.pipeline.reference import prompt_identity, reference_dir
 from pivotrl.pipeline.results import EvalResult, ProbeResult, ReferenceResult, TrainResult
 from pivotrl.precision import with_resolved_dtype
@@ -58,9 +58,11 @@ def stage_evaluate(cfg: RunConfig, store: ArtifactStore, demos: Mapping[str, Any
     heldout = sorted(heldout, key=lambda t: t.id)[: ev.num_tasks]
     cand = store.read_parquet(f"{demos['key']}/candidates.parquet")
     n_local = max(min(ev.num_tasks * 4, 40), 32)  # held-out states for local accuracy (m samples each)
-    local_states = frame_to_states(select_candidates(cand, "heldout", n_local, cfg.run.seed, kinds=("call", "text_rule")))
+    hist = read_histories(store, demos["key"], cand.loc[cand["split"] == "heldout", "trajectory_id"])
+    local_states = frame_to_states(select_candidates(cand, "heldout", n_local, cfg.run.seed, kinds=("call", "text_rule")),
+                                   hist)
     # Stop decisions (BFCL's closing "Done.") are scored apart; text turns without a rule never.
-    stop_states = frame_to_states(select_candidates(cand, "heldout", n_local, cfg.run.seed, kinds=("stop",)))
+    stop_states = frame_to_states(select_candidates(cand, "heldout", n_local, cfg.run.seed, kinds=("stop",)), hist)
     ood_states = out_of_domain_states(cfg, cache)  # BFCL categories never trained on
     pivots = frame_to_states(store.read_parquet(f"{probe.pivots_key}/pivots.parquet"))
     text_turn = {st.state_id: not st.demo_action.tool_calls for st in local_states}

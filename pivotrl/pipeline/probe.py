@@ -321,7 +321,8 @@ def stage_probe(cfg: RunConfig, store: ArtifactStore, demos: Mapping[str, Any], 
     import time
 
     from pivotrl.data.bfcl import ensure_bfcl
-    from pivotrl.data.states import candidate_kinds_for_pivots, frame_to_states
+    from pivotrl.data.states import candidate_kinds_for_pivots, expand_candidates, frame_to_states
+    from pivotrl.pipeline.demos import read_histories
     from pivotrl.fingerprints import capture_hashes
     from pivotrl.models import load_tokenizer
     from pivotrl.pipeline.common import close_quietly, make_rollout_engine, make_verifier, prompt_kwargs, sampling_for
@@ -339,7 +340,7 @@ def stage_probe(cfg: RunConfig, store: ArtifactStore, demos: Mapping[str, Any], 
         cand = select_candidates(store.read_parquet(f"{demos['key']}/candidates.parquet"), "pivot",
                                  cfg.probing.max_states, cfg.probing.seed,
                                  kinds=candidate_kinds_for_pivots(cfg.quality.include_stop_decisions))
-        states = frame_to_states(cand)
+        states = frame_to_states(cand, read_histories(store, demos["key"], cand["trajectory_id"]))
         rdir = reference_dir(cfg, store, ref)
         tok = load_tokenizer(rdir)
         verifier = make_verifier(cfg, ensure_bfcl(cache_dir(cfg)), tokenizer=tok)
@@ -374,6 +375,7 @@ def stage_probe(cfg: RunConfig, store: ArtifactStore, demos: Mapping[str, Any], 
         cand = store.read_parquet(f"{demos['key']}/candidates.parquet")
         kept = df[df["decision"] == "kept"][["state_id", "mu", "var"]]
         pivots = cand.merge(kept, on="state_id", how="inner").sort_values("state_id").reset_index(drop=True)
+        pivots = expand_candidates(pivots, read_histories(store, demos["key"], pivots["trajectory_id"]))
         store.write_json(f"{vkey}/stats.json", stats)
         store.write_text(f"{vkey}/summary.md", stats_markdown(stats))
         store.write_artifact(

@@ -141,7 +141,7 @@ def probe_shard(cfg: RunConfig, store: ArtifactStore, demos: dict[str, Any], ref
     from pivotrl.data.states import frame_to_states
     from pivotrl.models import load_tokenizer
     from pivotrl.pipeline.common import prompt_kwargs, sampling_for
-    from pivotrl.pipeline.demos import cache_dir
+    from pivotrl.pipeline.demos import cache_dir, read_histories
     from pivotrl.pipeline.probe import PROBE_COLUMNS, probe_states
     from pivotrl.pipeline.reference import reference_dir
 
@@ -155,7 +155,7 @@ def probe_shard(cfg: RunConfig, store: ArtifactStore, demos: dict[str, Any], ref
     cand = cand[cand["trajectory_id"].astype(str).isin(shard["trajectories"])].reset_index(drop=True)
     done = store.read_parquet(f"{key}/partial.parquet") if store.exists(f"{key}/partial.parquet") else None
     decided = set(done["state_id"]) if done is not None else set()
-    todo = frame_to_states(cand[~cand["state_id"].isin(decided)])
+    todo = frame_to_states(cand[~cand["state_id"].isin(decided)], read_histories(store, demos["key"], shard["trajectories"]))
     frames = [done] if done is not None else []
     if todo:
         rdir = reference_dir(cfg, store, ref)
