@@ -82,14 +82,17 @@ def write_train_step(store: Any, train_key: str, step: int, frame: pd.DataFrame)
     return store.write_parquet(f"{train_key}/rollouts/step-{step:06d}.parquet", frame)
 
 
-def probe_records(probes: pd.DataFrame) -> pd.DataFrame:
-    """Rows of a probe table (``probes.parquet``): every probe sample of every scored candidate."""
+def probe_records(probes: pd.DataFrame, *, stage: str = "probe", policy: str = "reference",
+                  step: int = 0) -> pd.DataFrame:
+    """Rows of a probe table (``probes.parquet``, or the evaluation's re-probe of the pivots under the
+    trained policy: ``stage="reprobe"``, ``policy="pivotrl"``, ``step`` = its training steps): every
+    sample of every scored state."""
     rows: list[dict[str, Any]] = []
     for r in probes[probes["status"] == "ok"].itertuples(index=False):
         texts, rewards, reasons = json.loads(r.samples), json.loads(r.rewards), json.loads(r.reasons)
         tokens = json.loads(getattr(r, "sample_tokens", "[]") or "[]") or [-1] * len(texts)
         for k, (text, reward, reason, n) in enumerate(zip(texts, rewards, reasons, tokens)):
-            rows.append({"stage": "probe", "policy": "reference", "policy_step": 0, "step": 0,
+            rows.append({"stage": stage, "policy": policy, "policy_step": step, "step": step,
                          "state_id": r.state_id, "sample_index": k, "action_text": text, "action_tokens": int(n),
                          "reward": float(reward), "reason": reason, "advantage": math.nan, "ratio": math.nan})
     return _frame(rows)
@@ -130,7 +133,7 @@ def read_rollouts(store: Any, prefix: str = "", *, step: int | None = None, stat
         df = df[df["step"] == step]
     if state is not None:
         df = df[df["state_id"] == state]
-    order = {"probe": 0, "train": 1, "evaluate": 2}
+    order = {"probe": 0, "train": 1, "evaluate": 2, "reprobe": 3}
     return df.assign(_o=df["stage"].map(order)).sort_values(
         ["step", "_o", "policy", "state_id", "sample_index"]).drop(columns="_o").reset_index(drop=True)
 
@@ -138,26 +141,32 @@ def read_rollouts(store: Any, prefix: str = "", *, step: int | None = None, stat
 def pivot_changes(df: pd.DataFrame, pivots: Iterable[str]) -> pd.DataFrame:
     """Per pivot: mean reward before and after training, and the change; largest change first.
 
-    Before/after are the evaluation of π_ref and of the PivotRL policy on the pivot set (same
-    sampling) when both were recorded, else π_ref's probes and the pivot's last training group.
+    Before/after, the first pair recorded: π_ref's m probes and the trained policy's m samples of
+    the evaluation's re-probe (same m, temperature and seed: n = m each); else the greedy evaluation
+    of π_ref and of the PivotRL policy on the pivot set (n = 1 each); else π_ref's probes and the
+    pivot's last training group. ``basis`` says which.
     """
     rows = []
     for sid in pivots:
         g = df[df["state_id"] == sid]
+        probes = g[g["stage"] == "probe"]["reward"]
+        reprobe = g[g["stage"] == "reprobe"]["reward"]
         ev_ref = g[(g["stage"] == "evaluate") & (g["policy"] == "reference")]["reward"]
         ev_new = g[(g["stage"] == "evaluate") & (g["policy"] == "pivotrl")]["reward"]
         tr = g[g["stage"] == "train"]
-        if len(ev_ref) and len(ev_new):
-            before, after = ev_ref, ev_new
+        if len(probes) and len(reprobe):
+            before, after, basis = probes, reprobe, "probes vs re-probe"
+        elif len(ev_ref) and len(ev_new):
+            before, after, basis = ev_ref, ev_new, "greedy evaluation"
         else:
-            before, after = g[g["stage"] == "probe"]["reward"], tr[tr["step"] == tr["step"].max()]["reward"]
+            before, after, basis = probes, tr[tr["step"] == tr["step"].max()]["reward"], "probes vs last training group"
         if not len(before) or not len(after):
             continue
         rows.append({"state_id": sid, "reference": float(before.mean()), "final": float(after.mean()),
                      "change": float(after.mean() - before.mean()), "n_reference": len(before), "n_final": len(after),
-                     "trained_at_steps": ",".join(str(s) for s in sorted(set(tr["step"])))})
+                     "trained_at_steps": ",".join(str(s) for s in sorted(set(tr["step"]))), "basis": basis})
     out = pd.DataFrame(rows, columns=["state_id", "reference", "final", "change", "n_reference", "n_final",
-                                      "trained_at_steps"])
+                                      "trained_at_steps", "basis"])
     return out.sort_values(["change", "state_id"], ascending=[False, True]).reset_index(drop=True)
 
 
@@ -190,15 +199,19 @@ def record_train_step(store: Any, train_key: str, step: int, scored: Sequence[tu
 
 
 def record_evaluation(store: Any, eval_key: str, frames: Sequence[pd.DataFrame], *, probes_key: str,
-                      train_key: str, train_steps: int, report_md: Any) -> str | None:
-    """Write the evaluation's records on the pivot set (``<eval key>/rollouts.parquet``) and append
-    the pivots that improved most and least to the report at the local path ``report_md``."""
+                      train_key: str, train_steps: int, report_md: Any,
+                      reprobe: pd.DataFrame | None = None) -> str | None:
+    """Write the evaluation's records on the pivot set (``<eval key>/rollouts.parquet``: the local
+    evaluation ``frames`` and the pivots' ``reprobe`` table under the trained policy) and append the
+    pivots that improved most and least to the report at the local path ``report_md``."""
     from pathlib import Path
 
-    if not frames:
+    if not frames and reprobe is None:
         return None
     recs = [eval_records(f, policy=str(f["policy"].iloc[0]), policy_step=train_steps if str(f["policy"].iloc[0])
                          == "pivotrl" else 0) for f in frames if len(f)]
+    if reprobe is not None and len(reprobe):
+        recs.append(probe_records(reprobe, stage="reprobe", policy="pivotrl", step=train_steps))
     ev = pd.concat(recs, ignore_index=True) if recs else _frame([])
     uri = store.write_parquet(f"{eval_key}/rollouts.parquet", ev)
     parts = [ev, probe_records(store.read_parquet(f"{probes_key}/probes.parquet"))]
@@ -212,14 +225,23 @@ def record_evaluation(store: Any, eval_key: str, frames: Sequence[pd.DataFrame],
     return uri
 
 
+_BASIS = {
+    "probes vs re-probe": "π_ref's m probes against the trained policy's m samples when the evaluation re-probed "
+                          "the pivot set (same m, temperature and seed)",
+    "greedy evaluation": "π_ref's and the trained policy's greedy action on the pivot set (n = 1 each)",
+    "probes vs last training group": "π_ref's probes against the pivot's last training group",
+}
+
+
 def changes_markdown(changes: pd.DataFrame, uri: str, n: int = 3) -> str:
     """A report section naming the ``n`` pivots that improved most and least, with the command that
     prints their records."""
     if not len(changes):
         return ""
     lines = ["", "## Pivots that changed most", "",
-             "Mean reward of each pivot's samples under π_ref (its probes) and under the final policy "
-             f"(evaluation on the pivot set). Records: `pivotrl rollouts {uri} --state <id>`.", "",
+             "Mean reward of each pivot's samples before and after training: "
+             f"{'; '.join(_BASIS.get(b, b) for b in dict.fromkeys(str(x) for x in changes['basis']))}. "
+             f"Records: `pivotrl rollouts {uri} --state <id>`.", "",
              "| | pivot | π_ref | final | Δ | n (ref/final) | trained at steps |", "|---|---|---|---|---|---|---|"]
     picks = [("most", changes.head(n))]
     if len(changes) > n:

@@ -469,3 +469,30 @@ def test_pivot_changes_rank_pivots_by_reward_change_and_the_report_names_them():
     md = changes_markdown(ch, "runs/x", n=1)
     assert "| improved most | `a#0` | 0.00 | 1.00 | +1.00 |" in md
     assert "| improved least | `b#1` | 1.00 | 0.00 | -1.00 |" in md and "pivotrl rollouts runs/x --state" in md
+
+
+def test_pivot_changes_prefer_the_m_sample_reprobe_over_one_greedy_action():
+    """With the evaluation's re-probe recorded, before/after are m samples each (probes vs re-probe),
+    not the single greedy action of each policy."""
+    import pandas as pd
+
+    from pivotrl.rollouts import ROLLOUT_COLUMNS, changes_markdown, pivot_changes, probe_records
+
+    def rows(stage, policy, step, sid, rewards):
+        return [{"stage": stage, "policy": policy, "policy_step": step, "step": step, "state_id": sid, "sample_index": k,
+                 "action_text": "x", "action_tokens": 1, "reward": r, "reason": "match" if r else "wrong_tool",
+                 "advantage": float("nan"), "ratio": float("nan")} for k, r in enumerate(rewards)]
+
+    reprobe = pd.DataFrame([{"state_id": "a#0", "status": "ok", "samples": '["x","y","z","w"]',
+                             "rewards": "[1, 1, 1, 0]", "reasons": '["match","match","match","wrong_tool"]',
+                             "sample_tokens": "[1, 1, 1, 1]"}])
+    rep = probe_records(reprobe, stage="reprobe", policy="pivotrl", step=3)
+    assert set(rep["stage"]) == {"reprobe"} and set(rep["policy_step"]) == {3} and len(rep) == 4
+    recs = pd.concat([pd.DataFrame(rows("probe", "reference", 0, "a#0", [0, 1, 0, 0])
+                                   + rows("evaluate", "reference", 0, "a#0", [1]) + rows("evaluate", "pivotrl", 3, "a#0", [0]),
+                                   columns=ROLLOUT_COLUMNS), rep], ignore_index=True)
+    (row,) = pivot_changes(recs, ["a#0"]).itertuples(index=False)
+    assert (row.reference, row.final, row.n_reference, row.n_final) == (0.25, 0.75, 4, 4)
+    assert row.basis == "probes vs re-probe"
+    md = changes_markdown(pivot_changes(recs, ["a#0"]), "runs/x")
+    assert "| improved most | `a#0` | 0.25 | 0.75 | +0.50 | 4/4 |" in md and "re-probed" in md

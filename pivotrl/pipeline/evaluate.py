@@ -148,7 +148,7 @@ def stage_evaluate(cfg: RunConfig, store: ArtifactStore, demos: Mapping[str, Any
         rj, rm = build_report(results, metrics_df=metrics_df, probe_df=probe_df, pivot_stats=probe.stats,
                               meta=meta, out_dir=tmp, statistics=statistics, sections=sections)
         record_evaluation(store, ekey, pivot_frames, probes_key=probe.probes_key, train_key=train.train_key,
-                          train_steps=int((train.summary or {}).get("steps") or 0), report_md=rm)
+                          train_steps=int((train.summary or {}).get("steps") or 0), report_md=rm, reprobe=reprobe)
         per_task_df.to_parquet(Path(tmp) / "full_task.parquet")
         local_df.to_parquet(Path(tmp) / "local.parquet")
         for f in sorted(Path(tmp).iterdir()):
