@@ -142,3 +142,46 @@ def test_the_loop_and_sample_and_score_import_without_prefect_vllm_deepspeed_or_
             "print('ok')\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
+class PassVerifier(ToyVerifier):
+    """Accepts every action at "easy" states (all-pass: out of the filter), else the toy rule."""
+
+    def score(self, state, actions):
+        if state.state_id.startswith("easy"):
+            self.calls.append(state.state_id)
+            return [VerifierResult.accept() for _ in actions]
+        return super().score(state, actions)
+
+
+def test_refilter_between_epochs_drops_pivots_that_left_the_filter(engine, ckpt: Path, tmp_path: Path) -> None:
+    from pivotrl.training.loop import Refilter
+    from pivotrl.training.pivotrl import PivotRLTrainer
+
+    trainer = PivotRLTrainer(ckpt, group_size=4, dtype="float32", lr=1e-3, beta=0.0, updates_per_batch=1, seed=0)
+    pivots = _states("p0", "easy-1", "p2", "undecided-3")
+    schedule = pivot_schedule(len(pivots), 2, 2, seed=0, max_steps=None)  # 2 epochs of 2 batches
+    rf = Refilter(num_probes=8, temperature=1.0, top_p=1.0, top_k=0, seed=0, lambda_diff=0.5, steps_per_epoch=2)
+    verifier = PassVerifier()
+    rows = run_rl_loop(trainer, engine, verifier, pivots, PROMPTS, schedule, _settings(refilter=rf),
+                       tmp_path / "work", progress=False)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert all("refilter_active" not in r for r in rows[:2]) and all("refilter_active" not in r for r in rows[3:])
+    boundary = rows[2]
+    active = __import__("json").loads(boundary["refilter_active"])
+    # the all-pass pivot left the filter; the undecided one stays; p0/p2 stay or leave by their μ̂
+    assert 1 not in active and 3 in active and boundary["refilter_all_pass"] == 1
+    assert boundary["refilter_undecided"] == 1
+    counted = sum(boundary[f"refilter_{k}"] for k in ("kept", "all_pass", "all_fail", "above_threshold", "undecided"))
+    assert counted == 4
+    # epoch 2 trains only the active pivots
+    epoch2 = [i for s in schedule[2:] for i in s if i in active]
+    assert sum(r["pivots"] for r in rows[2:]) == len(epoch2)
+    easy_calls = verifier.calls.count("easy-1")
+    assert easy_calls == 2  # its epoch-1 group and the re-probe; never trained in epoch 2
+
+    # a resumed run takes the re-filter decision from its rows (no new re-probe before step 4)
+    v2 = PassVerifier()
+    more = run_rl_loop(trainer, engine, v2, pivots, PROMPTS, schedule, _settings(refilter=rf), tmp_path / "work2",
+                       start=3, rows=rows[:3], progress=False)
+    assert len(more) == 4 and more[3]["pivots"] == rows[3]["pivots"] and "easy-1" not in v2.calls

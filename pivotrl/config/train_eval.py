@@ -78,6 +78,13 @@ class TrainingSection(Section):
         True, description="Run the state once and its K actions on the cached prefix (same gradients, less compute)."
     )
     checkpoint_every: Int = Field(5, ge=1, description="Save a checkpoint every N rollout batches.")
+    refilter_between_epochs: bool = Field(
+        False,
+        description=(
+            "Before every epoch after the first, re-probe the pivots under the current policy (probing's m "
+            "and sampling) and train the epoch only on those still inside the filter (seed §5: pivots drift)."
+        ),
+    )
     refresh_tolerance: Float | None = Field(
         None,
         gt=0,

@@ -32,7 +32,8 @@ KNOWN_LIMITS: tuple[str, ...] = (
     "Finite probing misses states: a state whose m probes all failed may still have a non-zero "
     "success probability; the pivot set is an estimate.",
     "After updates a pivot may stop satisfying the filter (its success rate moves); the pivot set "
-    "is fixed before training and re-probed only after it (the pivot-drift table), not between epochs.",
+    "is fixed before training and re-probed after it (the pivot-drift table); between epochs only with "
+    "training.refilter_between_epochs (the training metrics then count the pivots each re-filter kept).",
     "Training sees demonstration histories only; the full-task run checks whether the policy copes "
     "with its own, possibly wrong, histories.",
 )

@@ -62,7 +62,7 @@ def stage_train(cfg: RunConfig, store: ArtifactStore, probe: ProbeResult | Mappi
     from pivotrl.rollouts import record_train_step
     from pivotrl.tracking.live import step_logger
     from pivotrl.training.checkpoints import fetch_checkpoint, latest_checkpoint, rank_and_world, save_checkpoint
-    from pivotrl.training.loop import LoopHooks, LoopSettings, pivot_schedule, run_rl_loop
+    from pivotrl.training.loop import LoopHooks, LoopSettings, Refilter, pivot_schedule, run_rl_loop
     from pivotrl.training.pivotrl import PivotRLTrainer
 
     tr = cfg.training
@@ -110,7 +110,11 @@ def stage_train(cfg: RunConfig, store: ArtifactStore, probe: ProbeResult | Mappi
         checkpoint_every=tr.checkpoint_every, dtype=cfg.model.dtype,
         refresh_tolerance=tr.refresh_tolerance if tr.refresh_tolerance is not None
         else (1e-4 if cfg.model.dtype == "fp32" else 0.3),
-        pivots_per_batch=tr.pivots_per_batch, updates_per_batch=tr.updates_per_batch)
+        pivots_per_batch=tr.pivots_per_batch, updates_per_batch=tr.updates_per_batch,
+        refilter=None if not tr.refilter_between_epochs else Refilter(
+            num_probes=cfg.probing.num_probes, temperature=cfg.probing.temperature, top_p=cfg.probing.top_p,
+            top_k=cfg.probing.top_k, seed=cfg.probing.seed, lambda_diff=cfg.probing.lambda_diff,
+            steps_per_epoch=-(-len(pivots) // tr.pivots_per_batch)))
     hooks = LoopHooks(
         before_step=lambda step: _maybe_kill(cfg, store, tkey, step),
         record_step=lambda step, scored, groups: record_train_step(

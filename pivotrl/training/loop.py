@@ -14,6 +14,7 @@ on the other ranks) and broadcasts each batch's groups, so all ranks step on the
 
 from __future__ import annotations
 
+import json
 import logging
 import random
 import shutil
@@ -28,8 +29,8 @@ from pivotrl.training.checkpoints import broadcast
 log = logging.getLogger("pivotrl.training")
 
 __all__ = [
-    "LoopHooks", "LoopSettings", "REFRESH_MEAN_TOLERANCE", "check_refresh", "pivot_schedule", "refresh_delta",
-    "run_rl_loop",
+    "LoopHooks", "LoopSettings", "REFRESH_MEAN_TOLERANCE", "Refilter", "check_refresh", "pivot_schedule",
+    "refresh_delta", "run_rl_loop",
 ]
 
 #: Mean |Δ| per token allowed between engine and trainer log-probs after a refresh (spec tolerances).
@@ -72,6 +73,56 @@ class LoopSettings:
     refresh_tolerance: float
     pivots_per_batch: int
     updates_per_batch: int
+    refilter: "Refilter | None" = None
+
+
+@dataclass(frozen=True)
+class Refilter:
+    """Re-probe and re-filter the pivot set between epochs (seed §5: after updates a pivot may stop
+    satisfying the filter). At the first step of every epoch after the first, rank 0 samples
+    ``num_probes`` actions at each still-active pivot from the engine (π_old = the current policy),
+    scores them, and keeps the pivots whose μ̂, σ̂² still pass the pivot rule at ``lambda_diff``
+    (:func:`pivotrl.filtering.pivot_decision`); the epoch's batches then skip the others (a batch
+    left empty trains nothing). A pivot the verifier cannot decide stays active.
+
+    Attributes:
+        num_probes, temperature, top_p, top_k, seed: the probing settings (m and sampling).
+        lambda_diff: λ_diff of the pivot rule.
+        steps_per_epoch: batches per epoch (``ceil(pivots / pivots_per_batch)``).
+    """
+
+    num_probes: int
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int
+    lambda_diff: float
+    steps_per_epoch: int
+
+
+def _refilter(engine: Any, verifier: Any, pivots: Sequence[Any], prompts: Sequence[list[int]], active: list[int],
+              rf: Refilter, max_tokens: int, step: int) -> tuple[list[int], dict[str, int]]:
+    """The pivots of ``active`` still inside the filter under the engine's policy, and counts."""
+    from pivotrl.filtering import pivot_decision, probe_stats
+    from pivotrl.rollout.base import SamplingConfig
+    from pivotrl.rollout.scoring import sample_and_score
+
+    sampling = SamplingConfig(n=rf.num_probes, temperature=rf.temperature, top_p=rf.top_p, top_k=rf.top_k,
+                              max_tokens=max_tokens, seed=rf.seed * 100_019 + step)
+    keep: list[int] = []
+    counts = {"kept": 0, "all_pass": 0, "all_fail": 0, "above_threshold": 0, "undecided": 0}
+    for i, g in zip(active, sample_and_score(engine, verifier, [pivots[i] for i in active],
+                                             [prompts[i] for i in active], sampling)):
+        if not g.decided:
+            counts["undecided"] += 1
+            keep.append(i)
+            continue
+        mu, var = probe_stats(g.rewards)
+        decision = pivot_decision(mu, var, rf.lambda_diff)
+        counts[decision if decision in counts else "kept"] += 1
+        if decision == "kept":
+            keep.append(i)
+    return keep, counts
 
 
 def _noop(*_: Any) -> None:
@@ -168,12 +219,28 @@ def run_rl_loop(trainer: Any, engine: Any, verifier: Any, pivots: Sequence[Any],
     bar = Progress("training", (len(schedule) - start) * per_step, "group updates",
                    enabled=lead and progress).__enter__()
     trainer.on_groups = lambda n: bar.update(n * world)
+    rf = settings.refilter
+    # Pivots still inside the filter (all of them unless re-filtered; a resumed run takes the last
+    # re-filter decision from its rows).
+    active = next((json.loads(r["refilter_active"]) for r in reversed(rows)
+                   if isinstance(r.get("refilter_active"), str)), list(range(len(pivots))))
     try:
         for step in range(start, len(schedule)):
             t0 = time.time()
             if lead:
                 hooks.before_step(step)
-            idx = list(schedule[step])
+            refiltered: dict[str, Any] = {}
+            if rf is not None and step > 0 and step % rf.steps_per_epoch == 0:
+                counts: dict[str, int] = {}
+                if lead:
+                    active, counts = _refilter(engine, verifier, pivots, prompts, active, rf, settings.max_tokens, step)
+                    log.info("re-filter before epoch %d: %d of the pivots stay inside the filter (%s)",
+                             step // rf.steps_per_epoch + 1, len(active), counts)
+                active, counts = broadcast((active, counts), world)
+                refiltered = {"refilter_active": json.dumps(sorted(active)),
+                              **{f"refilter_{k}": v for k, v in counts.items()}}
+            keep = set(active)
+            idx = [i for i in schedule[step] if i in keep]
             batch = _rollout(engine, verifier, pivots, prompts, idx, settings, step) if lead else _Batch()
             groups, dropped, retries = broadcast((batch.groups, batch.dropped, batch.retries), world)
             t_roll = time.time() - t0
@@ -197,7 +264,7 @@ def run_rl_loop(trainer: Any, engine: Any, verifier: Any, pivots: Sequence[Any],
                    "verifier_retries": retries,
                    **{k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))},
                    "rollout_s": round(t_roll, 3), "step_time_s": round(time.time() - t0, 3),
-                   "refresh_max_abs_delta": d_max, "refresh_mean_abs_delta": d_mean}
+                   "refresh_max_abs_delta": d_max, "refresh_mean_abs_delta": d_mean, **refiltered}
             rows.append(row)
             if lead:
                 hooks.log_row(row)
