@@ -112,12 +112,18 @@ def test_compare_policies_pairs_on_the_same_tasks_and_states():
 
 def test_bootstrap_of_all_zero_or_all_one_units_is_not_zero_width():
     """0 turns passed on every task is not certainty: the interval is Wilson over the units."""
-    est, lo, hi = bootstrap_mean_interval([0.0] * 12, [3.0] * 6 + [4.0] * 6)
+    est, lo, hi = bootstrap_mean_interval([0.0] * 12, [3.0] * 6 + [4.0] * 6, proportion=True)
     assert (est, lo) == (0.0, 0.0) and hi == pytest.approx(wilson_interval(0, 12)[1]) and hi > 0.2
-    est, lo, hi = bootstrap_mean_interval([1.0] * 10)
+    est, lo, hi = bootstrap_mean_interval([1.0] * 10, proportion=True)
     assert (est, hi) == (1.0, 1.0) and lo == pytest.approx(wilson_interval(10, 10)[0]) and lo < 0.75
-    # a constant rate that is not 0 or 1 keeps its (zero-width) bootstrap, as before
-    assert bootstrap_mean_interval([0.25] * 5) == (0.25, 0.25, 0.25)
+    # a constant rate that is not 0 or 1, a mean that is not a rate, and a paired difference of 0
+    # everywhere keep their (zero-width) bootstrap
+    assert bootstrap_mean_interval([0.25] * 5, proportion=True) == (0.25, 0.25, 0.25)
+    assert bootstrap_mean_interval([0.0] * 12) == (0.0, 0.0, 0.0)
+    from pivotrl.evaluation.stats import paired_bootstrap
+
+    same = paired_bootstrap([0.5, 0.0, 0.25], [0.5, 0.0, 0.25])
+    assert (same.difference, same.low, same.high, same.p_value) == (0.0, 0.0, 0.0, 1.0)
 
 
 def test_turn_pass_of_a_policy_that_passed_nothing_says_which_interval():

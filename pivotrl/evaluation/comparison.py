@@ -45,7 +45,7 @@ def rate_with_interval(k: int, n: int) -> dict[str, Any]:
 
 
 def _boot(values: Sequence[float], weights: Sequence[float] | None, seed: int) -> dict[str, Any]:
-    est, lo, hi = bootstrap_mean_interval(values, weights, seed=seed)
+    est, lo, hi = bootstrap_mean_interval(values, weights, seed=seed, proportion=True)
     n = len(values)
     same = n and est in (0.0, 1.0) and (lo, hi) == wilson_interval(int(est) * n, n)
     return {"rate": est if n else None, "n": n, "low": lo if n else None, "high": hi if n else None,

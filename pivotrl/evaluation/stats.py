@@ -64,6 +64,7 @@ def bootstrap_mean_interval(
     n_boot: int = 2000,
     seed: int = 0,
     confidence: float = 0.95,
+    proportion: bool = False,
 ) -> tuple[float, float, float]:
     """``(estimate, low, high)``: percentile bootstrap over units of a (weighted) mean.
 
@@ -72,10 +73,11 @@ def bootstrap_mean_interval(
     Units are resampled with replacement ``n_boot`` times from ``random.Random(seed)``.
 
     A percentile bootstrap collapses to a zero-width interval when every unit has the same rate
-    (e.g. no turn passed on any task: 0.000–0.000), which would claim certainty. For a proportion
-    (0 ≤ value ≤ weight per unit) whose units all share the rate 0 or 1, the Wilson interval over
-    the units (n = number of units, the conservative effective sample size of clustered data) is
-    returned instead.
+    (e.g. no turn passed on any task: 0.000–0.000), which would claim certainty. With
+    ``proportion=True`` (a rate: 0 ≤ value ≤ weight per unit) and every unit at the rate 0 or 1, the
+    Wilson interval over the units (n = number of units, the conservative effective sample size of
+    clustered data) is returned instead. Not for differences (a paired Δ of 0 everywhere keeps its
+    zero-width bootstrap).
     """
     n = len(values)
     if weights is not None and len(weights) != n:
@@ -90,7 +92,7 @@ def bootstrap_mean_interval(
         return sum(v[i] for i in idx) / den if den else float("nan")
 
     est = stat(range(n))
-    if est in (0.0, 1.0) and all(0.0 <= v[i] <= w[i] for i in range(n)) and \
+    if proportion and est in (0.0, 1.0) and all(0.0 <= v[i] <= w[i] for i in range(n)) and \
             all(w[i] == 0 or v[i] / w[i] == est for i in range(n)):
         lo, hi = wilson_interval(int(est) * n, n, confidence)
         return est, lo, hi
