@@ -30,7 +30,7 @@ STAGE_CODE: dict[str, tuple[str, ...]] = {
     "demonstrations": ("pivotrl.data", *_ENVS, "pivotrl.pipeline.demos"),
     # The warm start only: an edit to the train or evaluate stage never re-runs it.
     "reference": _CORE + ("pivotrl.models", "pivotrl.training.sft", "pivotrl.training.logprobs",
-                          "pivotrl.pipeline.reference"),
+                          "pivotrl.training.settings", "pivotrl.pipeline.reference"),
     "probe": _CORE + _ENVS + ("pivotrl.verifiers", "pivotrl.rollout", "pivotrl.filtering",
                               "pivotrl.pipeline.probe"),
     # pivotrl.training holds the loop (training.loop), its checkpoints and the trainer.

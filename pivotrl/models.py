@@ -198,8 +198,7 @@ def checkpoint_hash(directory: str | os.PathLike[str]) -> str:
         path = root / name
         digest.update(f"{name}\0{path.stat().st_size}\0".encode())
         with open(path, "rb") as fh:
-            for block in iter(lambda: fh.read(1 << 20), b""):
-                digest.update(block)
+            hashlib.file_digest(fh, lambda: digest)  # the file's bytes into the running digest
     return digest.hexdigest()
 
 
