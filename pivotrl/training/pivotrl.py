@@ -35,11 +35,9 @@ T = action tokens (padded), P = state tokens.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import random
-import shutil
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Sequence
@@ -55,14 +53,12 @@ from pivotrl.training.deepspeed_utils import (
     export_hf_checkpoint,
     load_causal_lm,
     rank_and_world,
-    replace_directory,
     resolve_dtype,
 )
 from pivotrl.training.groups import Group, check_groups
 from pivotrl.training.logprobs import compute_group_logprobs
 from pivotrl.training.settings import LOG_RATIO_CLAMP, run_trainer_inputs, training_section
 from pivotrl.training.trainer_state import (
-    TRAINER_STATE_FILE,
     MetricSums,
     load_trainer_checkpoint,
     pad_cat,
