@@ -155,8 +155,8 @@ def _trainer_steps(model_dir: Any, groups: list[Group], args: argparse.Namespace
     from pivotrl.training.pivotrl import Group as TrainGroup, PivotRLTrainer
 
     batch = [TrainGroup(sid, p, acts, [float(j % 2) for j in range(len(acts))]) for sid, p, acts in groups]
-    trainers = {mode: PivotRLTrainer(str(model_dir), group_size=args.group_size, dtype=args.dtype, lr=1e-7,
-                                     beta=0.01, seed=args.seed, shared_prefix=(mode == "shared"))
+    trainers = {mode: PivotRLTrainer.build(str(model_dir), group_size=args.group_size, dtype=args.dtype, lr=1e-7,
+                                           beta=0.01, seed=args.seed, shared_prefix=(mode == "shared"))
                 for mode in ("shared", "naive")}
     rows = []
     for rep in range(args.repeats):

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from pivotrl.errors import ConfigError
 
-_CORE = ("pivotrl.data", "pivotrl.actions", "pivotrl.prompts")
+_CORE = ("pivotrl.data", "pivotrl.actions", "pivotrl.action_prefix", "pivotrl.prompts", "pivotrl.tool_render")
 #: The environment glue: tool execution (pool and worker side, pivotrl.envs) and the retry function
 #: that decides how often a failed tool request is tried again before the verifier gives up.
 _ENVS = ("pivotrl.envs", "pivotrl.storage.retry")
@@ -30,7 +30,7 @@ STAGE_CODE: dict[str, tuple[str, ...]] = {
     "demonstrations": ("pivotrl.data", *_ENVS, "pivotrl.pipeline.demos"),
     # The warm start only: an edit to the train or evaluate stage never re-runs it.
     "reference": _CORE + ("pivotrl.models", "pivotrl.training.sft", "pivotrl.training.logprobs",
-                          "pivotrl.pipeline.reference"),
+                          "pivotrl.training.settings", "pivotrl.model_pins", "pivotrl.pipeline.reference"),
     "probe": _CORE + _ENVS + ("pivotrl.verifiers", "pivotrl.rollout", "pivotrl.filtering",
                               "pivotrl.pipeline.probe"),
     # pivotrl.training holds the loop (training.loop), its checkpoints and the trainer.

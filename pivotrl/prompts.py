@@ -33,17 +33,16 @@ Shapes: P = state (prompt) tokens, T = action tokens (including the eos ``<|im_e
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Sequence
 
 from pivotrl import chat_format
 from pivotrl.actions import format_action
 from pivotrl.data.schema import Message, ToolSpec, Trajectory, TurnState
 from pivotrl.errors import ConfigError, DataError, StateTooLongError
-from pivotrl.registry import Registry
 from pivotrl.tool_parsers import PythonicParser
+from pivotrl.tool_render import TOOL_STYLES, first_sentence, render_tools, split_tool_description, tool_signature
 
 __all__ = [
     "ACTION_FORMAT_INSTRUCTION",
@@ -54,9 +53,12 @@ __all__ = [
     "build_sft_examples",
     "encode_action",
     "encode_state",
+    "first_sentence",
     "render_prompt",
     "render_tools",
+    "split_tool_description",
     "state_token_length",
+    "tool_signature",
 ]
 
 IM_START = "<|im_start|>"
@@ -68,162 +70,7 @@ DEFAULT_MAX_TOOL_OUTPUT_CHARS = 2000
 # template can insert a model-specific default system prompt of its own.
 DEFAULT_SYSTEM_PROMPT = "You are a helpful assistant."
 ACTION_FORMAT_INSTRUCTION = PythonicParser.instruction
-_TOOLS_HEADER = "Tools (Python signatures; a parameter with a default value is optional):"
 _TRUNCATION_MARKER = "\n[... {n} more characters truncated]"
-
-TOOL_STYLES: Registry[Callable[[Sequence[ToolSpec]], str]] = Registry("tool rendering style")
-
-
-# ------------------------------------------------------------------------------------ tool styles
-
-_BFCL_PREAMBLE = re.compile(r"^\s*This tool belongs to (?P<group>.*?)\s*Tool description:\s*(?P<desc>.*)$", re.S)
-# A sentence ends at . ! ? followed by whitespace and an upper-case letter, a digit or a quote.
-_SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[A-Z0-9'\"(])")
-_MAX_DESCRIPTION_CHARS = 160
-
-_JSON_TYPES = {
-    "string": "str",
-    "integer": "int",
-    "number": "float",
-    "float": "float",
-    "boolean": "bool",
-    "dict": "dict",
-    "object": "dict",
-    "any": "Any",
-    "null": "None",
-}
-
-
-def first_sentence(text: str, max_chars: int = _MAX_DESCRIPTION_CHARS) -> str:
-    """The first sentence of ``text`` (whitespace collapsed), cut to ``max_chars`` with ``...``."""
-    text = " ".join(text.split())
-    sentence = _SENTENCE_END.split(text, maxsplit=1)[0] if text else ""
-    if len(sentence) > max_chars:
-        sentence = sentence[: max_chars - 3].rstrip() + "..."
-    return sentence
-
-
-def split_tool_description(description: str) -> tuple[str, str]:
-    """Split a BFCL multi-turn description into (group, own description).
-
-    ``"This tool belongs to the Math API, which provides ... Tool description: Add two numbers."``
-    → ``("The Math API, which provides ...", "Add two numbers.")``. Descriptions without that
-    boilerplate give ``("", description)``.
-    """
-    m = _BFCL_PREAMBLE.match(description)
-    if not m:
-        return "", description.strip()
-    group = first_sentence(m.group("group"), max_chars=400).rstrip(".")
-    if group:
-        group = group[0].upper() + group[1:]
-    return group, m.group("desc").strip()
-
-
-def _type_str(schema: Any) -> str:
-    if not isinstance(schema, Mapping):
-        return "Any"
-    if "enum" in schema and isinstance(schema["enum"], list) and schema["enum"]:
-        return "Literal[" + ", ".join(repr(v) for v in schema["enum"]) + "]"
-    t = schema.get("type")
-    if isinstance(t, list):
-        return " | ".join(_JSON_TYPES.get(str(x), str(x)) for x in t)
-    if t in ("array", "tuple"):
-        base = "list" if t == "array" else "tuple"
-        items = schema.get("items")
-        return f"{base}[{_type_str(items)}]" if isinstance(items, Mapping) and items else base
-    return _JSON_TYPES.get(str(t), str(t) if t else "Any")
-
-
-def _default_str(schema: Mapping[str, Any]) -> str:
-    value = schema["default"]
-    # BFCL writes a default of None as the string 'None'.
-    return "None" if value == "None" else repr(value)
-
-
-def tool_signature(tool: ToolSpec) -> str:
-    """Python-like signature: ``name(req: str, opt: int = 0, other: bool = ...)``.
-
-    Required parameters (``parameters["required"]``) come first and have no default; an optional
-    parameter shows its schema ``default`` (``None`` for BFCL's ``'None'``) or ``...`` if none is
-    given. Parameter order otherwise follows ``parameters["properties"]``.
-    """
-    params = tool.parameters or {}
-    props = params.get("properties") or {}
-    required = params.get("required") or []
-    parts_req: list[str] = []
-    parts_opt: list[str] = []
-    if isinstance(props, Mapping):
-        for pname, pschema in props.items():
-            ptype = _type_str(pschema)
-            if pname in required:
-                parts_req.append(f"{pname}: {ptype}")
-            else:
-                default = (
-                    _default_str(pschema) if isinstance(pschema, Mapping) and "default" in pschema else "..."
-                )
-                parts_opt.append(f"{pname}: {ptype} = {default}")
-    return f"{tool.name}({', '.join(parts_req + parts_opt)})"
-
-
-@TOOL_STYLES.register("compact")
-def _render_compact(tools: Sequence[ToolSpec]) -> str:
-    """One line per tool, ``- signature: first sentence``; tools grouped by their BFCL API."""
-    groups: dict[str, list[str]] = {}
-    for tool in tools:
-        group, desc = split_tool_description(tool.description)
-        sentence = first_sentence(desc)
-        line = f"- {tool_signature(tool)}" + (f": {sentence}" if sentence else "")
-        groups.setdefault(group, []).append(line)
-    lines = [_TOOLS_HEADER]
-    for group, tool_lines in groups.items():
-        if group:
-            lines.append(f"# {group}.")
-        lines.extend(tool_lines)
-    return "\n".join(lines)
-
-
-@TOOL_STYLES.register("compact_params")
-def _render_compact_params(tools: Sequence[ToolSpec]) -> str:
-    """As ``"compact"``, plus one indented line per parameter: ``name: first sentence``."""
-    groups: dict[str, list[str]] = {}
-    for tool in tools:
-        group, desc = split_tool_description(tool.description)
-        sentence = first_sentence(desc)
-        lines = [f"- {tool_signature(tool)}" + (f": {sentence}" if sentence else "")]
-        props = (tool.parameters or {}).get("properties") or {}
-        if isinstance(props, Mapping):
-            for pname, pschema in props.items():
-                pdesc = first_sentence(str(pschema.get("description", ""))) if isinstance(pschema, Mapping) else ""
-                if pdesc:
-                    lines.append(f"  {pname}: {pdesc}")
-        groups.setdefault(group, []).extend(lines)
-    out = [_TOOLS_HEADER]
-    for group, tool_lines in groups.items():
-        if group:
-            out.append(f"# {group}.")
-        out.extend(tool_lines)
-    return "\n".join(out)
-
-
-@TOOL_STYLES.register("json")
-def _render_json(tools: Sequence[ToolSpec]) -> str:
-    """Every tool's full OpenAI schema, one compact JSON object per line (for comparison)."""
-    return "\n".join(["Tools (JSON schemas):"] + [json.dumps(t.to_dict(), ensure_ascii=False) for t in tools])
-
-
-def render_tools(tools: Sequence[ToolSpec], style: str = "compact") -> str:
-    """Render tool schemas for the system prompt.
-
-    Args:
-        tools: the tools of the state/trajectory, in order.
-        style: a name in ``TOOL_STYLES`` (``"compact"``: one Python-like signature line per tool;
-            ``"json"``: one JSON schema per line).
-
-    Returns the tools section text ("" for no tools). Raises ConfigError for an unknown style.
-    """
-    render = TOOL_STYLES.get(style)
-    return render(tools) if tools else ""
-
 
 # --------------------------------------------------------------------------------------- pieces
 

@@ -32,6 +32,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from pivotrl.storage.files import atomic_file
+
 __all__ = ["BUDGET_MINUTES", "REFERENCE", "SCALED", "TIERS", "Sizing", "apply_sizing", "choose_tier",
            "measure_gflops", "predict_minutes"]
 
@@ -151,10 +153,8 @@ def _cached_gflops(cache_dir: str, dtype: str, threads: int,
     stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     known = known if isinstance(known, dict) else {}
     known[key] = {"gflops": round(gflops, 2), "dtype": dtype, "threads": threads, "measured_at": stamp}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(known, indent=1, sort_keys=True) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
+    with atomic_file(path) as tmp:
+        tmp.write_text(json.dumps(known, indent=1, sort_keys=True) + "\n", encoding="utf-8")
     return round(gflops, 2), stamp
 
 

@@ -16,7 +16,8 @@ REPO = Path(__file__).resolve().parent.parent
 PKG = REPO / "pivotrl"
 
 #: The core: math, data model, verifiers, parsers, renderers, config, storage.
-CORE = ("objective", "filtering", "data", "verifiers", "envs", "actions", "prompts", "config", "storage",
+CORE = ("objective", "filtering", "data", "verifiers", "envs", "actions", "action_prefix", "prompts", "tool_render",
+        "config", "storage",
         "registry", "errors", "faults", "code_digest", "lineage", "pivot_diff", "ledger", "precision", "sizing")
 
 

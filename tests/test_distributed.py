@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 
 from pivotrl.testing import save_tiny_checkpoint
 from pivotrl.training.deepspeed_utils import free_port
-from pivotrl.training.launch import launch
+from pivotrl.training.launch import LaunchConfig, launch
 from pivotrl.training.pivotrl import Group
 
 # Several processes each (launchers, stage subprocesses, benchmark scripts): not in `make test-fast`.
@@ -37,14 +37,13 @@ def test_two_ranks_equal_one_rank(tmp_path: Path, zero_stage: int) -> None:
     model_dir = save_tiny_checkpoint(tmp_path / "model")
     batches_path = tmp_path / "batches.jsonl"
     batches_path.write_text("".join(json.dumps({"groups": [g.to_dict() for g in b]}) + "\n" for b in _batches()))
-    trainer = dict(
-        group_size=4, dtype="float32", zero_stage=zero_stage, lr=1e-2, beta=0.05, updates_per_batch=2, seed=0, grad_clip=0.0
-    )
+    training = dict(group_size=4, deepspeed={"zero_stage": zero_stage}, lr=1e-2, beta=0.05, updates_per_batch=2,
+                    grad_clip=None)
 
     runs = {}
     for name, cfg in (
-        ("one", {"launcher": "inprocess"}),
-        ("two", {"launcher": "torchrun", "nproc_per_node": 2, "master_port": free_port()}),
+        ("one", LaunchConfig()),
+        ("two", LaunchConfig(launcher="torchrun", nproc_per_node=2, master_port=free_port())),
     ):
         out = tmp_path / name
         spec = {
@@ -52,7 +51,9 @@ def test_two_ranks_equal_one_rank(tmp_path: Path, zero_stage: int) -> None:
             "batches_path": str(batches_path),
             "out_dir": str(out / "hf"),
             "metrics_path": str(out / "metrics.jsonl"),
-            "trainer": trainer,
+            "training": training,
+            "dtype": "float32",
+            "seed": 0,
         }
         launch(cfg, entry="pivotrl", spec=spec, workdir=out, timeout_s=240)
         runs[name] = (

@@ -79,7 +79,7 @@ def test_reward_rises_and_the_ledger_counts_the_calls(warm: Path, tmp_path: Path
     ToyEnv.executed = []
     tok = tiny_tokenizer()
     engine = CountingEngine(TransformersEngine(str(warm), dtype="fp32"))
-    trainer = PivotRLTrainer(warm, group_size=2, dtype="float32", lr=1e-3, beta=0.0, micro_batch_groups=8, seed=0)
+    trainer = PivotRLTrainer.build(warm, group_size=2, dtype="float32", lr=1e-3, beta=0.0, micro_batch_groups=8, pivots_per_batch=8, seed=0)
     calls = {"train_step": 0, "updates": 0}
     inner_step = trainer.train_step
 

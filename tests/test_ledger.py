@@ -65,8 +65,8 @@ def test_precomputed_advantages_equal_the_estimators_update(tmp_path: Path):
     ckpt = save_tiny_checkpoint(tmp_path / "m")
     prompt, acts, rewards = [5, 6, 7, 8], [[9, 10], [11], [12, 13, 14], [15]], [1.0, 0.0, 0.0, 1.0]
     adv = compute_advantages(torch.tensor([rewards], dtype=torch.float64), "grpo", 1e-6)[0].tolist()
-    a = PivotRLTrainer(ckpt, group_size=4, dtype="float32", lr=1e-3, beta=0.0, seed=0)
-    b = PivotRLTrainer(ckpt, group_size=4, dtype="float32", lr=1e-3, beta=0.0, seed=0)
+    a = PivotRLTrainer.build(ckpt, group_size=4, dtype="float32", lr=1e-3, beta=0.0, seed=0)
+    b = PivotRLTrainer.build(ckpt, group_size=4, dtype="float32", lr=1e-3, beta=0.0, seed=0)
     ma = a.train_step([Group("s", prompt, acts, rewards)])
     mb = b.train_step([Group("s", prompt, acts, rewards, advantages=adv)])
     assert ma["loss"] == pytest.approx(mb["loss"], abs=1e-7)

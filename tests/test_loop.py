@@ -91,7 +91,7 @@ def _settings(**kw) -> LoopSettings:
 def test_the_loop_trains_refreshes_drops_undecided_pivots_and_checkpoints(engine, ckpt: Path, tmp_path: Path) -> None:
     from pivotrl.training.pivotrl import PivotRLTrainer
 
-    trainer = PivotRLTrainer(ckpt, group_size=4, dtype="float32", lr=1e-3, beta=0.0, updates_per_batch=1, seed=0)
+    trainer = PivotRLTrainer.build(ckpt, group_size=4, dtype="float32", lr=1e-3, beta=0.0, updates_per_batch=1, seed=0)
     pivots = _states("p0", "p1", "undecided-2", "p3")
     schedule = pivot_schedule(len(pivots), 2, 1, seed=0, max_steps=None)
     assert sorted(i for b in schedule for i in b) == [0, 1, 2, 3] and len(schedule) == 2

@@ -136,7 +136,7 @@ def test_lambda_change_refilters_without_reprobing(smoke_run):
 def test_training_stage_two_ranks_matches_one_rank(smoke_run, tmp_path):
     """The training stage as a 2-rank torchrun process group on the same pivots gives the same
     policy as the 1-rank run (rank 0 samples and broadcasts the batch; gradients are averaged)."""
-    from pivotrl.training.launch import launch
+    from pivotrl.training.launch import LaunchConfig, launch
 
     cfg, store, demos, ref, probe, train, _ = smoke_run
     root2 = tmp_path / "root2"
@@ -145,8 +145,8 @@ def test_training_stage_two_ranks_matches_one_rank(smoke_run, tmp_path):
     import shutil
 
     shutil.rmtree(root2 / "train")
-    tr = {"launcher": "torchrun", "world_size": 2, "nnodes": 1, "nproc_per_node": 2,
-          "master_port": 29500 + (hash(str(tmp_path)) % 1000), "omp_num_threads": 1}
+    tr = LaunchConfig(launcher="torchrun", nnodes=1, nproc_per_node=2,
+                      master_port=29500 + (hash(str(tmp_path)) % 1000), omp_num_threads=1)
     cfg2 = cfg.model_copy(update={"run": cfg.run.model_copy(update={"storage_root": str(root2)})})
     out = tmp_path / "result.json"
     spec = {"config": cfg2.model_dump(mode="json"), "inputs": {"probe": probe.to_dict(), "reference": ref.to_dict()},
@@ -165,17 +165,17 @@ def test_training_stage_two_ranks_matches_one_rank(smoke_run, tmp_path):
 
 
 def test_multinode_gpu_config_validates_and_renders_its_launch_command():
-    from pivotrl.training.launch import launch_settings, render_launch_command
+    from pivotrl.training.launch import LaunchConfig, render_launch_command
 
     cfg = load_config(str(REPO / "configs" / "multinode-gpu.yaml"))
     tr = cfg.training
     assert (tr.nnodes, tr.nproc_per_node, tr.world_size) == (2, 8, 16)
-    cmd = render_launch_command(launch_settings(tr.model_dump(mode="json")), entry="rl_stage", spec_path="spec.json", python="python")
+    cmd = render_launch_command(LaunchConfig.of(tr), entry="rl_stage", spec_path="spec.json", python="python")
     line = shlex.join(cmd)
     assert line.startswith("python -m deepspeed.launcher.runner --hostfile=configs/hostfile --num_nodes=2")
     assert line.endswith("-m pivotrl.training.rl_stage --spec spec.json") or "pivotrl/training/rl_stage" in line \
         or "pivotrl.training.rl_stage" in line
-    tcmd = render_launch_command({**launch_settings(tr.model_dump(mode="json")), "launcher": "torchrun", "hostfile": None},
+    tcmd = render_launch_command(LaunchConfig.of(tr, launcher="torchrun", hostfile=None),
                                  entry="rl_stage", spec_path="spec.json", python="python")
     assert tcmd[:3] == ["python", "-m", "torch.distributed.run"]
     assert "--nnodes=2" in tcmd and "--nproc-per-node=8" in tcmd and "--master-addr=node-0" in tcmd

@@ -23,7 +23,7 @@ TEMPLATES = Path(__file__).parent / "fixtures" / "chat_templates"
 
 
 def test_multinode_gpu_config_names_a_real_agent_model_and_renders_its_commands():
-    from pivotrl.training.launch import launch_settings, render_launch_command
+    from pivotrl.training.launch import LaunchConfig, render_launch_command
 
     cfg = load_config(str(REPO / "configs" / "multinode-gpu.yaml"))
     assert cfg.model.source == "Qwen/Qwen2.5-7B-Instruct" and cfg.model.dtype == "bf16"
@@ -31,7 +31,7 @@ def test_multinode_gpu_config_names_a_real_agent_model_and_renders_its_commands(
     tr = cfg.training
     assert (tr.nnodes, tr.nproc_per_node, tr.world_size, tr.deepspeed.zero_stage) == (2, 8, 16, 3)
     assert tr.pivots_per_batch % tr.world_size == 0 and tr.lr <= 1e-6
-    launch = shlex.join(render_launch_command(launch_settings(tr.model_dump(mode="json")), entry="rl_stage",
+    launch = shlex.join(render_launch_command(LaunchConfig.of(tr), entry="rl_stage",
                                               spec_path="spec.json", python="python"))
     assert launch.startswith("python -m deepspeed.launcher.runner --hostfile=configs/hostfile --num_nodes=2")
     serve = shlex.join(serve_command_for(cfg, "s3-export/policy", python="python", host="0.0.0.0"))

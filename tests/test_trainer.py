@@ -53,7 +53,7 @@ def _chosen_mass(model: torch.nn.Module, prompts: list[list[int]]) -> float:
 
 
 def test_mean_reward_rises_with_a_toy_verifier(ckpt: Path) -> None:
-    trainer = PivotRLTrainer(ckpt, group_size=8, dtype="float32", lr=2e-3, beta=0.01, micro_batch_groups=4, seed=0)
+    trainer = PivotRLTrainer.build(ckpt, group_size=8, dtype="float32", lr=2e-3, beta=0.01, micro_batch_groups=4, seed=0)
     gen = torch.Generator().manual_seed(0)
     prompts = [_ids(12, gen) for _ in range(8)]
     before = _chosen_mass(trainer.engine.module, prompts)
@@ -72,11 +72,11 @@ def test_mean_reward_rises_with_a_toy_verifier(ckpt: Path) -> None:
 
 def test_clipping_binds_only_after_the_first_update(ckpt: Path) -> None:
     groups = _groups(1, 3)
-    one = PivotRLTrainer(ckpt, group_size=4, dtype="float32", lr=5e-2, updates_per_batch=1, beta=0.0)
+    one = PivotRLTrainer.build(ckpt, group_size=4, dtype="float32", lr=5e-2, updates_per_batch=1, beta=0.0)
     m1 = one.train_step(groups)
     assert m1["ratio_mean"] == 1.0 and m1["ratio_min"] == 1.0 and m1["ratio_max"] == 1.0
     assert m1["clip_frac"] == 0.0
-    three = PivotRLTrainer(ckpt, group_size=4, dtype="float32", lr=5e-2, updates_per_batch=3, beta=0.0)
+    three = PivotRLTrainer.build(ckpt, group_size=4, dtype="float32", lr=5e-2, updates_per_batch=3, beta=0.0)
     m3 = three.train_step(groups)
     assert m3["updates"] == 3.0
     assert m3["ratio_max"] > 1.2 or m3["ratio_min"] < 0.8  # ratios left [1−ε, 1+ε]
@@ -89,8 +89,8 @@ def test_clipping_binds_only_after_the_first_update(ckpt: Path) -> None:
 def test_zero_variance_groups_stay_in_the_denominator(ckpt: Path) -> None:
     informative = _groups(2, 1, rewards=[[1.0, 0.0, 0.0, 1.0]])
     flat = _groups(3, 1, rewards=[[1.0, 1.0, 1.0, 1.0]])
-    alone = PivotRLTrainer(ckpt, group_size=4, dtype="float32", lr=1e-4, beta=0.0, grad_clip=0.0).train_step(informative)
-    mixed = PivotRLTrainer(ckpt, group_size=4, dtype="float32", lr=1e-4, beta=0.0, grad_clip=0.0).train_step(
+    alone = PivotRLTrainer.build(ckpt, group_size=4, dtype="float32", lr=1e-4, beta=0.0, grad_clip=None).train_step(informative)
+    mixed = PivotRLTrainer.build(ckpt, group_size=4, dtype="float32", lr=1e-4, beta=0.0, grad_clip=None).train_step(
         informative + flat
     )
     assert mixed["zero_variance_frac"] == 0.5 and mixed["groups_trained"] == 1.0
@@ -102,7 +102,7 @@ def test_zero_variance_groups_stay_in_the_denominator(ckpt: Path) -> None:
 
 
 def test_batch_without_signal_and_beta_zero_changes_nothing(ckpt: Path) -> None:
-    trainer = PivotRLTrainer(ckpt, group_size=4, dtype="float32", lr=1e-2, beta=0.0)
+    trainer = PivotRLTrainer.build(ckpt, group_size=4, dtype="float32", lr=1e-2, beta=0.0)
     before = [p.detach().clone() for p in trainer.engine.module.parameters()]
     m = trainer.train_step(_groups(6, 2, rewards=[[0.0] * 4, [1.0] * 4]))
     assert m["groups_trained"] == 0.0 and m["updates"] == 0.0 and m["tokens"] == 0.0
@@ -111,7 +111,7 @@ def test_batch_without_signal_and_beta_zero_changes_nothing(ckpt: Path) -> None:
 
 
 def test_first_step_metrics(ckpt: Path) -> None:
-    trainer = PivotRLTrainer(ckpt, group_size=4, dtype="float32", lr=1e-4, beta=0.1, shared_prefix=True)
+    trainer = PivotRLTrainer.build(ckpt, group_size=4, dtype="float32", lr=1e-4, beta=0.1, shared_prefix=True)
     groups = _groups(4, 2)
     m = trainer.train_step(groups)
     assert m["step"] == 1.0 and m["actions"] == 8.0 and m["groups"] == 2.0
@@ -133,7 +133,7 @@ def test_old_policy_logprobs_match_exported_checkpoint(ckpt: Path, tmp_path: Pat
 
     from pivotrl.training.logprobs import group_logprobs
 
-    trainer = PivotRLTrainer(ckpt, group_size=4, dtype="float32", lr=1e-3, beta=0.0)
+    trainer = PivotRLTrainer.build(ckpt, group_size=4, dtype="float32", lr=1e-3, beta=0.0)
     groups = _groups(5, 2)
     trainer.train_step(groups)
     out = trainer.export_hf(tmp_path / "export")
@@ -155,7 +155,7 @@ def test_resume_reproduces_the_uninterrupted_run(ckpt: Path, tmp_path: Path) -> 
     batches = [_groups(10 + s, 2) for s in range(4)]
     kw = dict(group_size=4, dtype="float32", lr=1e-2, updates_per_batch=2, beta=0.05, seed=7)
 
-    full = PivotRLTrainer(ckpt, **kw)
+    full = PivotRLTrainer.build(ckpt, **kw)
     ref_metrics = []
     for i, batch in enumerate(batches):
         ref_metrics.append(full.train_step(batch))
@@ -165,7 +165,7 @@ def test_resume_reproduces_the_uninterrupted_run(ckpt: Path, tmp_path: Path) -> 
             full.save_checkpoint(tmp_path / "ckpt")
             rng_after_save = torch.rand(3)
 
-    resumed = PivotRLTrainer(ckpt, **kw)
+    resumed = PivotRLTrainer.build(ckpt, **kw)
     state = resumed.load_checkpoint(tmp_path / "ckpt")
     assert torch.equal(torch.rand(3), rng_after_save)  # RNG restored
     assert state["step"] == 2 and resumed.step == 2 and resumed.data_position == 2
@@ -179,13 +179,14 @@ def test_resume_reproduces_the_uninterrupted_run(ckpt: Path, tmp_path: Path) -> 
 
 
 def test_bad_groups_and_settings(ckpt: Path) -> None:
-    with pytest.raises(ConfigError, match="unknown trainer setting"):
-        PivotRLTrainer(ckpt, group_size=4, clip=0.2)
+    # The bounds are the config schema's (TrainingSection); build() validates its keywords with it.
+    with pytest.raises(ConfigError, match="clip: Extra inputs are not permitted"):
+        PivotRLTrainer.build(ckpt, group_size=4, clip=0.2)
     with pytest.raises(ConfigError, match="group_size"):
-        PivotRLTrainer(ckpt, group_size=1)
-    with pytest.raises(ConfigError, match="zero_stage"):
-        PivotRLTrainer(ckpt, group_size=4, zero_stage=4)
-    trainer = PivotRLTrainer(ckpt, group_size=4, dtype="float32")
+        PivotRLTrainer.build(ckpt, group_size=1)
+    with pytest.raises(ConfigError, match="deepspeed.zero_stage"):
+        PivotRLTrainer.build(ckpt, group_size=4, deepspeed={"zero_stage": 4})
+    trainer = PivotRLTrainer.build(ckpt, group_size=4, dtype="float32")
     with pytest.raises(DataError, match="expected group_size=4"):
         trainer.train_step([Group("x", [3, 4], [[5]] * 3, [0.0, 1.0, 0.0])])
     with pytest.raises(DataError, match="action 2 has no tokens"):
@@ -259,7 +260,7 @@ def test_sft_entry_point_in_process(ckpt: Path, tmp_path: Path) -> None:
         "metrics_path": str(tmp_path / "metrics.json"),
         "options": {"epochs": 2, "batch_size": 2, "dtype": "float32", "lr": 1e-3},
     }
-    assert launch({}, entry="sft", spec=spec, workdir=tmp_path / "work") == 0
+    assert launch(LaunchConfig(), entry="sft", spec=spec, workdir=tmp_path / "work") == 0
     metrics = json.loads((tmp_path / "metrics.json").read_text())
     assert metrics["steps"] == 2 and metrics["loss_tokens"] == 6 and metrics["tokens"] == 2 * 11
     assert (tmp_path / "out" / "model.safetensors").is_file()
@@ -278,7 +279,7 @@ def test_sft_rejects_bad_examples(ckpt: Path, tmp_path: Path) -> None:
 # ---------------------------------------------------------------------- launch commands
 def test_render_torchrun_multi_node() -> None:
     cmd = render_launch_command(
-        {"launcher": "torchrun", "nnodes": 2, "nproc_per_node": 4, "node_rank": 1, "master_addr": "10.0.0.1", "master_port": 29600},
+        LaunchConfig(launcher="torchrun", nnodes=2, nproc_per_node=4, node_rank=1, master_addr="10.0.0.1", master_port=29600),
         entry="pivotrl",
         spec_path="/runs/a/spec.json",
         python="py",
@@ -291,7 +292,7 @@ def test_render_torchrun_multi_node() -> None:
 
 def test_render_deepspeed_with_hostfile_and_inprocess() -> None:
     cmd = render_launch_command(
-        {"launcher": "deepspeed", "nnodes": 2, "nproc_per_node": 2, "hostfile": "hosts", "no_ssh": True, "node_rank": 0},
+        LaunchConfig(launcher="deepspeed", nnodes=2, nproc_per_node=2, hostfile="hosts", no_ssh=True, node_rank=0),
         entry="sft",
         spec_path="s.json",
         python="py",
@@ -301,21 +302,22 @@ def test_render_deepspeed_with_hostfile_and_inprocess() -> None:
         "--num_gpus=2", "--master_addr=127.0.0.1", "--master_port=29500", "--module", "pivotrl.training.sft",
         "--spec", "s.json",
     ]  # fmt: skip
-    assert render_launch_command({}, entry="sft", spec_path="s.json", python="py") == [
+    assert render_launch_command(LaunchConfig(), entry="sft", spec_path="s.json", python="py") == [
         "py", "-m", "pivotrl.training.sft", "--spec", "s.json",
     ]  # fmt: skip
-    assert LaunchConfig({"nproc_per_node": 2}).launcher == "torchrun"
+    two = LaunchConfig.from_keys(launcher="torchrun", nproc_per_node=2, world_size=2)
+    assert (two.launcher, two.world_size, two.node_rank) == ("torchrun", 2, 0)
 
 
 def test_launch_config_errors(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match="unknown launch key"):
-        LaunchConfig({"nodes": 2})
-    with pytest.raises(ConfigError, match="inprocess"):
-        LaunchConfig({"launcher": "inprocess", "nproc_per_node": 2})
-    with pytest.raises(ConfigError, match="node_rank=2 must be < nnodes=2"):
-        LaunchConfig({"nnodes": 2, "node_rank": 2})
+    with pytest.raises(ConfigError, match="nodes: Extra inputs are not permitted"):
+        LaunchConfig.from_keys(nodes=2)
+    with pytest.raises(ConfigError, match="inprocess runs one process"):
+        LaunchConfig.from_keys(launcher="inprocess", nproc_per_node=2, world_size=2)
+    with pytest.raises(ConfigError, match=r"node_rank=2 must be in \[0, nnodes=2\)"):
+        LaunchConfig(nnodes=2, node_rank=2)
     with pytest.raises(ConfigError, match="unknown trainer entry"):
-        render_launch_command({}, entry="ppo", spec_path="s.json")
+        render_launch_command(LaunchConfig(), entry="ppo", spec_path="s.json")
     spec = tmp_path / "spec.json"
     spec.write_text(json.dumps({"model_dir": "m", "batches_path": "b", "out_dir": "o", "lr": 1}))
     with pytest.raises(ConfigError, match=r"unknown key\(s\) \['lr'\]"):
@@ -347,5 +349,5 @@ def test_deepspeed_config_modes_and_extra() -> None:
         deepspeed_config(zero_stage=0, dtype="fp16", grad_clip=1.0)
     with pytest.raises(ConfigError, match="grad_clip"):
         deepspeed_config(zero_stage=0, dtype="float32", grad_clip=-1.0)
-    with pytest.raises(ConfigError, match="world_size=3 must equal"):
-        LaunchConfig({"world_size": 3, "nproc_per_node": 2})
+    with pytest.raises(ConfigError, match="world_size = 3: must equal"):
+        LaunchConfig.from_keys(world_size=3, nproc_per_node=2, launcher="torchrun")

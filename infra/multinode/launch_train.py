@@ -59,21 +59,23 @@ def _read_spec(url: str) -> dict[str, Any]:
 
 
 def _node(args: argparse.Namespace) -> int:
-    from pivotrl.training.launch import launch_env, launch_settings, render_launch_command
+    from pivotrl.config import parse_config
+    from pivotrl.training.launch import LaunchConfig, launch_env, render_launch_command
 
     spec = _read_spec(args.spec)
-    settings = launch_settings(spec["config"]["training"])
+    training = parse_config(spec["config"], source=args.spec).training  # the one validation in this process
     rank = args.node_rank if args.node_rank is not None else os.environ.get("NODE_RANK",
                                                                              os.environ.get("JOB_COMPLETION_INDEX"))
-    if rank is not None:
-        settings["node_rank"] = int(rank)
+    overrides: dict[str, Any] = {}
     addr = args.master_addr or os.environ.get("MASTER_ADDR")
     if addr:
-        settings["master_addr"] = addr
+        overrides["master_addr"] = addr
     if args.launcher:
-        settings["launcher"] = args.launcher
-    if settings.get("launcher") == "deepspeed":
-        settings["no_ssh"] = True  # every node starts its own ranks; no ssh between nodes
+        overrides["launcher"] = args.launcher
+    launcher = overrides.get("launcher", training.launcher)
+    # deepspeed: every node starts its own ranks; no ssh between nodes
+    settings = LaunchConfig.of(training, node_rank=int(rank) if rank is not None else 0,
+                               no_ssh=launcher == "deepspeed", **overrides)
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="pivotrl-launch-"))
     workdir.mkdir(parents=True, exist_ok=True)
     local_spec = workdir / "rl_stage-spec.json"

@@ -121,8 +121,8 @@ class TrainingSection(Section):
                 "pivots_per_batch", self.pivots_per_batch,
                 f"must be a multiple of micro_batch_groups × world_size = {per_step}",
             )
-        if self.launcher == "inprocess" and self.nnodes > 1:
-            raise _rule("launcher", self.launcher, "inprocess runs on one node; use torchrun or deepspeed")
+        if self.launcher == "inprocess" and self.world_size > 1:
+            raise _rule("launcher", self.launcher, "inprocess runs one process; use torchrun or deepspeed")
         if self.launcher == "deepspeed" and self.nnodes > 1 and not self.hostfile:
             raise _rule("hostfile", self.hostfile, "the deepspeed launcher needs a hostfile for more than one node")
         return self

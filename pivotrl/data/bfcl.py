@@ -54,6 +54,7 @@ from pivotrl.data.schema import Message, ToolCall, ToolSpec, Trajectory, file_sh
 from pivotrl.data.sources import validate_trajectory
 from pivotrl.envs.bfcl import BFCL_CLASSES, BFCLEnvironment, method_parameter_names
 from pivotrl.errors import ActionParseError, ConfigError, DataError, StorageError
+from pivotrl.storage.files import atomic_dir
 
 __all__ = [
     "BFCL_VERSION",
@@ -94,10 +95,11 @@ def ensure_bfcl(cache_dir: str | os.PathLike[str], wheel: str | os.PathLike[str]
     if (root / _DONE_MARKER).is_file() and (root / "bfcl_eval").is_dir():
         return root
     cache.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix=".bfcl-tmp-", dir=cache))
-    try:
+    if root.exists() and not (root / _DONE_MARKER).is_file():
+        shutil.rmtree(root)  # an incomplete earlier copy (no marker)
+    with tempfile.TemporaryDirectory(prefix=".bfcl-tmp-", dir=cache) as work:
         if wheel is None:
-            dl = work / "download"
+            dl = Path(work) / "download"
             cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
                    f"bfcl-eval=={BFCL_VERSION}", "-d", str(dl)]
             proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -117,25 +119,15 @@ def ensure_bfcl(cache_dir: str | os.PathLike[str], wheel: str | os.PathLike[str]
             raise DataError(
                 f"{wheel_path.name}: sha256 {digest} does not match the pinned {BFCL_WHEEL_SHA256}"
             )
-        extract = work / "extract"
-        try:
-            with zipfile.ZipFile(wheel_path) as zf:
-                zf.extractall(extract)
-        except (zipfile.BadZipFile, OSError) as e:
-            raise StorageError(f"{wheel_path.name}: cannot unzip ({e})") from e
-        (extract / _DONE_MARKER).write_text(digest + "\n")
-        if root.exists():  # an incomplete earlier copy (no marker), or a concurrent winner
-            if (root / _DONE_MARKER).is_file():
-                return root
-            shutil.rmtree(root)
-        try:
-            os.rename(extract, root)
-        except OSError:
-            if not (root / _DONE_MARKER).is_file():
-                raise
-        return root
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+        # Renamed into place whole; a concurrent writer that published first wins (its marker is there).
+        with atomic_dir(root, already_published=lambda r: (r / _DONE_MARKER).is_file()) as extract:
+            try:
+                with zipfile.ZipFile(wheel_path) as zf:
+                    zf.extractall(extract)
+            except (zipfile.BadZipFile, OSError) as e:
+                raise StorageError(f"{wheel_path.name}: cannot unzip ({e})") from e
+            (extract / _DONE_MARKER).write_text(digest + "\n")
+    return root
 
 
 # ------------------------------------------------------------------------------------------ helpers

@@ -33,12 +33,9 @@ def content_hash(obj: Any) -> str:
 
 
 def file_sha256(path: str | os.PathLike[str]) -> str:
-    """sha256 hex digest of a local file's bytes, read in 1 MiB blocks."""
-    digest = hashlib.sha256()
+    """sha256 hex digest of a local file's bytes (``hashlib.file_digest``)."""
     with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import tempfile
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
@@ -19,6 +18,7 @@ import pandas as pd
 
 from pivotrl.errors import ConfigError, StorageError
 from pivotrl.evaluation.comparison import comparison_markdown, floor_note, format_rate, stats_name, turn_interval
+from pivotrl.storage.files import atomic_file
 
 __all__ = ["KNOWN_LIMITS", "POLICIES", "POLICY_ALIASES", "build_report"]
 
@@ -370,17 +370,11 @@ def _plot_bars(fig: Any, rows: list[dict[str, Any]]) -> None:
 
 
 def _atomic(path: Path, write: Callable[[str], None]) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
     try:
-        write(tmp)
-        os.replace(tmp, path)
+        with atomic_file(path) as tmp:
+            write(str(tmp))
     except OSError as e:
-        Path(tmp).unlink(missing_ok=True)
         raise StorageError(f"cannot write {path}: {e}") from e
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def _write_text(path: Path, text: str) -> None:

@@ -40,7 +40,7 @@ from pivotrl.storage import ArtifactStore
 
 log = logging.getLogger("pivotrl.pipeline.compare")
 
-__all__ = ["pivotrl_ledger", "stage_e2e_baseline", "stage_sft_baseline", "trainer_kwargs"]
+__all__ = ["pivotrl_ledger", "stage_e2e_baseline", "stage_sft_baseline"]
 
 _CODE = ("pivotrl.data", "pivotrl.actions", "pivotrl.prompts", "pivotrl.ledger", "pivotrl.training",
          "pivotrl.objective", "pivotrl.rollout", "pivotrl.evaluation.full_task", "pivotrl.pipeline.compare")
@@ -49,16 +49,6 @@ _CODE = ("pivotrl.data", "pivotrl.actions", "pivotrl.prompts", "pivotrl.ledger",
 def _metrics(store: ArtifactStore, train: dict[str, Any]) -> list[dict[str, Any]]:
     key = f"{train['train_key']}/metrics.parquet"
     return store.read_parquet(key).to_dict("records") if store.exists(key) else []
-
-
-def trainer_kwargs(cfg: RunConfig) -> dict[str, Any]:
-    """The PivotRLTrainer settings of the run's training section (PivotRL and E2E RL share them)."""
-    tr = cfg.training
-    return dict(group_size=tr.group_size, epsilon=tr.epsilon, beta=tr.beta, delta=tr.delta,
-                kl_estimator=tr.kl_estimator, advantage_estimator=tr.advantage_estimator, ratio_type=tr.ratio_type,
-                lr=tr.lr, updates_per_batch=tr.updates_per_batch, micro_batch_groups=tr.micro_batch_groups,
-                shared_prefix=tr.shared_prefix, dtype=TRAINER_DTYPE[cfg.model.dtype], zero_stage=tr.deepspeed.zero_stage,
-                grad_clip=tr.grad_clip, seed=cfg.run.seed, deepspeed_extra=tr.deepspeed.extra or None)
 
 
 def pivotrl_ledger(cfg: RunConfig, store: ArtifactStore, probe: dict[str, Any], train: dict[str, Any],
@@ -221,7 +211,7 @@ def stage_e2e_baseline(cfg: RunConfig, store: ArtifactStore, demos: dict[str, An
                                max_context=cfg.model.max_context - cfg.rollout.max_tokens, judge=cfg.quality.judge,
                                advantage_estimator=cfg.training.advantage_estimator, delta=cfg.training.delta,
                                seed=cfg.run.seed)
-        trainer = PivotRLTrainer(str(rdir), str(rdir), tokenizer_dir=str(rdir), **trainer_kwargs(cfg))
+        trainer = PivotRLTrainer.for_run(cfg, str(rdir))
         engine = make_rollout_engine(cfg, rdir)
         try:
             with tempfile.TemporaryDirectory(dir=cache_dir(cfg)) as tmp:

@@ -249,11 +249,8 @@ def _url_sha256(url: str) -> str:
     fs, path = fsspec.core.url_to_fs(os.path.expanduser(url))
 
     def one(p: str) -> str:
-        digest = hashlib.sha256()
         with fs.open(p, "rb") as f:
-            for block in iter(lambda: f.read(1 << 20), b""):
-                digest.update(block)
-        return digest.hexdigest()
+            return hashlib.file_digest(f, "sha256").hexdigest()
 
     if fs.isdir(path):
         files = sorted(fs.find(path))

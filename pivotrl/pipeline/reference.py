@@ -21,11 +21,10 @@ from pivotrl.pipeline.demos import cache_dir, read_trajectories
 from pivotrl.pipeline.results import ReferenceResult
 from pivotrl.precision import with_resolved_dtype
 from pivotrl.storage import ArtifactStore
+from pivotrl.training.settings import TRAINER_DTYPE  # config dtype names → the trainer's names
 
 log = logging.getLogger("pivotrl.pipeline")
 
-#: config dtype names → the trainer's names
-TRAINER_DTYPE = {"bf16": "bfloat16", "fp32": "float32"}
 
 
 def stage_reference(cfg: RunConfig, store: ArtifactStore, demos: Mapping[str, Any]) -> ReferenceResult:

@@ -24,7 +24,7 @@ from pivotrl.config import RunConfig
 from pivotrl.data.schema import content_hash
 from pivotrl.pipeline.common import close_quietly, make_rollout_engine, make_verifier, prompt_kwargs
 from pivotrl.pipeline.demos import cache_dir
-from pivotrl.pipeline.reference import TRAINER_DTYPE, prompt_identity, reference_dir
+from pivotrl.pipeline.reference import prompt_identity, reference_dir
 from pivotrl.pipeline.results import ProbeResult, ReferenceResult, TrainResult
 from pivotrl.precision import with_resolved_dtype
 from pivotrl.storage import ArtifactStore
@@ -83,13 +83,7 @@ def stage_train(cfg: RunConfig, store: ArtifactStore, probe: ProbeResult | Mappi
                for s in pivots]
     schedule = pivot_schedule(len(pivots), tr.pivots_per_batch, tr.epochs, cfg.run.seed, tr.max_steps)
     work = Path(tempfile.mkdtemp(prefix="pivotrl-train-", dir=cache))
-    trainer = PivotRLTrainer(
-        str(rdir), str(rdir), tokenizer_dir=str(rdir), group_size=tr.group_size, epsilon=tr.epsilon, beta=tr.beta, delta=tr.delta,
-        kl_estimator=tr.kl_estimator, advantage_estimator=tr.advantage_estimator, ratio_type=tr.ratio_type,
-        lr=tr.lr, updates_per_batch=tr.updates_per_batch, micro_batch_groups=tr.micro_batch_groups,
-        shared_prefix=tr.shared_prefix, dtype=TRAINER_DTYPE[cfg.model.dtype], zero_stage=tr.deepspeed.zero_stage,
-        grad_clip=tr.grad_clip, seed=cfg.run.seed, deepspeed_extra=tr.deepspeed.extra or None,
-    )
+    trainer = PivotRLTrainer.for_run(cfg, str(rdir))
     # Data parallel: every rank trains; rank 0 alone owns the rollout engine and the verifier.
     rank, world = rank_and_world()
     lead = rank == 0

@@ -25,13 +25,22 @@ from pivotrl.data.schema import file_sha256
 __all__ = ["HashingWriter", "atomic_dir", "atomic_file", "file_sha256", "replace_path"]
 
 
-def replace_path(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> None:
+def replace_path(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, replace_existing: bool = False) -> None:
     """Move ``src`` (a file or directory) onto ``dst`` atomically (``os.replace``; the parent of
-    ``dst`` is created). A directory ``dst`` must be absent or empty."""
+    ``dst`` is created). A directory ``dst`` must be absent or empty, unless ``replace_existing``:
+    then a full ``dst`` directory is renamed aside, ``src`` renamed into place and the old copy
+    removed (a reader sees the old or the new directory, never a mix)."""
     dst = Path(dst)
     dst.parent.mkdir(parents=True, exist_ok=True)
-    if Path(src).is_dir() and dst.is_dir() and not any(dst.iterdir()):
-        dst.rmdir()
+    if Path(src).is_dir() and dst.is_dir():
+        if not any(dst.iterdir()):
+            dst.rmdir()
+        elif replace_existing:
+            old = dst.with_name(f".{dst.name}.old-{os.getpid()}")
+            os.replace(dst, old)
+            os.replace(src, dst)
+            shutil.rmtree(old, ignore_errors=True)
+            return
     os.replace(src, dst)
 
 
@@ -58,11 +67,12 @@ def atomic_file(target: str | os.PathLike[str]) -> Iterator[Path]:
 @contextmanager
 def atomic_dir(
     target: str | os.PathLike[str], *, mode: int | None = 0o755,
-    already_published: Callable[[Path], bool] | None = None,
+    already_published: Callable[[Path], bool] | None = None, replace_existing: bool = False,
 ) -> Iterator[Path]:
     """Yield a fresh empty directory beside ``target``; on success it is renamed to ``target``.
 
-    ``target`` must be absent or an empty directory. ``mode``: permissions set before publishing
+    ``target`` must be absent or an empty directory (or, with ``replace_existing``, is replaced
+    whole: see :func:`replace_path`). ``mode``: permissions set before publishing
     (``mkdtemp`` creates 0700; None keeps them). ``already_published(target)``: when the rename fails
     because another process published ``target`` first and this returns True, the copy made here is
     dropped and the other one kept (a shared cache entry, renamed whole by its writer).
@@ -77,7 +87,7 @@ def atomic_dir(
         if mode is not None:
             os.chmod(tmp, mode)
         try:
-            replace_path(tmp, target)
+            replace_path(tmp, target, replace_existing=replace_existing)
         except OSError:
             if already_published is None or not already_published(target):
                 raise

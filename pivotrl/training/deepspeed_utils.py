@@ -28,13 +28,13 @@ from __future__ import annotations
 import os
 import shutil
 import socket
-import tempfile
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
 import torch
 
 from pivotrl.errors import ConfigError, ModelError, StorageError
+from pivotrl.storage.files import atomic_dir, replace_path
 
 __all__ = [
     "DTYPES",
@@ -325,13 +325,7 @@ def _full_state_dict(engine: Any) -> dict[str, torch.Tensor] | None:
 
 def replace_directory(tmp: Path, target: Path) -> None:
     """Atomically put directory ``tmp`` at ``target`` (an existing target is replaced)."""
-    if target.exists():
-        old = target.with_name(f".{target.name}.old-{os.getpid()}")
-        os.replace(target, old)
-        os.replace(tmp, target)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(tmp, target)
+    replace_path(tmp, target, replace_existing=True)
 
 
 def export_hf_checkpoint(
@@ -353,16 +347,10 @@ def export_hf_checkpoint(
     if rank == 0:
         module = engine.module
         try:
-            target.parent.mkdir(parents=True, exist_ok=True)
-            tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
-            try:
+            with atomic_dir(target, mode=None, replace_existing=True) as tmp:
                 module.save_pretrained(tmp, state_dict=sd, safe_serialization=True)
                 if tokenizer_dir is not None:
                     copy_tokenizer_files(tokenizer_dir, tmp)
-                replace_directory(tmp, target)
-            except BaseException:
-                shutil.rmtree(tmp, ignore_errors=True)
-                raise
         except OSError as err:
             raise StorageError(f"cannot write HF checkpoint to {target}: {err}") from err
     if world > 1:

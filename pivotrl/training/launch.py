@@ -11,13 +11,11 @@ Three launchers, chosen by ``launcher`` in the launch config:
   node itself (over ssh, or ``no_ssh: true`` to run this node only with ``node_rank``), without
   one it runs ``nproc_per_node`` local ranks.
 
-Launch config keys (a mapping, e.g. the ``launch`` section of a run config)::
-
-    launcher: inprocess | torchrun | deepspeed   (default: inprocess when world size is 1, else torchrun)
-    nnodes: 1            nproc_per_node: 1        node_rank: 0
-    world_size: (optional; must equal nnodes × nproc_per_node)
-    master_addr: 127.0.0.1                        master_port: 29500
-    hostfile: null       no_ssh: false            omp_num_threads: 1
+The launch settings are a :class:`LaunchConfig`, built from the validated ``training`` section of
+a run config (``launcher``, ``nnodes``, ``nproc_per_node``, ``master_addr``, ``master_port``,
+``hostfile``; the schema checks them, nothing here checks them again) plus what only the node
+running the command knows: ``node_rank`` (default 0), ``no_ssh`` (default false) and
+``omp_num_threads`` (default 1).
 
 Both multi-process launchers set ``OMP_NUM_THREADS`` (default 1) for the ranks.
 """
@@ -30,12 +28,14 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
-from dataclasses import fields, is_dataclass
+from dataclasses import dataclass, fields, is_dataclass
 from pathlib import Path
 from typing import Any, Mapping, Sequence, TypeVar
 
+from pivotrl.config import TrainingSection
+
 from pivotrl.errors import ConfigError, TrainingError
+from pivotrl.storage.files import atomic_file
 
 __all__ = [
     "ENTRIES",
@@ -49,49 +49,50 @@ __all__ = [
 
 LAUNCHERS = ("inprocess", "torchrun", "deepspeed")
 ENTRIES = ("sft", "pivotrl", "rl_stage")
-_KEYS = ("launcher", "world_size", "nnodes", "nproc_per_node", "node_rank", "master_addr", "master_port", "hostfile", "no_ssh", "omp_num_threads")
 
 S = TypeVar("S")
 
 
+@dataclass(frozen=True)
 class LaunchConfig:
-    """Validated launch settings (see the module docstring for the keys and defaults)."""
+    """How to start the ranks: the launch keys of a validated ``training`` section (see
+    :meth:`of`) and this node's ``node_rank``, ``no_ssh`` and ``omp_num_threads``."""
 
-    def __init__(self, cfg: Mapping[str, Any]) -> None:
-        unknown = sorted(set(cfg) - set(_KEYS))
-        if unknown:
-            raise ConfigError(f"unknown launch key(s) {unknown}; valid: {', '.join(_KEYS)}")
-        self.nnodes = self._int(cfg, "nnodes", 1, 1)
-        self.nproc_per_node = self._int(cfg, "nproc_per_node", 1, 1)
-        self.node_rank = self._int(cfg, "node_rank", 0, 0)
-        if self.node_rank >= self.nnodes:
-            raise ConfigError(f"launch.node_rank={self.node_rank} must be < nnodes={self.nnodes}")
-        self.master_addr = str(cfg.get("master_addr", "127.0.0.1"))
-        self.master_port = self._int(cfg, "master_port", 29500, 1)
-        self.hostfile = cfg.get("hostfile")
-        self.no_ssh = bool(cfg.get("no_ssh", False))
-        self.omp_num_threads = self._int(cfg, "omp_num_threads", 1, 1)
-        if "world_size" in cfg and cfg["world_size"] != self.world_size:
-            raise ConfigError(
-                f"launch.world_size={cfg['world_size']!r} must equal nnodes × nproc_per_node = "
-                f"{self.nnodes} × {self.nproc_per_node} = {self.world_size}"
-            )
-        default = "inprocess" if self.world_size == 1 else "torchrun"
-        self.launcher = str(cfg.get("launcher", default))
-        if self.launcher not in LAUNCHERS:
-            raise ConfigError(f"launch.launcher must be one of {LAUNCHERS}, got {self.launcher!r}")
-        if self.launcher == "inprocess" and self.world_size != 1:
-            raise ConfigError(
-                f"launch.launcher='inprocess' runs one process, but nnodes × nproc_per_node = {self.world_size}; "
-                "use 'torchrun' or 'deepspeed'"
-            )
+    launcher: str = "inprocess"
+    nnodes: int = 1
+    nproc_per_node: int = 1
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29500
+    hostfile: str | None = None
+    node_rank: int = 0
+    no_ssh: bool = False
+    omp_num_threads: int = 1
 
-    @staticmethod
-    def _int(cfg: Mapping[str, Any], key: str, default: int, lo: int) -> int:
-        v = cfg.get(key, default)
-        if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-            raise ConfigError(f"launch.{key} must be an integer >= {lo}, got {v!r}")
-        return v
+    def __post_init__(self) -> None:
+        # node_rank is not a config field: it is the one value checked here.
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ConfigError(f"launch node_rank={self.node_rank} must be in [0, nnodes={self.nnodes})")
+
+    @classmethod
+    def of(cls, training: TrainingSection, *, node_rank: int = 0, no_ssh: bool = False,
+           omp_num_threads: int = 1, **overrides: Any) -> LaunchConfig:
+        """The launch settings of a validated ``training`` section; ``overrides`` replace its launch
+        keys (e.g. ``launcher="torchrun", hostfile=None`` to render another launcher's command)."""
+        keys = dict(launcher=training.launcher, nnodes=training.nnodes, nproc_per_node=training.nproc_per_node,
+                    master_addr=training.master_addr, master_port=training.master_port, hostfile=training.hostfile)
+        keys.update(overrides)
+        return cls(**keys, node_rank=node_rank, no_ssh=no_ssh, omp_num_threads=omp_num_threads)
+
+    @classmethod
+    def from_keys(cls, **keys: Any) -> LaunchConfig:
+        """The launch settings from ``training`` section keys (validated by the schema; the unset
+        ones take its defaults) and the node keys ``node_rank``, ``no_ssh``, ``omp_num_threads``.
+
+        Raises ConfigError naming every bad key."""
+        from pivotrl.training.settings import training_section
+
+        node = {k: keys.pop(k) for k in ("node_rank", "no_ssh", "omp_num_threads") if k in keys}
+        return cls.of(training_section(**keys), **node)
 
     @property
     def world_size(self) -> int:
@@ -105,15 +106,14 @@ def _module(entry: str) -> str:
 
 
 def render_launch_command(
-    cfg: Mapping[str, Any], *, entry: str, spec_path: str | os.PathLike[str], python: str | None = None
+    lc: LaunchConfig, *, entry: str, spec_path: str | os.PathLike[str], python: str | None = None
 ) -> list[str]:
     """The argv that runs ``pivotrl.training.<entry> --spec <spec_path>`` under the configured launcher.
 
     Pure: nothing is started. ``python`` defaults to this interpreter. For ``"inprocess"`` the
     command is the plain single-process equivalent (``python -m pivotrl.training.<entry> ...``).
-    Raises ConfigError for an unknown entry or bad launch keys.
+    Raises ConfigError for an unknown entry.
     """
-    lc = LaunchConfig(cfg)
     py = python or sys.executable
     target = ["-m", _module(entry), "--spec", str(spec_path)]
     if lc.launcher == "inprocess":
@@ -147,13 +147,12 @@ def render_launch_command(
     return cmd
 
 
-def launch_env(cfg: Mapping[str, Any], base: Mapping[str, str] | None = None) -> dict[str, str]:
+def launch_env(lc: LaunchConfig, base: Mapping[str, str] | None = None) -> dict[str, str]:
     """Environment for the launched ranks: ``base`` (default os.environ) + OMP_NUM_THREADS.
 
     Launcher variables of this process (RANK, WORLD_SIZE, ...) are removed so the child launcher
     sets its own.
     """
-    lc = LaunchConfig(cfg)
     env = dict(os.environ if base is None else base)
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
@@ -162,7 +161,7 @@ def launch_env(cfg: Mapping[str, Any], base: Mapping[str, str] | None = None) ->
 
 
 def launch(
-    cfg: Mapping[str, Any],
+    lc: LaunchConfig,
     *,
     entry: str,
     spec: Mapping[str, Any],
@@ -175,22 +174,19 @@ def launch(
     command as a subprocess (its output goes to ``<workdir>/<entry>-launch.log``). Returns 0.
     Raises TrainingError (naming the log file) if the run fails or exceeds ``timeout_s``.
     """
-    lc = LaunchConfig(cfg)
     wd = Path(workdir)
     wd.mkdir(parents=True, exist_ok=True)
     spec_path = wd / f"{entry}-spec.json"
-    fd, tmp = tempfile.mkstemp(prefix=f".{entry}-spec.", dir=wd)
-    with os.fdopen(fd, "w") as f:
-        json.dump(dict(spec), f, indent=2, sort_keys=True)
-    os.replace(tmp, spec_path)
+    with atomic_file(spec_path) as tmp:
+        tmp.write_text(json.dumps(dict(spec), indent=2, sort_keys=True))
     if lc.launcher == "inprocess":
         mod = importlib.import_module(_module(entry))
         return int(mod.main(["--spec", str(spec_path)]))
-    cmd = render_launch_command(cfg, entry=entry, spec_path=spec_path)
+    cmd = render_launch_command(lc, entry=entry, spec_path=spec_path)
     log_path = wd / f"{entry}-launch.log"
     with open(log_path, "w") as log:
         try:
-            proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=launch_env(cfg), timeout=timeout_s)
+            proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=launch_env(lc), timeout=timeout_s)
         except subprocess.TimeoutExpired:
             raise TrainingError(f"{entry} launch exceeded {timeout_s} s; see {log_path}") from None
     if proc.returncode != 0:
@@ -222,8 +218,3 @@ def read_spec(argv: Sequence[str] | None, spec_cls: type[S]) -> S:
         return spec_cls(**raw)
     except TypeError as err:
         raise ConfigError(f"spec {path}: {err}") from None
-
-
-def launch_settings(training: Mapping[str, Any]) -> dict[str, Any]:
-    """The launch keys of a run config's ``training`` section (a dict), for :class:`LaunchConfig`."""
-    return {k: training[k] for k in _KEYS if k in training}

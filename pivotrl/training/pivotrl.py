@@ -35,210 +35,40 @@ T = action tokens (padded), P = state tokens.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import random
-import shutil
 import time
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 
-from pivotrl.errors import ConfigError, DataError, TrainingError
-from pivotrl.objective import ADVANTAGE_ESTIMATORS, compute_advantages, pivotrl_loss, validate_loss_settings
+from pivotrl.config import TrainingSection
+from pivotrl.errors import DataError, TrainingError
+from pivotrl.objective import compute_advantages, pivotrl_loss
 from pivotrl.training.deepspeed_utils import (
     build_engine,
     data_parallel_loss_scale,
-    deepspeed_config,
     export_hf_checkpoint,
     load_causal_lm,
     rank_and_world,
-    replace_directory,
     resolve_dtype,
 )
+from pivotrl.training.groups import Group, check_groups
 from pivotrl.training.logprobs import compute_group_logprobs
+from pivotrl.training.settings import LOG_RATIO_CLAMP, run_trainer_inputs, training_section
+from pivotrl.training.trainer_state import (
+    MetricSums,
+    load_trainer_checkpoint,
+    pad_cat,
+    save_trainer_checkpoint,
+)
 
-__all__ = ["Group", "PivotRLSettings", "PivotRLTrainer", "main"]
+if TYPE_CHECKING:
+    from pivotrl.config import RunConfig
 
-TRAINER_STATE_FILE = "trainer_state.json"
-
-
-@dataclass(frozen=True)
-class Group:
-    """One pivot state and the K actions sampled from π_old there, with their verifier rewards."""
-
-    state_id: str
-    prompt_ids: list[int]  # (P,) the rendered state, ending with the assistant generation header
-    actions: list[list[int]]  # K × (T_i,) action token ids, each ending with the end-of-turn token
-    rewards: list[float]  # (K,) R(s, a_i) from the verifier
-    # (K,) precomputed Â_i, or None (computed from ``rewards`` with the advantage estimator). Set by
-    # callers whose advantage is not a group statistic of this state, e.g. end-to-end RL, where every
-    # model call of an episode carries the episode's group-normalised advantage (pivotrl.training.e2e);
-    # such a group may hold any number ≥ 1 of actions.
-    advantages: list[float] | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-able dict with the fields (the record format of a batches file)."""
-        d = asdict(self)
-        if d["advantages"] is None:
-            del d["advantages"]
-        return d
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> Group:
-        """Build from a JSON-like mapping; DataError naming the missing key."""
-        try:
-            return cls(
-                state_id=str(d["state_id"]),
-                prompt_ids=[int(x) for x in d["prompt_ids"]],
-                actions=[[int(x) for x in a] for a in d["actions"]],
-                rewards=[float(x) for x in d["rewards"]],
-                advantages=None if d.get("advantages") is None else [float(x) for x in d["advantages"]],
-            )
-        except KeyError as err:
-            raise DataError(f"group record {d.get('state_id', '?')!r} lacks key {err}") from None
-
-
-@dataclass(frozen=True)
-class PivotRLSettings:
-    """Trainer settings (the RL section of a run config); validated on construction.
-
-    Loss (PivotRL §3): ``group_size`` K ≥ 2 actions per pivot; ``epsilon`` clip range (0, 1);
-    ``beta`` ≥ 0 KL coefficient; ``delta`` > 0 guards σ_R + δ; ``kl_estimator``,
-    ``advantage_estimator`` and ``ratio_type`` are registry names from ``pivotrl.objective``;
-    ``log_ratio_clamp`` bounds whole-turn log-ratios before ``exp``.
-    Optimisation: ``lr`` (AdamW), ``weight_decay``, ``updates_per_batch`` ≥ 1 optimiser updates
-    per rollout batch, ``micro_batch_groups`` ≥ 1 groups per backward pass, ``grad_clip`` ≥ 0.
-    ``grad_clip`` None means 0 (no clipping).
-    Execution: ``shared_prefix`` (one state pass per group), ``dtype`` (``"bfloat16"`` = bf16
-    compute with fp32 master weights, or ``"float32"``), ``zero_stage`` 0–3, ``seed``,
-    ``deepspeed_extra`` (merged over the generated DeepSpeed config).
-    """
-
-    group_size: int = 8
-    epsilon: float = 0.2
-    beta: float = 0.01
-    delta: float = 1e-6
-    kl_estimator: str = "squared_log_ratio"
-    advantage_estimator: str = "grpo"
-    ratio_type: str = "sequence"
-    log_ratio_clamp: float = 20.0
-    lr: float = 1e-5
-    weight_decay: float = 0.0
-    updates_per_batch: int = 1
-    micro_batch_groups: int = 1
-    grad_clip: float | None = 1.0
-    shared_prefix: bool = True
-    dtype: str = "bfloat16"
-    zero_stage: int = 0
-    seed: int = 0
-    deepspeed_extra: dict[str, Any] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        if self.grad_clip is None:
-            object.__setattr__(self, "grad_clip", 0.0)
-        def _int(name: str, lo: int) -> None:
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-                raise ConfigError(f"{name} must be an integer >= {lo}, got {v!r}")
-
-        _int("group_size", 2)
-        _int("updates_per_batch", 1)
-        _int("micro_batch_groups", 1)
-        _int("seed", 0)
-        validate_loss_settings(
-            epsilon=self.epsilon,
-            beta=self.beta,
-            kl_estimator=self.kl_estimator,
-            ratio_type=self.ratio_type,
-            log_ratio_clamp=self.log_ratio_clamp,
-        )
-        ADVANTAGE_ESTIMATORS.get(self.advantage_estimator)
-        if not (isinstance(self.delta, (int, float)) and math.isfinite(self.delta) and self.delta > 0):
-            raise ConfigError(f"delta must be a finite number > 0, got {self.delta!r}")
-        if not (isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr > 0):
-            raise ConfigError(f"lr must be a finite number > 0, got {self.lr!r}")
-        if not self.weight_decay >= 0:
-            raise ConfigError(f"weight_decay must be >= 0, got {self.weight_decay!r}")
-        resolve_dtype(self.dtype)
-        deepspeed_config(
-            zero_stage=self.zero_stage, dtype=self.dtype, grad_clip=self.grad_clip, extra=self.deepspeed_extra
-        )
-
-
-def _pad_cat(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Concatenate (K_j, T_j) tensors along dim 0, right-padding T with zeros → (Σ K_j, max T_j)."""
-    t_max = max(t.shape[1] for t in tensors)
-    return torch.cat([torch.nn.functional.pad(t, (0, t_max - t.shape[1])) for t in tensors], dim=0)
-
-
-def _rng_state() -> dict[str, Any]:
-    state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
-    try:
-        import numpy as np
-
-        state["numpy"] = np.random.get_state()
-    except ImportError:  # pragma: no cover - numpy ships with torch installs
-        pass
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def _set_rng_state(state: Mapping[str, Any]) -> None:
-    random.setstate(state["python"])
-    torch.set_rng_state(state["torch"])
-    if "numpy" in state:
-        import numpy as np
-
-        np.random.set_state(state["numpy"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-class _MetricSums:
-    """Accumulates per-micro-batch statistics as sums, reduced over ranks once per step."""
-
-    SUM_KEYS = (
-        "actions",
-        "surrogate",
-        "kl",
-        "kl_term",
-        "ratio_sum",
-        "clip_high",
-        "clip_low",
-        "log_ratio_clamped",
-        "loss_first",
-        "loss_last",
-        "ratio_actions",
-        "entropy_sum",
-        "action_tokens",
-        "tokens",
-        "ref_tokens",
-    )
-
-    def __init__(self) -> None:
-        self.sums = dict.fromkeys(self.SUM_KEYS, 0.0)
-        self.ratio_min = math.inf
-        self.ratio_max = -math.inf
-
-    def add(self, key: str, value: float) -> None:
-        self.sums[key] += value
-
-    def reduce(self) -> tuple[dict[str, float], float, float]:
-        rank, world = rank_and_world()
-        vec = torch.tensor([self.sums[k] for k in self.SUM_KEYS], dtype=torch.float64)
-        lo = torch.tensor([self.ratio_min], dtype=torch.float64)
-        hi = torch.tensor([self.ratio_max], dtype=torch.float64)
-        if world > 1:
-            dist = torch.distributed
-            dist.all_reduce(vec, op=dist.ReduceOp.SUM)
-            dist.all_reduce(lo, op=dist.ReduceOp.MIN)
-            dist.all_reduce(hi, op=dist.ReduceOp.MAX)
-        return dict(zip(self.SUM_KEYS, vec.tolist())), float(lo), float(hi)
+__all__ = ["Group", "OfflineSpec", "PivotRLTrainer", "main"]
 
 
 class PivotRLTrainer:
@@ -248,15 +78,15 @@ class PivotRLTrainer:
         model_dir: HF checkpoint of the policy to train (π_θ starts as this).
         ref_model_dir: HF checkpoint of π_ref (default: ``model_dir``; PivotRL starts π_θ = π_ref).
         tokenizer_dir: where tokenizer files are copied from on export (default: ``model_dir``).
-        **settings: fields of :class:`PivotRLSettings` (group_size, epsilon, beta, delta,
-            kl_estimator, advantage_estimator, ratio_type, log_ratio_clamp, lr, weight_decay,
-            updates_per_batch, micro_batch_groups, grad_clip, shared_prefix, dtype, zero_stage, seed,
-            deepspeed_extra).
+        training: the validated ``training`` section of the run config (loss, optimiser, DeepSpeed
+            settings; checked by the schema and not again here).
+        dtype: ``"bfloat16"`` (bf16 compute, fp32 master weights) or ``"float32"``.
+        seed: seeds Python's and torch's RNGs before the policy is loaded.
 
-    Every rank of a data-parallel job constructs the trainer and calls every method with the same
-    arguments (the process group is created here if no launcher did). π_ref is replicated on every
-    rank, in the compute dtype. Raises ConfigError for bad settings, ModelError for unreadable
-    checkpoints.
+    Build from a run config with :meth:`for_run`, from keywords with :meth:`build`. Every rank of
+    a data-parallel job constructs the trainer and calls every method with the same arguments (the
+    process group is created here if no launcher did). π_ref is replicated on every rank, in the
+    compute dtype. Raises ConfigError for an unknown dtype, ModelError for unreadable checkpoints.
     """
 
     def __init__(
@@ -265,30 +95,28 @@ class PivotRLTrainer:
         ref_model_dir: str | os.PathLike[str] | None = None,
         *,
         tokenizer_dir: str | os.PathLike[str] | None = None,
-        **settings: Any,
+        training: TrainingSection,
+        dtype: str = "bfloat16",
+        seed: int = 0,
     ) -> None:
-        unknown = sorted(set(settings) - set(PivotRLSettings.__dataclass_fields__))
-        if unknown:
-            valid = ", ".join(sorted(PivotRLSettings.__dataclass_fields__))
-            raise ConfigError(f"unknown trainer setting(s) {unknown}; valid: {valid}")
-        self.settings = PivotRLSettings(**settings)
-        s = self.settings
+        self.settings = training
+        self.dtype, self.seed = dtype, seed
         self.model_dir = Path(model_dir)
         self.ref_model_dir = Path(ref_model_dir) if ref_model_dir is not None else self.model_dir
         self.tokenizer_dir = Path(tokenizer_dir) if tokenizer_dir is not None else self.model_dir
-        self.compute_dtype = resolve_dtype(s.dtype)
+        self.compute_dtype = resolve_dtype(dtype)
 
-        random.seed(s.seed)
-        torch.manual_seed(s.seed)
+        random.seed(seed)
+        torch.manual_seed(seed)
         policy = load_causal_lm(self.model_dir, torch.float32)
         self.engine = build_engine(
             policy,
-            lr=s.lr,
-            zero_stage=s.zero_stage,
-            dtype=s.dtype,
-            grad_clip=s.grad_clip,
-            weight_decay=s.weight_decay,
-            extra_config=s.deepspeed_extra,
+            lr=training.lr,
+            zero_stage=training.deepspeed.zero_stage,
+            dtype=dtype,
+            grad_clip=training.grad_clip or 0.0,
+            weight_decay=0.0,
+            extra_config=training.deepspeed.extra or None,
         )
         self.engine.eval()  # no dropout: log-probs must be deterministic functions of the weights
         self.ref_model = load_causal_lm(self.ref_model_dir, self.compute_dtype).eval()
@@ -300,32 +128,30 @@ class PivotRLTrainer:
         #: Called with the number of groups after each micro-batch's backward pass (progress lines).
         self.on_groups: Callable[[int], Any] | None = None
 
+    @classmethod
+    def for_run(cls, cfg: RunConfig, model_dir: str | os.PathLike[str]) -> PivotRLTrainer:
+        """The trainer of a validated, dtype-resolved run config on π_ref = π_θ = ``model_dir``."""
+        return cls(model_dir, model_dir, tokenizer_dir=model_dir, **run_trainer_inputs(cfg))
+
+    @classmethod
+    def build(
+        cls,
+        model_dir: str | os.PathLike[str],
+        ref_model_dir: str | os.PathLike[str] | None = None,
+        *,
+        tokenizer_dir: str | os.PathLike[str] | None = None,
+        dtype: str = "bfloat16",
+        seed: int = 0,
+        **training: Any,
+    ) -> PivotRLTrainer:
+        """A trainer from keywords of the ``training`` section (``group_size=4, lr=1e-3, ...``),
+        validated by the schema (:func:`pivotrl.training.settings.training_section`)."""
+        return cls(model_dir, ref_model_dir, tokenizer_dir=tokenizer_dir, training=training_section(**training),
+                   dtype=dtype, seed=seed)
+
     # ------------------------------------------------------------------ batch checks
     def _check_groups(self, groups: Sequence[Group]) -> None:
-        k = self.settings.group_size
-        if len(groups) == 0:
-            raise DataError("train_step needs at least one group")
-        for g in groups:
-            if g.advantages is not None:
-                if not (len(g.actions) == len(g.rewards) == len(g.advantages) >= 1):
-                    raise DataError(
-                        f"group {g.state_id!r}: {len(g.actions)} actions, {len(g.rewards)} rewards and "
-                        f"{len(g.advantages)} advantages; with precomputed advantages all three must match (>= 1)"
-                    )
-                if not all(math.isfinite(a) for a in g.advantages):
-                    raise DataError(f"group {g.state_id!r}: advantages must be finite, got {g.advantages}")
-            elif len(g.actions) != k or len(g.rewards) != k:
-                raise DataError(
-                    f"group {g.state_id!r}: {len(g.actions)} actions and {len(g.rewards)} rewards, "
-                    f"expected group_size={k} of each"
-                )
-            if len(g.prompt_ids) == 0:
-                raise DataError(f"group {g.state_id!r}: prompt_ids is empty")
-            for i, a in enumerate(g.actions):
-                if len(a) == 0:
-                    raise DataError(f"group {g.state_id!r}: action {i} has no tokens")
-            if not all(math.isfinite(r) for r in g.rewards):
-                raise DataError(f"group {g.state_id!r}: rewards must be finite, got {g.rewards}")
+        check_groups(groups, self.settings.group_size)
 
     def _advantages(self, groups: Sequence[Group]) -> list[torch.Tensor]:
         """Â per group, (K_g,) float64: precomputed where given, else the estimator over the
@@ -380,7 +206,7 @@ class PivotRLTrainer:
         n_micro = math.ceil(per_rank / s.micro_batch_groups)
         micro = [local[j * s.micro_batch_groups : (j + 1) * s.micro_batch_groups] for j in range(n_micro)]
         loss_scale = data_parallel_loss_scale()
-        sums = _MetricSums()
+        sums = MetricSums()
 
         # π_ref log-probs (no grad), per micro-batch: (B, T)
         ref_lp: list[torch.Tensor | None] = []
@@ -393,7 +219,7 @@ class PivotRLTrainer:
                     compute_group_logprobs(self.ref_model, groups[i].prompt_ids, groups[i].actions, shared_prefix=s.shared_prefix)
                     for i in mb
                 ]
-                ref_lp.append(_pad_cat([p.logprobs for p in parts]))
+                ref_lp.append(pad_cat([p.logprobs for p in parts]))
                 sums.add("ref_tokens", sum(p.tokens_processed for p in parts))
 
         old_lp: list[torch.Tensor | None] = [None] * n_micro
@@ -411,8 +237,8 @@ class PivotRLTrainer:
                     )
                     for i in mb
                 ]
-                logprobs = _pad_cat([p.logprobs for p in parts])  # (B, T)
-                mask = _pad_cat([p.action_mask for p in parts])  # (B, T)
+                logprobs = pad_cat([p.logprobs for p in parts])  # (B, T)
+                mask = pad_cat([p.action_mask for p in parts])  # (B, T)
                 if first:
                     old_lp[j] = logprobs.detach().clone()  # π_old = the weights before this batch's first update
                 ref, old = ref_lp[j], old_lp[j]
@@ -432,7 +258,7 @@ class PivotRLTrainer:
                     kl_estimator=s.kl_estimator,
                     ratio_type=s.ratio_type,
                     num_actions=num_actions,
-                    log_ratio_clamp=s.log_ratio_clamp,
+                    log_ratio_clamp=LOG_RATIO_CLAMP,
                 )
                 self.engine.backward(loss * loss_scale, scale_wrt_gas=False)
                 if self.on_groups is not None:
@@ -520,44 +346,9 @@ class PivotRLTrainer:
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, directory: str | os.PathLike[str]) -> Path:
-        """Save everything needed to resume into ``directory`` (atomically; every rank calls).
-
-        Layout: ``deepspeed/`` (engine checkpoint: weights, fp32 master weights, optimizer
-        state, tag ``step<N>``), ``hf/`` (HF export of the current weights), ``rng_rank<r>.pt``
-        (each rank's Python/NumPy/torch RNG states), ``trainer_state.json`` (step,
-        ``data_position``, ``extra_state``, settings, world size). Written into
-        ``<directory>.partial`` and renamed when complete. π_ref is not saved (it is frozen and
-        re-read from ``ref_model_dir``).
-        """
-        target = Path(directory)
-        partial = target.with_name(target.name + ".partial")
-        rank, world = rank_and_world()
-        if rank == 0:
-            shutil.rmtree(partial, ignore_errors=True)
-            partial.mkdir(parents=True)
-        if world > 1:
-            torch.distributed.barrier()
-        tag = f"step{self.step}"
-        self.engine.save_checkpoint(str(partial / "deepspeed"), tag=tag)
-        export_hf_checkpoint(self.engine, partial / "hf", tokenizer_dir=self.tokenizer_dir)
-        torch.save(_rng_state(), partial / f"rng_rank{rank}.pt")
-        if rank == 0:
-            state = {
-                "step": self.step,
-                "tag": tag,
-                "data_position": self.data_position,
-                "extra_state": self.extra_state,
-                "world_size": world,
-                "settings": asdict(self.settings),
-            }
-            (partial / TRAINER_STATE_FILE).write_text(json.dumps(state, indent=2, sort_keys=True))
-        if world > 1:
-            torch.distributed.barrier()
-        if rank == 0:
-            replace_directory(partial, target)
-        if world > 1:
-            torch.distributed.barrier()
-        return target
+        """Save everything needed to resume into ``directory`` (atomically; every rank calls); see
+        :func:`pivotrl.training.trainer_state.save_trainer_checkpoint` for the layout."""
+        return save_trainer_checkpoint(self, directory)
 
     def load_checkpoint(self, directory: str | os.PathLike[str]) -> dict[str, Any]:
         """Restore a :meth:`save_checkpoint` directory: weights, optimizer, step, data position, RNG.
@@ -565,92 +356,23 @@ class PivotRLTrainer:
         Returns the trainer state dict. Raises TrainingError if the checkpoint is incomplete or was
         written with a different world size under ZeRO ≥ 1 (partitioned optimizer state).
         """
-        root = Path(directory)
-        state_path = root / TRAINER_STATE_FILE
-        if not state_path.is_file():
-            raise TrainingError(f"no trainer checkpoint at {root} ({TRAINER_STATE_FILE} missing)")
-        state = json.loads(state_path.read_text())
-        _, world = rank_and_world()
-        if state["world_size"] != world and self.settings.zero_stage > 0:
-            raise TrainingError(
-                f"checkpoint {root} was written by {state['world_size']} ranks with ZeRO stage "
-                f"{self.settings.zero_stage}; resume it with the same world size (now {world})"
-            )
-        load_path, _ = self.engine.load_checkpoint(str(root / "deepspeed"), tag=state["tag"])
-        if load_path is None:
-            raise TrainingError(f"DeepSpeed could not load {root / 'deepspeed'} tag {state['tag']}")
-        self.step = int(state["step"])
-        self.data_position = int(state["data_position"])
-        self.extra_state = dict(state.get("extra_state") or {})
-        rank, _ = rank_and_world()
-        rng_path = root / f"rng_rank{rank}.pt"
-        if rng_path.is_file():
-            _set_rng_state(torch.load(rng_path, weights_only=False))
-        return state
+        return load_trainer_checkpoint(self, directory)
 
 
 # ---------------------------------------------------------------------- entry point
-@dataclass(frozen=True)
-class OfflineSpec:
-    """``python -m pivotrl.training.pivotrl --spec spec.json``: train on pre-collected batches.
-
-    ``batches_path``: JSON Lines, one batch per line: ``{"groups": [Group dicts]}``.
-    ``metrics_path`` receives one JSON line of metrics per step (rank 0). ``out_dir`` receives
-    the final HF export; ``checkpoint_dir`` (optional) a resumable checkpoint at the end.
-    """
-
-    model_dir: str
-    batches_path: str
-    out_dir: str
-    ref_model_dir: str | None = None
-    metrics_path: str | None = None
-    checkpoint_dir: str | None = None
-    resume_from: str | None = None
-    trainer: dict[str, Any] = field(default_factory=dict)
-
-
-def read_batches(path: str | os.PathLike[str]) -> list[list[Group]]:
-    """Read a JSON Lines file of ``{"groups": [...]}`` batches; DataError naming the line."""
-    batches = []
-    for n, line in enumerate(Path(path).read_text().splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            rec = json.loads(line)
-            batches.append([Group.from_dict(g) for g in rec["groups"]])
-        except (json.JSONDecodeError, KeyError, TypeError) as err:
-            raise DataError(f"{path}:{n}: not a batch record ({err})") from None
-    return batches
-
-
-def run_offline(spec: OfflineSpec) -> list[dict[str, float]]:
-    """Train on the batches of ``spec`` (see :class:`OfflineSpec`); returns the per-step metrics."""
-    trainer = PivotRLTrainer(spec.model_dir, spec.ref_model_dir, **spec.trainer)
-    if spec.resume_from:
-        trainer.load_checkpoint(spec.resume_from)
-    batches = read_batches(spec.batches_path)
-    rank, _ = rank_and_world()
-    history = []
-    for batch in batches[trainer.data_position :]:
-        metrics = trainer.train_step(batch)
-        trainer.data_position += 1
-        history.append(metrics)
-        if rank == 0 and spec.metrics_path:
-            with open(spec.metrics_path, "a") as f:
-                f.write(json.dumps(metrics, sort_keys=True) + "\n")
-    trainer.export_hf(spec.out_dir)
-    if spec.checkpoint_dir:
-        trainer.save_checkpoint(spec.checkpoint_dir)
-    return history
-
-
 def main(argv: Sequence[str] | None = None) -> int:
-    """Command-line entry: ``--spec <json file>`` with the fields of :class:`OfflineSpec`."""
-    from pivotrl.training.launch import read_spec
+    """``python -m pivotrl.training.pivotrl --spec <json file>``: see :mod:`pivotrl.training.offline`."""
+    from pivotrl.training.offline import main as offline_main
 
-    spec = read_spec(argv, OfflineSpec)
-    run_offline(spec)
-    return 0
+    return offline_main(argv)
+
+
+def __getattr__(name: str) -> Any:
+    if name == "OfflineSpec":  # the offline entry's spec, importable from the entry module it runs under
+        from pivotrl.training.offline import OfflineSpec
+
+        return OfflineSpec
+    raise AttributeError(name)
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ from typing import Any, Sequence
 import torch
 
 from pivotrl.errors import ConfigError, DataError, TrainingError
+from pivotrl.storage.files import atomic_file
 from pivotrl.training.deepspeed_utils import (
     build_engine,
     data_parallel_loss_scale,
@@ -259,10 +260,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     metrics = run_sft(spec.model_dir, read_examples(spec.examples_path), spec.out_dir, **(spec.options or {}))
     rank, _ = rank_and_world()
     if rank == 0 and spec.metrics_path:
-        target = Path(spec.metrics_path)
-        tmp = target.with_name(f".{target.name}.tmp")
-        tmp.write_text(json.dumps(metrics, indent=2, sort_keys=True))
-        os.replace(tmp, target)
+        with atomic_file(spec.metrics_path) as tmp:
+            tmp.write_text(json.dumps(metrics, indent=2, sort_keys=True))
     return 0
 
 
