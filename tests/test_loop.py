@@ -158,7 +158,7 @@ def test_refilter_between_epochs_drops_pivots_that_left_the_filter(engine, ckpt:
     from pivotrl.training.loop import Refilter
     from pivotrl.training.pivotrl import PivotRLTrainer
 
-    trainer = PivotRLTrainer(ckpt, group_size=4, dtype="float32", lr=1e-3, beta=0.0, updates_per_batch=1, seed=0)
+    trainer = PivotRLTrainer.build(ckpt, group_size=4, dtype="float32", lr=1e-3, beta=0.0, updates_per_batch=1, seed=0)
     pivots = _states("p0", "easy-1", "p2", "undecided-3")
     schedule = pivot_schedule(len(pivots), 2, 2, seed=0, max_steps=None)  # 2 epochs of 2 batches
     rf = Refilter(num_probes=8, temperature=1.0, top_p=1.0, top_k=0, seed=0, lambda_diff=0.5, steps_per_epoch=2)
