@@ -7,7 +7,7 @@ read with the tool-call parser named by ``prompt.tool_parser`` — the name vLLM
 
     vllm serve <checkpoint> --enable-auto-tool-choice --tool-call-parser hermes
 
-``tests/test_serving.py`` starts this server on 127.0.0.1 with a tiny exported checkpoint and
+``tests/integration/test_serving.py`` starts this server on 127.0.0.1 with a tiny exported checkpoint and
 sends a chat request with tools.
 """
 

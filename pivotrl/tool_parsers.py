@@ -3,7 +3,7 @@
 One parser, chosen by ``prompt.tool_parser``, reads every sampled action of a run: probing,
 training, the verifiers and evaluation. The names are those of vLLM's ``--tool-call-parser``, so a
 checkpoint trained with parser ``X`` is served with ``vllm serve --enable-auto-tool-choice
---tool-call-parser X`` and its calls are read the same way (``tests/test_tool_parsers.py`` checks
+--tool-call-parser X`` and its calls are read the same way (``tests/integration/test_tool_parsers.py`` checks
 the agreement with vLLM's classes on a corpus of outputs).
 
 ``pythonic``

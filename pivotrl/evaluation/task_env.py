@@ -227,7 +227,7 @@ def pivotrl_judge(model_env: ToolSession, truth_env: ToolSession, turn: UserTurn
     ``outputs_so_far``: every tool output of the policy, all turns so far.
 
     pivotrl's own judge (``judge="pivotrl"``, for environments run elsewhere, e.g. in the sandbox) follows
-    BFCL's checker on the environment snapshots, turn by turn (``tests/test_bfcl_judge.py`` measures where
+    BFCL's checker on the environment snapshots, turn by turn (``tests/integration/test_bfcl_judge.py`` measures where
     it and BFCL's disagree):
     
     1. the demonstration's calls of the turn are replayed in a separate ground-truth environment that

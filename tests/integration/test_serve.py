@@ -16,7 +16,7 @@ import pytest
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _free_port() -> int:

@@ -81,7 +81,7 @@ def test_stop_decision_accepts_no_call_and_rejects_calls():
 
 def test_text_demo_without_a_rule_rewards_no_text():
     # No reward for arbitrary text: without an explicit rule nothing is accepted (and such a state
-    # never becomes a pivot: tests/test_text_turns.py).
+    # never becomes a pivot: tests/unit/test_text_turns.py).
     for ctx in ({}, {"candidate_kind": "text_no_rule"}):
         state = _state(Message("assistant", "The answer is 42."), **ctx)
         for name in ("tool_name", "arguments"):

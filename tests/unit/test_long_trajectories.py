@@ -20,7 +20,7 @@ from pivotrl.errors import DataError
 from pivotrl.pipeline.demos import build_demonstrations, read_histories
 from pivotrl.storage import ArtifactStore
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 from bench_long_trajectories import trajectory  # noqa: E402
 
 

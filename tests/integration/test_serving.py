@@ -18,8 +18,8 @@ import pytest
 from pivotrl.config import load_config
 from pivotrl.serving import serve_command, serve_command_for
 
-REPO = Path(__file__).resolve().parents[1]
-TEMPLATES = Path(__file__).parent / "fixtures" / "chat_templates"
+REPO = Path(__file__).resolve().parents[2]
+TEMPLATES = Path(__file__).resolve().parents[1] / "fixtures" / "chat_templates"
 
 
 def test_multinode_gpu_config_names_a_real_agent_model_and_renders_its_commands():

@@ -86,7 +86,7 @@ def test_candidates_round_trip_to_the_full_form_byte_for_byte(traj, tmp_path):
 
 
 def test_prompts_rendered_and_encoded_from_candidates_are_identical():
-    qwen = tiny_chat_tokenizer("qwen2.5", (Path(__file__).parent / "fixtures" / "chat_templates" / "qwen2.5.jinja").read_text())
+    qwen = tiny_chat_tokenizer("qwen2.5", (Path(__file__).resolve().parents[1] / "fixtures" / "chat_templates" / "qwen2.5.jinja").read_text())
     toks = {"pythonic": (tiny_tokenizer(), {}), "qwen2.5": (qwen, {"format": "auto", "tool_parser": "auto"})}
     states = [s for t in TRAJS for s in extract_turn_states(t)]
     new, old = frame_to_states(candidates_frame(states), _hist(TRAJS)), frame_to_states(states_to_frame(states))

@@ -18,7 +18,7 @@ import pytest
 from pivotrl.lease import lease_path, stage_lease
 from pivotrl.storage import ArtifactStore
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 STAGES = ("demonstrations", "reference", "probe", "train", "evaluate")
 
 

@@ -25,7 +25,7 @@ import pytest
 # Several processes each (launchers, stage subprocesses, benchmark scripts): not in `make test-fast`.
 pytestmark = pytest.mark.integration
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 CHILD = textwrap.dedent(
     """

@@ -29,7 +29,7 @@ from pivotrl.errors import ConfigError
 from pivotrl.storage import ArtifactStore
 from pivotrl.tracking import flatten_params
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _free_port() -> int:

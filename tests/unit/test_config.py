@@ -26,7 +26,7 @@ from pivotrl.config import (
 )
 from pivotrl.errors import ConfigError
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 CONFIGS = ["default", "smoke", "multinode-gpu"]
 
 

@@ -17,7 +17,7 @@ import pytest
 from pivotrl.code_digest import STAGE_CODE, code_digest, stage_code_digest
 from pivotrl.errors import ConfigError, StorageError
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 KEYS = """
 import json

@@ -22,7 +22,7 @@ from pivotrl.ray_local import RayCluster
 from pivotrl.storage import ArtifactStore
 from pivotrl.testing import save_tiny_checkpoint
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 #: The smoke config's one multi-turn trajectory in the pivot split: its calls run in the BFCL sandbox.
 DRILL = "multi_turn_base_1"
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 PKG = REPO / "pivotrl"
 
 #: The core: math, data model, verifiers, parsers, renderers, config, storage.

@@ -19,7 +19,7 @@ from pivotrl.storage_check import check_storage
 
 pytestmark = pytest.mark.integration
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 PIVOTRL = str(Path(sys.executable).parent / "pivotrl")
 
 

@@ -26,7 +26,7 @@ psutil = pytest.importorskip("psutil")
 
 pytestmark = pytest.mark.integration
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 STOP_LIMIT_S = 10.0
 
 

@@ -57,7 +57,7 @@ def test_run_stops_before_the_flow_on_a_missing_model(tmp_path) -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "pivotrl.flows.cli", "run", "--config", "configs/smoke.yaml",
          "--set", f"run.storage_root={tmp_path / 'root'}", "--set", f"model.source={tmp_path / 'tiny-model'}"],
-        capture_output=True, text=True, timeout=120, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+        capture_output=True, text=True, timeout=120, cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
     )
     assert proc.returncode == 2
     assert "model error: model source" in proc.stderr and "make smoke" in proc.stderr
@@ -257,6 +257,6 @@ def test_gemma3_from_four_pinned_wheels_loads_and_has_no_chat_template(tmp_path)
     # With its family's template supplied (prompt.chat_template) it renders and stops at <end_of_turn>.
     from pivotrl.chat_format import attach_chat_template
 
-    template = Path(__file__).parent / "fixtures" / "chat_templates" / "gemma3.jinja"
+    template = Path(__file__).resolve().parents[1] / "fixtures" / "chat_templates" / "gemma3.jinja"
     fmt = resolve_format(load_tokenizer(attach_chat_template(path, template, tmp_path / "cache")), "auto", "auto")
     assert (fmt.format, fmt.tool_parser) == ("chat_template", "pythonic") and len(fmt.stop_ids) == 2

@@ -15,8 +15,8 @@ from pivotrl.pipeline.demos import build_demonstrations
 from pivotrl.storage import ArtifactStore
 from pivotrl.testing import save_tiny_checkpoint, tiny_chat_tokenizer
 
-REPO = Path(__file__).resolve().parents[1]
-TEMPLATES = Path(__file__).parent / "fixtures" / "chat_templates"
+REPO = Path(__file__).resolve().parents[2]
+TEMPLATES = Path(__file__).resolve().parents[1] / "fixtures" / "chat_templates"
 # The Llama 3.1 template renders one call per assistant turn: single-call BFCL categories only.
 SINGLE_CALL = "data.sources=[{kind: bfcl, categories: [simple_python, multiple], limit_per_category: 5}]"
 CASES = {

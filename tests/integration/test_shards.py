@@ -18,7 +18,7 @@ from pivotrl.pipeline.shards import merge_probe_shards, plan_probe_shards, probe
 from pivotrl.storage import ArtifactStore
 from pivotrl.testing import save_tiny_checkpoint
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def smoke_config(root: Path, model: Path, *extra: str):

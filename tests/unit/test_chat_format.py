@@ -17,7 +17,7 @@ from pivotrl.models import load_tokenizer
 from pivotrl.prompts import build_sft_examples, encode_state
 from pivotrl.testing import save_tiny_checkpoint, tiny_chat_tokenizer, tiny_tokenizer
 
-TEMPLATES = Path(__file__).parent / "fixtures" / "chat_templates"
+TEMPLATES = Path(__file__).resolve().parents[1] / "fixtures" / "chat_templates"
 FAMILY = {"qwen2.5": "qwen2.5", "llama3.1": "llama3.1", "gemma3": "gemma3"}
 EXPECTED = {  # template → (format, parser, tools rendered by the template)
     "qwen2.5": ("chat_template", "hermes", True),

@@ -20,7 +20,7 @@ from pivotrl.pipeline.probe import candidate_kind_column
 from pivotrl.storage import ArtifactStore
 from pivotrl.testing import save_tiny_checkpoint
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def smoke_config(root: Path, model: Path, *extra: str):

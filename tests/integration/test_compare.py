@@ -22,7 +22,7 @@ from pivotrl.pipeline.demos import build_demonstrations, read_trajectories
 from pivotrl.storage import ArtifactStore
 from pivotrl.testing import save_tiny_checkpoint
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.data, pytest.mark.integration]
 
 

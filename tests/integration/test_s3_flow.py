@@ -34,7 +34,7 @@ from pivotrl.storage import COMPLETE_MARKER, MANIFEST_SUFFIX, ArtifactStore, Ret
 
 pytestmark = pytest.mark.integration
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 BUCKET = "pivotrl-flow"
 #: Keys (JSON) and columns (Parquet) that hold times, throughputs, temporary paths or the config hash.
 VOLATILE = {"time_s", "tokens_per_s", "out_dir", "wall_s", "config_hash", "step_time_s", "rollout_s"}
