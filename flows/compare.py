@@ -17,14 +17,12 @@ def compare(config_path: str = "configs/default.yaml", overrides: list[str] | No
 
     Returns the comparison result: ``report_md``/``report_json`` URIs and the report dict.
     """
-    from pivotrl.config import load_config
+    from pivotrl.flows.nightly import _checked_config
     from pivotrl.tasks.compare import compare_tasks
     from pivotrl.tasks.stages import pipeline_tasks
 
-    from pivotrl.sizing import sized_config
-
-    # sized like the nightly run (run.sizing), so the shared stages are the nightly run's
-    config = sized_config(load_config(config_path, overrides or []), overrides or [], echo=print).model_dump(mode="json")
+    # checked and sized like the nightly run (run.sizing), so the shared stages are the nightly run's
+    config = _checked_config(config_path, overrides)
     t = pipeline_tasks(config)
     c = compare_tasks(config)
     demos = t.demonstrations(config)
