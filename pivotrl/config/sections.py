@@ -210,6 +210,13 @@ class RolloutSection(Section):
     tensor_parallel_size: Int = Field(
         1, ge=1, description="vLLM tensor parallelism: GPUs one rollout engine spans (1 on CPU)."
     )
+    num_engines: Int = Field(1, ge=1, description=(
+        "Rollout engines serving the GRPO groups of a training batch, all on the trainer's rank 0: the "
+        "batch's states are split across them in order, they generate concurrently, and every engine is "
+        "refreshed and verified after each step. Probing and evaluation are unaffected (one engine per task)."))
+    gpu_memory_utilization: Float | None = Field(None, gt=0, le=1, description=(
+        "vLLM on GPUs: fraction of a GPU's memory one engine may take (null: vLLM's default, 0.9). In "
+        "training the engine shares rank 0's GPU with the trainer: leave room for it."))
 
 
 # ---------------------------------------------------------------------------------- warm_start

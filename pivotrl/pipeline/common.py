@@ -142,8 +142,9 @@ def sampling_for(cfg: RunConfig, *, n: int, temperature: float, seed: int | None
                           max_tokens=cfg.rollout.max_tokens, seed=seed)
 
 
-def make_rollout_engine(cfg: RunConfig, model_dir: Path | str, *, engine: str | None = None) -> Any:
-    """The configured rollout engine on ``model_dir`` (vLLM by default, transformers fallback)."""
+def make_rollout_engine(cfg: RunConfig, model_dir: Path | str, *, engine: str | None = None, **extra: Any) -> Any:
+    """The configured rollout engine on ``model_dir`` (vLLM by default, transformers fallback);
+    ``extra`` keywords go to the engine's constructor (e.g. ``cpu_ids`` of one of several vLLM engines)."""
     from pivotrl.rollout import make_engine
 
     if Path(model_dir).is_dir():
@@ -158,7 +159,9 @@ def make_rollout_engine(cfg: RunConfig, model_dir: Path | str, *, engine: str | 
                       cpu_threads=cfg.rollout.num_threads)
         if cfg.rollout.tensor_parallel_size > 1:
             kwargs["tensor_parallel_size"] = cfg.rollout.tensor_parallel_size
-    return make_engine(name, str(model_dir), **kwargs)
+        if cfg.rollout.gpu_memory_utilization is not None:
+            kwargs["gpu_memory_utilization"] = cfg.rollout.gpu_memory_utilization
+    return make_engine(name, str(model_dir), **kwargs, **extra)
 
 
 def prompt_kwargs(cfg: RunConfig) -> dict[str, Any]:

@@ -98,7 +98,7 @@ def stage_train(cfg: RunConfig, store: ArtifactStore, probe: ProbeResult | Mappi
         policy_dir = step_dir / "hf"
         log.info("resuming PivotRL training from %s (step %d)", latest, start)
     verifier = make_verifier(cfg, ensure_bfcl(cache), tokenizer=tok) if lead else None
-    engine = make_rollout_engine(cfg, policy_dir) if lead else None
+    engine = make_training_engines(cfg, policy_dir) if lead else None
     settings = LoopSettings(
         group_size=tr.group_size, max_tokens=cfg.rollout.max_tokens, seed=cfg.run.seed,
         checkpoint_every=tr.checkpoint_every, dtype=cfg.model.dtype,
@@ -141,6 +141,34 @@ def stage_train(cfg: RunConfig, store: ArtifactStore, probe: ProbeResult | Mappi
                                                                          "prompt_format": ref.prompt_format})
     shutil.rmtree(work, ignore_errors=True)
     return TrainResult(tkey, final_key, metrics_uri, summary)
+
+
+def make_training_engines(cfg: RunConfig, model_dir: Path | str) -> Any:
+    """The rollout engine(s) of the train stage on rank 0: one engine for ``rollout.num_engines: 1``
+    (as before), else an ``EnginePool`` of that many (:mod:`pivotrl.rollout.pool`), each vLLM engine
+    on CPU bound to its own block of this process's CPUs (``engine_cpus``) with at most
+    ``rollout.num_threads`` threads. On GPUs every engine of the pool is built in rank 0's process
+    with vLLM's own device choice: they are not placed on separate GPUs. An engine that fails to
+    build closes the ones already built."""
+    from pivotrl.rollout.pool import EnginePool, engine_cpus
+
+    n = cfg.rollout.num_engines
+    if n == 1:
+        return make_rollout_engine(cfg, model_dir)
+    engines: list[Any] = []
+    try:
+        for j in range(n):
+            extra = {"cpu_ids": engine_cpus(j, n)} if cfg.rollout.engine == "vllm" else {}
+            engines.append(make_rollout_engine(cfg, model_dir, **extra))
+    except BaseException:
+        for e in engines:
+            try:
+                e.close()
+            except Exception:  # noqa: BLE001 - the build error is the one to report
+                log.warning("closing a rollout engine after a failed build failed", exc_info=True)
+        raise
+    log.info("train: %d rollout engines on rank 0 (%s)", n, cfg.rollout.engine)
+    return EnginePool(engines)
 
 
 def _empty(cfg: RunConfig, store: ArtifactStore, probe: ProbeResult, tkey: str) -> TrainResult:

@@ -117,6 +117,7 @@ class TransformersEngine:
         *,
         stop_fn: StopFn | None = None,
         seeds: Sequence[int] | None = None,
+        positions: Sequence[int] | None = None,
     ) -> list[list[Generation]]:
         """Sample ``sampling.n`` actions for each prompt.
 
@@ -129,6 +130,9 @@ class TransformersEngine:
             seeds: optional per-prompt base seeds (one int per prompt, overriding ``sampling.seed``):
                 sample k of prompt i then draws from ``sample_seed(seeds[i], 0, k)``, so a prompt's
                 samples do not depend on its position in the batch (sharded probing).
+            positions: optional batch positions to seed by (one int per prompt): prompt i is seeded
+                as if it stood at ``positions[i]`` of the batch, ``sample_seed(sampling.seed,
+                positions[i], k)`` (several engines sharing one batch, ``pivotrl.rollout.pool``).
 
         Returns:
             ``[len(prompts)][K]`` :class:`Generation`; ``rollout_logprobs[t]`` = log π(token_t |
@@ -145,10 +149,13 @@ class TransformersEngine:
                 raise ConfigError(f"generate: {len(seeds)} seeds for {len(prompts)} prompts")
             return [self._generate_one(list(map(int, prompt)), sampling, int(seed), 0, stop_fn)
                     for prompt, seed in zip(prompts, seeds)]
+        if positions is not None and len(positions) != len(prompts):
+            raise ConfigError(f"generate: {len(positions)} positions for {len(prompts)} prompts")
         base_seed = sampling.seed if sampling.seed is not None else int(torch.randint(0, 2**62, (1,)).item())
+        at = range(len(prompts)) if positions is None else [int(x) for x in positions]
         return [
             self._generate_one(list(map(int, prompt)), sampling, base_seed, i, stop_fn)
-            for i, prompt in enumerate(prompts)
+            for i, prompt in zip(at, prompts)
         ]
 
     def _generate_one(

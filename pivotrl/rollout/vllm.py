@@ -51,6 +51,9 @@ class VLLMEngine:
             throughput (67 vs 115 generated tok/s on SmolLM2, benchmarks/RESULTS.md §3). An
             explicit ``VLLM_CPU_OMP_THREADS_BIND`` in the environment wins; ignored on GPUs and
             with tensor parallelism.
+        cpu_ids: CPU builds only: the CPUs this engine's worker may bind to (default: all this
+            process may run on); several engines in one process get disjoint sets
+            (``rollout.num_engines``, ``pivotrl.pipeline.common.make_rollout_engine``).
         llm_kwargs: further ``vllm.LLM`` arguments.
 
     Raises:
@@ -67,6 +70,7 @@ class VLLMEngine:
         enable_prefix_caching: bool = True,
         seed: int = 0,
         cpu_threads: int | None = None,
+        cpu_ids: Sequence[int] | None = None,
         **llm_kwargs: Any,
     ) -> None:
         if cpu_threads is not None and cpu_threads < 1:
@@ -90,7 +94,7 @@ class VLLMEngine:
         self.max_model_len = int(max_model_len)
         bind = None
         if int(llm_kwargs.get("tensor_parallel_size", 1)) == 1 and _is_cpu_platform():
-            bind = cpu_bind_list(cpu_threads, os.environ)
+            bind = cpu_bind_list(cpu_threads, os.environ, allowed=cpu_ids)
         self.cpu_bind = bind or os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
         try:
             # Set only while the engine process starts (it inherits the environment).
@@ -119,6 +123,7 @@ class VLLMEngine:
         *,
         stop_fn: StopFn | None = None,
         seeds: Sequence[int] | None = None,
+        positions: Sequence[int] | None = None,
     ) -> list[list[Generation]]:
         """Sample ``sampling.n`` actions per prompt; see ``TransformersEngine.generate``.
 
@@ -126,7 +131,8 @@ class VLLMEngine:
         after the first token at which ``stop_fn(text)`` is True, with finish_reason "abort".
         The result therefore equals an early-stopped sample; no compute is saved.
         With ``sampling.seed`` set, prompt i uses the seed ``sample_seed(seed, i, 0)``; with
-        per-prompt ``seeds``, ``sample_seed(seeds[i], 0, 0)`` (independent of the batch).
+        per-prompt ``seeds``, ``sample_seed(seeds[i], 0, 0)`` (independent of the batch); with
+        ``positions``, ``sample_seed(seed, positions[i], 0)`` (one batch split across engines).
 
         Returns:
             ``[len(prompts)][K]`` generations; ``rollout_logprobs`` at temperature 1.
@@ -137,6 +143,9 @@ class VLLMEngine:
         check_prompts(prompts, self.vocab_size, self.max_model_len)
         if seeds is not None and len(seeds) != len(prompts):
             raise ConfigError(f"generate: {len(seeds)} seeds for {len(prompts)} prompts")
+        if positions is not None and len(positions) != len(prompts):
+            raise ConfigError(f"generate: {len(positions)} positions for {len(prompts)} prompts")
+        at = list(range(len(prompts))) if positions is None else [int(x) for x in positions]
         params = []
         for i, prompt in enumerate(prompts):
             params.append(
@@ -147,7 +156,7 @@ class VLLMEngine:
                     top_k=int(sampling.top_k),
                     max_tokens=min(sampling.max_tokens, self.max_model_len - len(prompt)),
                     seed=(sample_seed(int(seeds[i]), 0, 0) if seeds is not None
-                          else None if sampling.seed is None else sample_seed(sampling.seed, i, 0)),
+                          else None if sampling.seed is None else sample_seed(sampling.seed, at[i], 0)),
                     stop=list(sampling.stop) or None,
                     logprobs=0,
                     skip_special_tokens=True,

@@ -10,6 +10,16 @@ the transformers engine, a tiny random model and a toy verifier.
 
 Data parallel: every rank trains; rank 0 alone owns the rollout engine and the verifier (``None``
 on the other ranks) and broadcasts each batch's groups, so all ranks step on the same global batch.
+
+Several engines (``rollout.num_engines`` > 1): ``engine`` is a :class:`pivotrl.rollout.pool.EnginePool`
+on rank 0. The batch's states are split across its engines in order (engine j serves block j of
+the batch positions), they generate concurrently, each state seeded by its position in the whole
+batch (the same samples as one engine would draw), and after every step *every* engine is refreshed
+and checked against the trainer; a row then also carries ``engines``,
+``refresh_verified_engines`` (engines whose log-probs of the check action matched the trainer's;
+0 when the batch had no action to check), ``refresh_max_abs_delta_e<j>`` and
+``rollout_states_e<j>`` (states engine j sampled at). With one engine the rows are as before.
+Engines on other ranks or nodes (one per node) are not implemented: rank 0 owns every engine.
 """
 
 from __future__ import annotations
@@ -30,7 +40,7 @@ log = logging.getLogger("pivotrl.training")
 
 __all__ = [
     "LoopHooks", "LoopSettings", "REFRESH_MEAN_TOLERANCE", "Refilter", "check_refresh", "pivot_schedule",
-    "refresh_delta", "run_rl_loop",
+    "refresh_delta", "refresh_ok", "run_rl_loop",
 ]
 
 #: Mean |Δ| per token allowed between engine and trainer log-probs after a refresh (spec tolerances).
@@ -242,6 +252,7 @@ def run_rl_loop(trainer: Any, engine: Any, verifier: Any, pivots: Sequence[Any],
             keep = set(active)
             idx = [i for i in schedule[step] if i in keep]
             batch = _rollout(engine, verifier, pivots, prompts, idx, settings, step) if lead else _Batch()
+            served = [len(b) for b in getattr(engine, "served", [])] if lead else []
             groups, dropped, retries = broadcast((batch.groups, batch.dropped, batch.retries), world)
             t_roll = time.time() - t0
             metrics = trainer.train_step(groups) if groups else {}
@@ -255,22 +266,32 @@ def run_rl_loop(trainer: Any, engine: Any, verifier: Any, pivots: Sequence[Any],
             action = groups[0].actions[0] if groups else None
             trainer_lp = trainer.old_policy_logprobs(probe_prompt, action) if action else []
             d_max = d_mean = 0.0
+            per_engine: list[tuple[float, float] | None] = []
             if lead:
                 engine.load_weights(str(export))
-                d_max, d_mean = refresh_delta(engine, probe_prompt, action, trainer_lp)
-            d_max, d_mean = broadcast((d_max, d_mean), world)
+                if _several(engine):
+                    per_engine = engine.refresh_deltas(probe_prompt, action, trainer_lp)
+                    d_max = max((d[0] for d in per_engine if d), default=0.0)
+                    d_mean = max((d[1] for d in per_engine if d), default=0.0)
+                else:
+                    d_max, d_mean = refresh_delta(engine, probe_prompt, action, trainer_lp)
+            d_max, d_mean, per_engine, served = broadcast((d_max, d_mean, per_engine, served), world)
+            engines_row = _engines_row(per_engine, served, settings) if per_engine else {}
             shutil.rmtree(work / f"policy-{step - 1}", ignore_errors=True)
             row = {"step": step + 1, "pivots": len(idx), "groups": len(groups), "dropped_groups": dropped,
                    "verifier_retries": retries,
                    **{k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))},
                    "rollout_s": round(t_roll, 3), "step_time_s": round(time.time() - t0, 3),
-                   "refresh_max_abs_delta": d_max, "refresh_mean_abs_delta": d_mean, **refiltered}
+                   "refresh_max_abs_delta": d_max, "refresh_mean_abs_delta": d_mean, **engines_row, **refiltered}
             rows.append(row)
             if lead:
                 hooks.log_row(row)
             # Groups not trained (dropped, zero advantage, a short last batch) still count as done.
             bar.update((step + 1 - start) * per_step - bar.done, steps=1)
-            check_refresh(step + 1, d_max, d_mean, settings.refresh_tolerance, settings.dtype)
+            for j, d in enumerate(per_engine or [(d_max, d_mean)]):
+                if d is not None:
+                    check_refresh(step + 1, d[0], d[1], settings.refresh_tolerance, settings.dtype,
+                                  engine=j if per_engine else None)
             if (step + 1) % settings.checkpoint_every == 0 or step + 1 == len(schedule):
                 hooks.save_checkpoint(step + 1, rows)
         bar.__exit__(None, None, None)
@@ -279,17 +300,43 @@ def run_rl_loop(trainer: Any, engine: Any, verifier: Any, pivots: Sequence[Any],
     return rows
 
 
-def check_refresh(step: int, d_max: float, d_mean: float, tol_max: float, dtype: str) -> None:
+def _several(engine: Any) -> bool:
+    """True for an engine pool of more than one engine (``pivotrl.rollout.pool.EnginePool``)."""
+    return hasattr(engine, "refresh_deltas") and len(getattr(engine, "engines", ())) > 1
+
+
+def _engines_row(per_engine: Sequence[tuple[float, float] | None], served: Sequence[int],
+                 settings: LoopSettings) -> dict[str, Any]:
+    """The per-engine columns of a metrics row (several engines only; see the module docstring)."""
+    row: dict[str, Any] = {"engines": len(per_engine), "refresh_verified_engines": sum(
+        1 for d in per_engine if d is not None
+        and refresh_ok(d[0], d[1], settings.refresh_tolerance, settings.dtype))}
+    for j, d in enumerate(per_engine):
+        row[f"refresh_max_abs_delta_e{j}"] = d[0] if d is not None else 0.0
+    for j, n in enumerate(served):
+        row[f"rollout_states_e{j}"] = n
+    return row
+
+
+def refresh_ok(d_max: float, d_mean: float, tol_max: float, dtype: str) -> bool:
+    """Whether a refresh check passes (:func:`check_refresh`'s rule, without raising)."""
+    return not (d_mean > REFRESH_MEAN_TOLERANCE.get(dtype, 0.05) or (dtype == "fp32" and d_max > tol_max))
+
+
+def check_refresh(step: int, d_max: float, d_mean: float, tol_max: float, dtype: str, *,
+                  engine: int | None = None) -> None:
     """Fail loudly if the rollout engine is not serving the trainer's weights after a refresh.
 
     fp32: both the max and the mean per-token |Δ| must be within tolerance (engines agree to ~1e-5).
     bf16: the mean must be ≤ 0.05; a max above ``refresh_tolerance`` alone is logged, not fatal —
     single bf16 tokens differ by up to ~0.3–0.5 between kernels (measured), while a refresh that did
-    not take shows on the mean. Raises TrainingError naming the step and the numbers."""
+    not take shows on the mean. Raises TrainingError naming the step, the engine (``engine``: its
+    index in a pool of several) and the numbers."""
     mean_tol = REFRESH_MEAN_TOLERANCE.get(dtype, 0.05)
-    if d_mean > mean_tol or (dtype == "fp32" and d_max > tol_max):
+    which = "" if engine is None else f" (rollout engine {engine})"
+    if not refresh_ok(d_max, d_mean, tol_max, dtype):
         raise TrainingError(
-            f"policy refresh check failed at step {step}: engine vs trainer log-probs differ by {d_max:.3g} "
+            f"policy refresh check failed at step {step}{which}: engine vs trainer log-probs differ by {d_max:.3g} "
             f"(max) / {d_mean:.3g} (mean) per token (tolerances {tol_max:g} / {mean_tol:g}); the rollout "
             "engine is not sampling from π_old")
     if d_max > tol_max:
