@@ -133,3 +133,30 @@ def test_one_engine_that_missed_its_refresh_fails_the_step_naming_it(ckpt: Path,
         run_rl_loop(trainer, EnginePool([good, stale]), EvenVerifier(), pivots, PROMPTS, [[0, 1, 2, 3, 4]],
                     _settings(), tmp_path / "work", progress=False)
     assert good.refreshes == stale.refreshes == 1
+
+
+def test_the_pool_imports_without_prefect_vllm_deepspeed_or_torch() -> None:
+    import subprocess
+    import sys
+
+    code = ("import sys\n"
+            "for name in ('prefect', 'vllm', 'deepspeed', 'torch', 'pivotrl.pipeline'):\n"
+            "    sys.modules[name] = None\n"
+            "import pivotrl.rollout.pool\n"
+            "print('ok')\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
+def test_the_train_stage_builds_one_engine_or_a_pool_from_the_config(ckpt: Path) -> None:
+    from pivotrl.config import load_config
+    from pivotrl.pipeline.train import make_training_engines
+
+    base = ["rollout.engine=transformers", "model.dtype=fp32"]
+    one = make_training_engines(load_config(None, base), ckpt)
+    assert isinstance(one, TransformersEngine)  # num_engines: 1 is the single engine, as before
+    pool = make_training_engines(load_config(None, [*base, "rollout.num_engines=2"]), ckpt)
+    assert isinstance(pool, EnginePool) and len(pool) == 2
+    assert all(isinstance(e, TransformersEngine) for e in pool.engines) and pool.engines[0] is not pool.engines[1]
+    one.close()
+    pool.close()
