@@ -198,8 +198,8 @@ def run_rl_loop(trainer: Any, engine: Any, verifier: Any, pivots: Sequence[Any],
 
     Args:
         trainer: a ``PivotRLTrainer`` (``train_step``, ``export_hf``, ``old_policy_logprobs``).
-        engine: the rollout engine serving π_old (rank 0; None elsewhere); refreshed in place
-            (``load_weights``) after every step.
+        engine: the rollout engine serving π_old (rank 0; None elsewhere), or an ``EnginePool`` of
+            several; refreshed in place (``load_weights``, every engine) after every step.
         verifier: ``score(state, actions)`` (rank 0; None elsewhere).
         pivots: the pivot set (``TurnState``-like: a ``state_id``, whatever the verifier reads).
         prompts: each pivot's encoded prompt (token ids).
@@ -212,7 +212,8 @@ def run_rl_loop(trainer: Any, engine: Any, verifier: Any, pivots: Sequence[Any],
 
     Each row: step (1-based), pivots, groups, dropped_groups, verifier_retries, the trainer's
     metrics (reward_mean, kl, ...), rollout_s, step_time_s, refresh_max_abs_delta and
-    refresh_mean_abs_delta (engine vs trainer log-probs of a fixed action, nats per token).
+    refresh_mean_abs_delta (engine vs trainer log-probs of a fixed action, nats per token; the
+    largest over the engines of a pool, whose per-engine columns the module docstring lists).
 
     Raises:
         TrainingError: the engine does not serve the trainer's weights after a refresh
