@@ -122,6 +122,19 @@ def test_two_engines_serve_the_batch_and_are_refreshed_and_verified_every_step(c
         assert r["groups"] == 5 and all(math.isfinite(r[k]) for k in ("loss", "kl", "reward_mean", "grad_norm"))
     pool.close()
 
+    # Reproducible across N: one engine, same seeds → the same rows but for the engine columns and times.
+    trainer1 = PivotRLTrainer.build(ckpt, group_size=4, dtype="float32", lr=1e-3, beta=0.0, updates_per_batch=1, seed=0)
+    single = _engines(ckpt, 1)[0]
+    rows1 = run_rl_loop(trainer1, single, EvenVerifier(), pivots, PROMPTS, schedule, _settings(), tmp_path / "work1",
+                        progress=False)
+    skip = ("rollout_s", "step_time_s", "tokens_per_s", "engines", "refresh_verified_engines", "_e0", "_e1")
+
+    def same_part(rs):
+        return [{k: v for k, v in r.items() if not k.endswith(skip)} for r in rs]
+
+    assert same_part(rows) == same_part(rows1) and "engines" not in rows1[0]
+    single.close()
+
 
 def test_one_engine_that_missed_its_refresh_fails_the_step_naming_it(ckpt: Path, tmp_path: Path) -> None:
     from pivotrl.training.pivotrl import PivotRLTrainer
