@@ -162,7 +162,7 @@ def test_the_pool_imports_without_prefect_vllm_deepspeed_or_torch() -> None:
 
 
 def test_the_train_stage_builds_one_engine_or_a_pool_from_the_config(ckpt: Path) -> None:
-    from pivotrl.config import load_config
+    from pivotrl.config import RunConfig, load_config
     from pivotrl.pipeline.train import make_training_engines
 
     base = ["rollout.engine=transformers", "model.dtype=fp32"]
@@ -173,3 +173,7 @@ def test_the_train_stage_builds_one_engine_or_a_pool_from_the_config(ckpt: Path)
     assert all(isinstance(e, TransformersEngine) for e in pool.engines) and pool.engines[0] is not pool.engines[1]
     one.close()
     pool.close()
+    # The GPU cluster config keeps one engine on rank 0 and leaves the trainer room on its GPU.
+    multi = load_config(str(Path(__file__).resolve().parents[2] / "configs" / "multinode-gpu.yaml"))
+    assert (multi.rollout.num_engines, multi.rollout.gpu_memory_utilization) == (1, 0.35)
+    assert (RunConfig().rollout.num_engines, RunConfig().rollout.gpu_memory_utilization) == (1, None)
