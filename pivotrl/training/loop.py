@@ -253,7 +253,8 @@ def run_rl_loop(trainer: Any, engine: Any, verifier: Any, pivots: Sequence[Any],
             keep = set(active)
             idx = [i for i in schedule[step] if i in keep]
             batch = _rollout(engine, verifier, pivots, prompts, idx, settings, step) if lead else _Batch()
-            served = [len(b) for b in getattr(engine, "served", [])] if lead else []
+            # States each engine of a pool sampled at in this step (none when the batch was empty).
+            served = [len(b) if idx else 0 for b in getattr(engine, "served", [])] if lead else []
             groups, dropped, retries = broadcast((batch.groups, batch.dropped, batch.retries), world)
             t_roll = time.time() - t0
             metrics = trainer.train_step(groups) if groups else {}
