@@ -121,7 +121,7 @@ def claims(stats: Mapping[str, Any], ledgers: Mapping[str, CostLedger]) -> list[
         f"2. PivotRL retains out-of-domain accuracy better than SFT (the paper: +10.04 points): {holds(ood)} here; "
         + _verdict(ood, "PivotRL − SFT, out-of-domain local accuracy") + ".",
         f"3. PivotRL reaches end-to-end RL's full-task success with fewer rollout turns (the paper: 4× fewer): "
-        f"{third} here; {spent}; " + _verdict(e2e, "PivotRL − E2E RL, full-task success") + ".",
+        f"{third}; {spent}; " + _verdict(e2e, "PivotRL − E2E RL, full-task success") + ".",
     ]
 
 

@@ -26,7 +26,7 @@ def _ledgers(calls_pivotrl: int, calls_e2e: int) -> dict[str, CostLedger]:
 def test_claim_three_needs_fewer_model_calls_than_e2e():
     # A tie in success, but PivotRL spent more model calls: "fewer rollout turns" is not shown.
     third = claims(_stats(0.0, 1.0), _ledgers(1536, 21))[2]
-    assert "is not shown: PivotRL used 73.1× E2E RL's model calls, not fewer" in third
+    assert "(the paper: 4× fewer): is not shown: PivotRL used 73.1× E2E RL's model calls, not fewer; " in third
     assert "E2E RL made 21 model calls (210 generated tokens), PivotRL 1536 (15360)" in third
     # Fewer calls and no significant difference: not contradicted; significantly better: holds.
     assert "is not contradicted (4.0× fewer model calls" in claims(_stats(0.0, 1.0), _ledgers(100, 400))[2]
