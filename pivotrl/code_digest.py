@@ -34,8 +34,14 @@ STAGE_CODE: dict[str, tuple[str, ...]] = {
     "probe": _CORE + _ENVS + ("pivotrl.verifiers", "pivotrl.rollout", "pivotrl.filtering",
                               "pivotrl.pipeline.probe"),
     # pivotrl.training holds the loop (training.loop), its checkpoints and the trainer.
+    # The training package without the baselines of ``pivotrl compare`` (sft, e2e): editing a
+    # baseline must not re-train PivotRL.
     "train": _CORE + _ENVS + ("pivotrl.verifiers", "pivotrl.rollout", "pivotrl.objective",
-                              "pivotrl.training", "pivotrl.pipeline.train"),
+                              *(f"pivotrl.training.{m}" for m in ("checkpoints", "deepspeed_utils", "groups",
+                                                                  "launch", "logprobs", "loop", "offline",
+                                                                  "pivotrl", "rl_stage", "settings",
+                                                                  "trainer_state")),
+                              "pivotrl.pipeline.train"),
     # The drift re-probe and the held-out state selection run pivotrl.pipeline.probe's code.
     "evaluate": _CORE + _ENVS + ("pivotrl.verifiers", "pivotrl.rollout", "pivotrl.evaluation",
                                  "pivotrl.pipeline.probe", "pivotrl.pipeline.evaluate"),

@@ -177,12 +177,14 @@ class CompareSection(Section):
     )
     sft_lr: Float | None = Field(None, gt=0, description="SFT learning rate (null = training.lr).")
     sft_batch_size: Int = Field(8, ge=1, description="Demonstrations per SFT optimiser step.")
-    e2e_budget: Literal["generated_tokens"] = Field(
-        "generated_tokens", description="What the end-to-end RL baseline matches with PivotRL: generated tokens."
+    e2e_budget: Literal["generated_tokens", "wall_time"] = Field(
+        "wall_time",
+        description="What the end-to-end RL baseline matches with PivotRL: its generated tokens (probing and "
+        "training), or its wall time (probing and training; stops at the first step past it).",
     )
     e2e_group_size: Int = Field(4, ge=2, description="K: episodes per task in one end-to-end GRPO group.")
     e2e_tasks_per_batch: Int = Field(1, ge=1, description="Tasks per end-to-end RL step.")
-    e2e_max_steps: Int = Field(2, ge=1, description="Upper bound on end-to-end RL steps (the budget stops it first).")
+    e2e_max_steps: Int = Field(16, ge=1, description="Upper bound on end-to-end RL steps (the budget stops it first).")
     e2e_reward: Literal["full_task", "per_turn"] = Field(
         "full_task", description="Episode reward: all turns passed (0/1), or the fraction of turns passed."
     )

@@ -7,9 +7,10 @@ Stages (each ``(cfg, store, inputs) -> result dict``, content-addressed like the
   the PivotRL run (``compare.sft_budget = optimizer_steps``): the examples are cycled in a seeded
   order to ``steps × compare.sft_batch_size`` and trained for one pass.
 * :func:`stage_e2e_baseline` - GRPO on whole tasks of the pivot split (``pivotrl.training.e2e``),
-  same trainer settings as PivotRL, **the same generated tokens** as PivotRL spent in probing
-  and training together (``compare.e2e_budget = generated_tokens``; ``compare.e2e_max_steps``
-  caps it).
+  same trainer settings as PivotRL, with PivotRL's probing and training together as its budget:
+  **the same generated tokens** (``compare.e2e_budget = generated_tokens``) or **the same wall
+  time** (``wall_time``: the loop stops at the first step past it); ``compare.e2e_max_steps``
+  caps it either way.
 * :func:`pivotrl_ledger` - PivotRL's cost, counted from its probe table and training metrics.
 * :func:`stage_compare_evaluate` - in ``pivotrl.pipeline.compare_eval``.
 
@@ -172,18 +173,21 @@ def stage_sft_baseline(cfg: RunConfig, store: ArtifactStore, demos: dict[str, An
 
 def stage_e2e_baseline(cfg: RunConfig, store: ArtifactStore, demos: dict[str, Any], ref: dict[str, Any],
                        probe: dict[str, Any], train: dict[str, Any]) -> dict[str, Any]:
-    """End-to-end GRPO of π_ref on the pivot split's tasks, with PivotRL's generated tokens.
+    """End-to-end GRPO of π_ref on the pivot split's tasks, with PivotRL's generated tokens or wall
+    time (probing and training) as its budget (``compare.e2e_budget``).
 
-    Returns {"key", "policy_key", "summary" (steps, budget_tokens, generated_tokens, reward per
-    step, start_hash, ...), "ledger"}. No task with an environment: the policy is π_ref (noted).
+    Returns {"key", "policy_key", "summary" (budget, budget_tokens, budget_wall_s, steps,
+    generated_tokens, wall_s, budget_reached, reward per step, start_hash, ...), "ledger"}. No task with an environment: the policy is π_ref (noted).
     """
     from pivotrl.data.bfcl import ensure_bfcl
     from pivotrl.models import checkpoint_hash, load_tokenizer
     from pivotrl.training.e2e import E2ESettings, run_e2e
     from pivotrl.training.pivotrl import PivotRLTrainer
 
-    budget = pivotrl_ledger(cfg, store, probe, train, ref).generated_tokens
     cp = cfg.compare
+    pivot_led = pivotrl_ledger(cfg, store, probe, train, ref)
+    by_tokens = cp.e2e_budget == "generated_tokens"
+    budget: float = pivot_led.generated_tokens if by_tokens else round(pivot_led.total_wall_s, 1)
     key = "compare/e2e/" + content_hash({"ref": ref["ref_hash"], "demos": demos["key"], "budget": budget,
                                          "compare": cp.model_dump(mode="json"),
                                          "training": cfg.training.model_dump(mode="json"),
@@ -198,14 +202,16 @@ def stage_e2e_baseline(cfg: RunConfig, store: ArtifactStore, demos: dict[str, An
     tasks = sorted((t for t in read_trajectories(store, demos["key"], split="pivot") if t.env is not None),
                    key=lambda t: t.id)
     led = CostLedger(name="e2e")
-    summary: dict[str, Any] = {"budget": "generated_tokens", "budget_tokens": budget, "tasks": len(tasks),
+    summary: dict[str, Any] = {"budget": cp.e2e_budget, "budget_tokens": pivot_led.generated_tokens,
+                               "budget_wall_s": round(pivot_led.total_wall_s, 1), "tasks": len(tasks),
                                "reward": cp.e2e_reward, "start_hash": start_hash, "reference_hash": ref["ref_hash"]}
     if not tasks or budget == 0:
         summary.update(steps=0, policy="reference", note="no pivot-split task with an environment or no budget")
         store.put_dir(str(rdir), f"{key}/policy")
     else:
         settings = E2ESettings(group_size=cp.e2e_group_size, tasks_per_batch=cp.e2e_tasks_per_batch,
-                               max_steps=cp.e2e_max_steps, max_generated_tokens=budget, reward=cp.e2e_reward,
+                               max_steps=cp.e2e_max_steps, max_generated_tokens=int(budget) if by_tokens else None,
+                               max_wall_s=None if by_tokens else budget, reward=cp.e2e_reward,
                                temperature=1.0, max_tokens=cfg.rollout.max_tokens,
                                max_steps_per_turn=cp.e2e_max_steps_per_turn,
                                max_context=cfg.model.max_context - cfg.rollout.max_tokens, judge=cfg.quality.judge,
@@ -222,9 +228,10 @@ def stage_e2e_baseline(cfg: RunConfig, store: ArtifactStore, demos: dict[str, An
         finally:
             engine.close()
         led.note_memory()
-        summary.update(steps=len(history), generated_tokens=led.generated_tokens,
+        wall = round(led.total_wall_s, 1)
+        summary.update(steps=len(history), generated_tokens=led.generated_tokens, wall_s=wall,
                        reward_per_step=[h["reward_mean"] for h in history],
-                       budget_reached=led.generated_tokens >= budget)
+                       budget_reached=(led.generated_tokens if by_tokens else wall) >= budget)
         if not math.isfinite(sum(summary["reward_per_step"])):
             log.warning("end-to-end RL rewards contain non-finite values")
     _write(store, key, summary, led, "e2e_baseline", {"trajectories": demos["trajectories"]}, cfg)

@@ -29,7 +29,8 @@ Tool outputs and user messages are inputs, never in the loss mask (the trainer m
 
 Budget: the run stops after ``max_steps`` steps or, if ``max_generated_tokens`` is set, after
 the first step at which the ledger's generated tokens reach it (matching PivotRL's rollout
-budget in generated tokens).
+budget in generated tokens), or, if ``max_wall_s`` is set, after the first step that ends with
+the loop's wall time (seconds since ``run_e2e`` started) at or past it.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ import math
 import random
 import shutil
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
@@ -65,7 +67,7 @@ class E2ESettings:
     """Settings of the end-to-end RL loop (the trainer's own settings are passed to it apart).
 
     ``group_size`` K ≥ 2 episodes per task; ``tasks_per_batch`` ≥ 1; ``max_steps`` ≥ 1 steps;
-    ``max_generated_tokens`` optional budget (see the module docstring); ``reward`` one of
+    ``max_generated_tokens`` / ``max_wall_s`` optional budgets (see the module docstring); ``reward`` one of
     :data:`E2E_REWARDS`; ``temperature`` > 0 and ``max_tokens`` per model call; ``max_steps_per_turn``
     executing calls per user turn (as in evaluation); ``max_context`` tokens; ``judge`` of the
     full-task runner (``"bfcl"`` or ``"pivotrl"``); ``advantage_estimator`` and ``delta`` as in
@@ -76,6 +78,7 @@ class E2ESettings:
     tasks_per_batch: int = 2
     max_steps: int = 2
     max_generated_tokens: int | None = None
+    max_wall_s: float | None = None
     reward: str = "full_task"
     temperature: float = 1.0
     max_tokens: int = 64
@@ -98,6 +101,8 @@ class E2ESettings:
             raise ConfigError(f"e2e temperature must be > 0 (GRPO samples), got {self.temperature!r}")
         if self.max_generated_tokens is not None and self.max_generated_tokens < 1:
             raise ConfigError(f"e2e max_generated_tokens must be >= 1 or null, got {self.max_generated_tokens!r}")
+        if self.max_wall_s is not None and not (self.max_wall_s > 0 and math.isfinite(self.max_wall_s)):
+            raise ConfigError(f"e2e max_wall_s must be > 0 seconds or null, got {self.max_wall_s!r}")
 
 
 @dataclass
@@ -245,6 +250,7 @@ def run_e2e(trainer: Any, engine: Any, tokenizer: Any, tasks: Sequence[Trajector
     owned = work_dir is None
     work = Path(tempfile.mkdtemp(prefix="pivotrl-e2e-")) if owned else Path(work_dir)
     history: list[dict[str, float]] = []
+    t0 = time.perf_counter()
     try:
         pos = 0
         for step in range(settings.max_steps):
@@ -255,6 +261,8 @@ def run_e2e(trainer: Any, engine: Any, tokenizer: Any, tasks: Sequence[Trajector
             history.append(e2e_step(trainer, engine, tokenizer, batch, settings, step=step, work_dir=work,
                                     ledger=ledger, **runner_kwargs))
             if settings.max_generated_tokens is not None and ledger.generated_tokens >= settings.max_generated_tokens:
+                break
+            if settings.max_wall_s is not None and time.perf_counter() - t0 >= settings.max_wall_s:
                 break
     finally:
         if owned:

@@ -9,6 +9,7 @@ from typing import Any, Mapping, Sequence
 import pytest
 
 from pivotrl.data.schema import Message, ToolCall, ToolSpec, Trajectory
+from pivotrl.errors import ConfigError
 from pivotrl.prompts import build_sft_example
 from pivotrl.rollout.hf import TransformersEngine
 from pivotrl.testing import save_tiny_checkpoint, tiny_tokenizer
@@ -109,3 +110,16 @@ def test_reward_rises_and_the_ledger_counts_the_calls(warm: Path, tmp_path: Path
     assert 0 < ledger.trainer_tokens <= ledger.trainer_tokens_naive
     assert set(ledger.wall_s) == {"rollout", "train", "refresh"} and ledger.peak_memory_bytes > 0
 
+
+
+def test_a_wall_time_budget_stops_at_the_first_step_past_it(warm: Path, tmp_path: Path) -> None:
+    tok = tiny_tokenizer()
+    engine = TransformersEngine(str(warm), dtype="fp32")
+    trainer = PivotRLTrainer.build(warm, group_size=2, dtype="float32", lr=1e-3, beta=0.0, micro_batch_groups=8,
+                                   pivots_per_batch=8, seed=0)
+    settings = E2ESettings(group_size=2, tasks_per_batch=1, max_steps=50, reward="full_task", max_tokens=8,
+                           max_steps_per_turn=1, max_context=2048, judge="pivotrl", seed=0, max_wall_s=1e-3)
+    history, ledger = run_e2e(trainer, engine, tok, [toy_task(0)], settings, executor=ToyEnv, work_dir=tmp_path)
+    assert len(history) == 1 and ledger.model_calls > 0  # the first step already passed 1 ms of 50 allowed
+    with pytest.raises(ConfigError, match="max_wall_s"):
+        E2ESettings(max_wall_s=0.0)

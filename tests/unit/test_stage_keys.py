@@ -149,7 +149,8 @@ def _changed(tree: Path, module: str) -> set[str]:
     ("evaluation/aggregate.py", {"evaluate"}),
     ("training/loop.py", {"train"}),
     ("training/checkpoints.py", {"train"}),
-    ("training/sft.py", {"reference", "train"}),
+    ("training/sft.py", {"reference"}),
+    ("training/e2e.py", set()),
     # sample → score decides probing, training and local evaluation alike
     ("rollout/scoring.py", {"probe", "train", "evaluate"}),
     # the drift re-probe and the held-out state selection of the evaluation run probe.py's code
@@ -178,3 +179,13 @@ def test_the_training_package_imports_no_pipeline_module():
             "import pivotrl.training.loop, pivotrl.training.checkpoints, pivotrl.training.rl_stage\nprint('ok')")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
+def test_the_train_digest_covers_every_training_module_but_the_compare_baselines():
+    import pivotrl.training as training_pkg
+    from pathlib import Path
+
+    names = {p.stem for p in Path(training_pkg.__file__).parent.glob("*.py")} - {"__init__"}
+    listed = {m.rsplit(".", 1)[1] for m in STAGE_CODE["train"] if m.startswith("pivotrl.training.")}
+    # A new training module must be listed (or named here as not deciding PivotRL's policy).
+    assert names - listed == {"e2e", "sft"}
