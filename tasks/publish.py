@@ -71,6 +71,8 @@ def train(out: Mapping[str, Any], metrics: "Any") -> None:
     s = out["summary"] or {}
     logger.info("train: %s steps on %s pivots, final reward %s, policy %s", s.get("steps"), s.get("pivots"),
                 _fmt(s.get("final_reward_mean")), s.get("policy"))
+    for warning in s.get("warnings") or []:
+        logger.warning("train: %s", warning)
     lines = ["## PivotRL training", "", "| item | value |", "|---|---|"]
     lines += [f"| {k} | {_fmt(v)} |" for k, v in s.items()]
     if rows:
