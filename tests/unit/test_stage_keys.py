@@ -187,6 +187,8 @@ STAGES = ("demonstrations", "reference", "probe", "train", "evaluate")
 def _chain(cfg, store):
     """Every stage's key for ``cfg``, each stage's result built from the key before it as the
     stages build theirs (content-addressed tables written where the stages write them)."""
+    import hashlib
+
     import pandas as pd
 
     from pivotrl.pipeline.keys import stage_key
@@ -197,7 +199,9 @@ def _chain(cfg, store):
     store.write_artifact(f"{demos['key']}/candidates.parquet", pd.DataFrame({"state_id": ["s1", "s2"]}),
                          kind="candidates")
     keys["reference"] = stage_key("reference", cfg, store, {"demos": demos})
-    ref = ReferenceResult("/base", "b" * 64, keys["reference"], "r" * 64, None, {"template_hash": "t" * 16})
+    # a new warm start gives new weights (π_ref's checkpoint hash); the same one, the same weights
+    ref = ReferenceResult("/base", "b" * 64, keys["reference"], hashlib.sha256(keys["reference"].encode()).hexdigest(),
+                          None, {"template_hash": "t" * 16})
     keys["probe"] = stage_key("probe", cfg, store, {"demos": demos, "reference": ref})
     pivots = keys["probe"]
     store.write_artifact(f"{pivots}/pivots.parquet", pd.DataFrame({"state_id": ["s1"]}), kind="pivots")
