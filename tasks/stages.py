@@ -44,15 +44,15 @@ _KEYED_AS = {"probe-merge": "probe"}
 
 def _base_key(stage: str, config: Mapping[str, Any], inputs: Any) -> str:
     """The task's cache key: ``pivotrl-<task>-`` + the stage's own content key
-    (:func:`pivotrl.pipeline.keys.stage_key`, ``/`` as ``-``), e.g.
-    ``pivotrl-train-train-3f2a…``. It covers what the stage's artifact depends on and nothing
+    (:func:`pivotrl.pipeline.keys.stage_key`, with ``/`` and ``-`` as ``.``), e.g.
+    ``pivotrl-train-train.3f2a…`` for the artifacts under ``train/3f2a…``. It covers what the stage's artifact depends on and nothing
     else — its config sections, the earlier stages' keys, the files it reads, its code — so a
     change to ``training`` alone is a cache hit for the demonstrations, reference and probe tasks.
     Computed in the flow process without loading a model (at most a manifest is read)."""
     from pivotrl.pipeline.keys import stage_key
 
     key = stage_key(_KEYED_AS.get(stage, stage), _config_obj(config), _store(config), inputs)
-    return f"pivotrl-{stage}-" + key.replace("/", "-")
+    return f"pivotrl-{stage}-" + key.replace("/", ".").replace("-", ".")
 
 
 def _index_key(key: str) -> str:

@@ -249,7 +249,7 @@ def test_the_prefect_cache_key_is_the_stage_key_and_misses_once_an_artifact_is_d
     config = cfg().model_dump(mode="json")
     keys = _chain(cfg(), store)
     assert _cache_key("demonstrations")(None, {"config": config}) == \
-        "pivotrl-demonstrations-" + keys["demonstrations"].replace("/", "-")
+        "pivotrl-demonstrations-" + keys["demonstrations"].replace("/", ".")
     changed = cfg("training.lr=2e-5").model_dump(mode="json")
     assert _cache_key("demonstrations")(None, {"config": changed}) == _cache_key("demonstrations")(None, {"config": config})
     # a cached result is trusted only while the artifacts it names exist
@@ -260,3 +260,21 @@ def test_the_prefect_cache_key_is_the_stage_key_and_misses_once_an_artifact_is_d
     store.delete(table)
     rerun = _cache_key("demonstrations")(None, {"config": config})
     assert rerun.startswith(base + "-rerun-")
+
+
+def test_every_stage_result_field_is_documented_and_shown_with_its_meaning():
+    import dataclasses
+
+    from pivotrl.pipeline.results import EvalResult, ProbeResult, ReferenceResult, TrainResult
+
+    for cls in (ReferenceResult, ProbeResult, TrainResult, EvalResult):
+        docs = cls.field_docs()
+        assert set(docs) == {f.name for f in dataclasses.fields(cls)}, cls.__name__  # none undocumented
+        assert all(len(d) > 8 for d in docs.values())
+    res = ProbeResult("probes/ab", "file:///r/probes/ab/probes.parquet", "pivots/ab-cd",
+                      "file:///r/pivots/ab-cd/pivots.parquet", {"total": {"kept": 3}}, "a | b\n" * 100)
+    md = res.markdown()
+    assert md.startswith("## ProbeResult\n\nThe probe stage: the probe table and the pivot set")
+    assert "| `pivots_key` | pivots/ab-cd | store key prefix of `pivots.parquet`, `stats.json`, `summary.md`. |" in md
+    assert '| `stats` | {"total": {"kept": 3}} | the pivot statistics' in md
+    assert "a \\| b" in md and " …" in md  # cut, and a | in a value does not break the table
