@@ -45,14 +45,27 @@ _KEYED_AS = {"probe-merge": "probe"}
 def _base_key(stage: str, config: Mapping[str, Any], inputs: Any) -> str:
     """The task's cache key: ``pivotrl-<task>-`` + the stage's own content key
     (:func:`pivotrl.pipeline.keys.stage_key`, with ``/`` and ``-`` as ``.``), e.g.
-    ``pivotrl-train-train.3f2a…`` for the artifacts under ``train/3f2a…``. It covers what the stage's artifact depends on and nothing
-    else — its config sections, the earlier stages' keys, the files it reads, its code — so a
-    change to ``training`` alone is a cache hit for the demonstrations, reference and probe tasks.
-    Computed in the flow process without loading a model (at most a manifest is read)."""
-    from pivotrl.pipeline.keys import stage_key
+    ``pivotrl-train-train.3f2a…`` for the artifacts under ``train/3f2a…``. It covers what the
+    stage's artifact depends on and nothing else — its config sections, the earlier stages' keys,
+    the files it reads, its code — so a change to ``training`` alone is a cache hit for the
+    demonstrations, reference and probe tasks. Computed in the flow process without loading a
+    model (at most a manifest is read).
 
-    key = stage_key(_KEYED_AS.get(stage, stage), _config_obj(config), _store(config), inputs)
-    return f"pivotrl-{stage}-" + key.replace("/", ".").replace("-", ".")
+    The comparison's stages (``pivotrl.tasks.compare``) keep a key of the whole config (without
+    ``tracking``), their inputs, the files the config points at and the package's code version."""
+    from pivotrl.pipeline.keys import STAGE_INPUTS, stage_key
+
+    cfg = _config_obj(config)
+    if _KEYED_AS.get(stage, stage) in STAGE_INPUTS:
+        key = stage_key(_KEYED_AS.get(stage, stage), cfg, _store(config), inputs)
+        return f"pivotrl-{stage}-" + key.replace("/", ".").replace("-", ".")
+    from pivotrl.data.schema import content_hash
+    from pivotrl.pipeline.common import inputs_fingerprint
+    from pivotrl.storage import code_version
+
+    config = {k: v for k, v in config.items() if k != "tracking"}  # where a run is recorded changes no result
+    return f"pivotrl-{stage}-" + content_hash({"config": dict(config), "inputs": inputs,
+                                              "files": inputs_fingerprint(cfg), "code": code_version()})
 
 
 def _index_key(key: str) -> str:

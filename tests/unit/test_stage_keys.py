@@ -260,6 +260,11 @@ def test_the_prefect_cache_key_is_the_stage_key_and_misses_once_an_artifact_is_d
     store.delete(table)
     rerun = _cache_key("demonstrations")(None, {"config": config})
     assert rerun.startswith(base + "-rerun-")
+    # the comparison's stages keep a key of the whole config
+    from pivotrl.tasks.stages import _base_key
+
+    assert _base_key("sft_baseline", config, {}) != _base_key("sft_baseline", changed, {})
+    assert _base_key("sft_baseline", config, {}).startswith("pivotrl-sft_baseline-")
 
 
 def test_every_stage_result_field_is_documented_and_shown_with_its_meaning():
