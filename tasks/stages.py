@@ -8,8 +8,8 @@ facts, Prefect artifacts and asset events (:mod:`pivotrl.tasks.publish`). A task
 its stage's own content key (:func:`_base_key`, :mod:`pivotrl.pipeline.keys`; not Prefect's
 default policy, which includes the run id and never hits across runs), so a change to one stage's
 settings re-runs that stage and the ones after it only. Stages are also idempotent on those
-content-addressed artifact keys, so a cache miss on unchanged inputs costs a lookup. Heavy stages run in a child process (engine and
-trainer memory live and die with the stage).
+content-addressed artifact keys, so a cache miss on unchanged inputs costs a lookup. Heavy stages
+run in a child process (engine and trainer memory live and die with the stage).
 
 Task results (small JSON) are stored under ``<run.storage_root>/.prefect-results``
 (:func:`result_storage`), beside the artifacts they point to: deleting a run root deletes its task
