@@ -4,7 +4,7 @@
     pivotrl compare --config ... [--set ...] PivotRL vs SFT vs end-to-end RL from the same π_ref
     pivotrl probe   --config ...            demonstrations → warm start → probes → pivot set
     pivotrl demos   --config ... [--lengths] write demonstrations + candidates, print counts
-    pivotrl config  --config ... [--set ...] validate and print the resolved config
+    pivotrl config  --config ... [--set ...] validate and print the config a run here would use
     pivotrl lineage URI                     the tree of an artifact's inputs back to the raw sources
     pivotrl pivots diff A B                 states that entered/left between two pivot sets, and why
     pivotrl pivots export PIVOTS --out F    the pivot set as NeMo Gym PivotRL rows (flows/cli_records.py)
@@ -166,12 +166,21 @@ def _state_lengths(cfg: Any, store: Any, key: str) -> dict[str, Any]:
 
 @app.command("config")
 def show_config(config: str = ConfigOpt, overrides: Optional[list[str]] = SetOpt) -> None:
-    """Validate a config and print it resolved (with its hash)."""
+    """Validate a config and print the values a run on this machine would use (with its hash):
+    sized by ``run.sizing`` (the calibration kept in <cache_dir>/calibration.json, or measured in
+    about a second), each scaled size marked with what the config said and why."""
     from pivotrl.config import config_hash, dump_config
+    from pivotrl.pipeline.console import precision_lines
+    from pivotrl.sizing import annotate_dump, apply_sizing
 
     cfg = _load(config, overrides)
-    typer.echo(dump_config(cfg))
-    typer.echo(f"# config hash: {config_hash(cfg)}")
+    sized, sizing = apply_sizing(cfg, [o.split("=", 1)[0] for o in overrides or []])
+    typer.echo(annotate_dump(dump_config(sized), sizing))
+    typer.echo(f"# {sizing.line()}")
+    for line in precision_lines(sized, measure=False):
+        typer.echo(f"# {line}")
+    typer.echo(f"# config hash: {config_hash(sized)}"
+               + (f" (as configured, before sizing: {config_hash(cfg)})" if sized is not cfg else ""))
 
 
 @app.command()

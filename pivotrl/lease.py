@@ -6,8 +6,10 @@ directories: ``open(..., "xb")``; object stores: a conditional put, ``If-None-Ma
 driver supports it). It holds its owner's id and an expiry time; the owner renews it every
 ``ttl / 3`` seconds from a background thread while the stage runs and deletes it when done. A run
 that finds the lease held waits (polling) until it is released, then looks again at what the holder
-left — a completed stage is then reused instead of recomputed. A lease whose owner died (its expiry
-passed without renewal) is broken and taken over, so a killed run never blocks later ones.
+left — a completed stage is then reused instead of recomputed. A lease whose owner died is broken
+and taken over, so a killed run never blocks later ones: at once when the owner ran on this machine
+(same host name and boot id) and its process is gone (or its pid now belongs to a newer process);
+otherwise once its expiry passed without renewal.
 
 Nothing here imports Prefect; the stage tasks (``pivotrl.tasks.stages``) take a lease around each
 stage.
@@ -43,6 +45,49 @@ class LeaseInfo:
     owner: str
     waited_s: float
     holders: tuple[dict[str, Any], ...] = ()
+
+
+def _boot_id() -> str | None:
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
+def _process_start(pid: int) -> str | None:
+    """The start time of process ``pid`` (clock ticks since boot, Linux), None where unknown."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+def _owner_is_dead(held: dict[str, Any]) -> bool:
+    """True if the lease's owner ran on this machine and its process no longer runs."""
+    if held.get("host") != socket.gethostname() or held.get("boot_id") != _boot_id():
+        return False  # another machine (or this one before a reboot: then its expiry decides)
+    try:
+        pid = int(held["pid"])
+    except (KeyError, TypeError, ValueError):
+        return False
+    if pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # another user's live process
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            if f.read().rsplit(")", 1)[1].split()[0] == "Z":  # killed, not yet reaped
+                return True
+    except (OSError, IndexError):
+        pass
+    started = held.get("pid_started")
+    return started is not None and _process_start(pid) not in (None, started)  # the pid was reused
 
 
 def lease_path(store: Any, key: str) -> str:
@@ -106,7 +151,8 @@ def stage_lease(store: Any, key: str, *, ttl: float = 60.0, poll: float = 1.0, t
     """
     fs, path = store.fs, lease_path(store, key)
     owner = uuid.uuid4().hex
-    meta = {"owner": owner, "key": key, "host": socket.gethostname(), "pid": os.getpid(), **(describe or {})}
+    meta = {"owner": owner, "key": key, "host": socket.gethostname(), "boot_id": _boot_id(), "pid": os.getpid(),
+            "pid_started": _process_start(os.getpid()), **(describe or {})}
     t0 = time.time()
     holders: list[dict[str, Any]] = []
     while True:
@@ -119,6 +165,11 @@ def stage_lease(store: Any, key: str, *, ttl: float = 60.0, poll: float = 1.0, t
         held = _read(fs, path)
         if held is None:
             continue  # released between our attempt and the read
+        if _owner_is_dead(held):
+            log.warning("lease on %s is held by pid %s on this host (%s), which no longer runs: taking it over",
+                        key, held.get("pid"), held.get("host"))
+            _remove_if_owner(fs, path, held.get("owner"))
+            continue
         if not holders or holders[-1].get("owner") != held.get("owner"):
             holders.append(held)
             if on_wait is not None:

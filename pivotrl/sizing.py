@@ -34,8 +34,8 @@ from typing import Any, Callable, Sequence
 
 from pivotrl.storage.files import atomic_file
 
-__all__ = ["BUDGET_MINUTES", "REFERENCE", "SCALED", "TIERS", "Sizing", "apply_sizing", "choose_tier",
-           "measure_gflops", "predict_minutes"]
+__all__ = ["BUDGET_MINUTES", "REFERENCE", "SCALED", "TIERS", "Sizing", "annotate_dump", "apply_sizing",
+           "choose_tier", "measure_gflops", "predict_minutes"]
 
 # The reference class and its measured default run (benchmarks/RESULTS.md, "Sizing"): throughput of a
 # 1024x1024 bf16 matmul on one torch thread, and the cold `make run` wall time.
@@ -198,6 +198,24 @@ def apply_sizing(cfg: Any, explicit: Sequence[str] = (), *,
     return cfg, Sizing(mode="auto", gflops=gflops, predicted_minutes=round(predict_minutes(gflops), 1),
                        tier=tier if changed else 1.0, changed=changed or None, explicit=tuple(kept),
                        measured_at=stamp)
+
+
+def annotate_dump(text: str, sizing: Sizing) -> str:
+    """``text`` (a config dumped by ``pivotrl.config.dump_config``) with a comment after each size
+    :func:`apply_sizing` scaled (``# scaled from 40: run.sizing auto, work x0.25``) and after each
+    it left alone because it was set explicitly."""
+    notes = {k: f"scaled from {a}: run.sizing auto, work x{sizing.tier:g}" for k, (a, _) in (sizing.changed or {}).items()}
+    notes.update({k: "set explicitly: not scaled" for k in sizing.explicit})
+    out, section = [], ""
+    for line in text.splitlines():
+        if line and not line.startswith((" ", "#")) and line.endswith(":"):
+            section = line[:-1]
+        elif section and line.startswith("  ") and not line.startswith("   ") and ":" in line:
+            key = f"{section}.{line.strip().split(':', 1)[0]}"
+            if key in notes:
+                line = f"{line}  # {notes[key]}"
+        out.append(line)
+    return "\n".join(out) + ("\n" if text.endswith("\n") else "")
 
 
 def sized_config(cfg: Any, overrides: Sequence[str] = (), echo: Callable[[str], Any] | None = None) -> Any:

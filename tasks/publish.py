@@ -31,6 +31,13 @@ def _fmt(v: Any) -> str:
 
 
 # ------------------------------------------------------------------------------------ stages
+def result_artifact(stage: str, result: Any) -> None:
+    """The stage's typed result (``pivotrl.pipeline.results``) as a Markdown artifact
+    ``<stage>-result``: every field with its value and its documented meaning."""
+    create_markdown_artifact(key=f"{stage}-result", markdown=result.markdown(),
+                             description=f"{type(result).__name__}: the {stage} stage's result, field by field")
+
+
 def demonstrations(out: Mapping[str, Any]) -> None:
     c = out["counts"]
     get_run_logger().info("demonstrations: %s", ", ".join(f"{k}={_fmt(v)}" for k, v in c.items()))
@@ -39,6 +46,9 @@ def demonstrations(out: Mapping[str, Any]) -> None:
 
 
 def reference(out: Mapping[str, Any]) -> None:
+    from pivotrl.pipeline.results import ReferenceResult
+
+    result_artifact("reference", ReferenceResult.of(out))
     sft = out.get("sft") or {}
     if not sft:
         get_run_logger().info("reference: base model %s (no warm start), hash %s", out["base_dir"], out["ref_hash"][:12])
@@ -50,6 +60,9 @@ def reference(out: Mapping[str, Any]) -> None:
 
 
 def probe(out: Mapping[str, Any]) -> None:
+    from pivotrl.pipeline.results import ProbeResult
+
+    result_artifact("probe", ProbeResult.of(out))
     t = out["stats"]["total"]
     reasons = ("all_fail", "all_pass", "above_threshold", "skipped_too_long", "skipped_verifier_error")
     get_run_logger().info(
@@ -63,6 +76,9 @@ def probe(out: Mapping[str, Any]) -> None:
 
 def train(out: Mapping[str, Any], metrics: "Any") -> None:
     """``metrics``: the training metrics DataFrame (one row per step)."""
+    from pivotrl.pipeline.results import TrainResult
+
+    result_artifact("train", TrainResult.of(out))
     logger = get_run_logger()
     rows = metrics.to_dict("records") if metrics is not None else []
     cols = [c for c in STEP_COLUMNS if rows and c in rows[0]]
@@ -71,6 +87,8 @@ def train(out: Mapping[str, Any], metrics: "Any") -> None:
     s = out["summary"] or {}
     logger.info("train: %s steps on %s pivots, final reward %s, policy %s", s.get("steps"), s.get("pivots"),
                 _fmt(s.get("final_reward_mean")), s.get("policy"))
+    for warning in s.get("warnings") or []:
+        logger.warning("train: %s", warning)
     lines = ["## PivotRL training", "", "| item | value |", "|---|---|"]
     lines += [f"| {k} | {_fmt(v)} |" for k, v in s.items()]
     if rows:
@@ -84,6 +102,9 @@ def train(out: Mapping[str, Any], metrics: "Any") -> None:
 
 def evaluate(out: Mapping[str, Any], report_md: str) -> None:
     """``report_md``: the text of report.md, published as is (its tables render in the UI)."""
+    from pivotrl.pipeline.results import EvalResult
+
+    result_artifact("evaluate", EvalResult.of(out))
     logger = get_run_logger()
     for row in (out.get("report") or {}).get("policies", []):
         if row.get("evaluated"):
@@ -127,4 +148,4 @@ def emit_assets(store: Any, uris: list[str | None]) -> list[str]:
     return keys
 
 
-__all__ = ["demonstrations", "reference", "probe", "train", "evaluate", "emit_assets", "STEP_COLUMNS"]
+__all__ = ["demonstrations", "reference", "probe", "train", "evaluate", "emit_assets", "result_artifact", "STEP_COLUMNS"]

@@ -4,11 +4,12 @@ Every task takes the run config (as JSON) and the small results of earlier tasks
 counts — never tensors or tables; typed in ``pivotrl.pipeline.results``, passed between tasks and
 cached as their JSON dicts: ``to_dict`` / ``of``), runs one ``pivotrl.pipeline`` stage under a lease on
 its key (:func:`_once`: a concurrent run on the same root waits and reuses it), and publishes its
-facts, Prefect artifacts and asset events (:mod:`pivotrl.tasks.publish`). Cache keys are content
-hashes of the config and the inputs (not the default policy, which includes the run id and never
-hits across runs); stages are also idempotent on their own content-addressed artifact keys, so a
-cache miss on unchanged inputs costs a lookup. Heavy stages run in a child process (engine and
-trainer memory live and die with the stage).
+facts, Prefect artifacts and asset events (:mod:`pivotrl.tasks.publish`). A task's cache key is
+its stage's own content key (:func:`_base_key`, :mod:`pivotrl.pipeline.keys`; not Prefect's
+default policy, which includes the run id and never hits across runs), so a change to one stage's
+settings re-runs that stage and the ones after it only. Stages are also idempotent on those
+content-addressed artifact keys, so a cache miss on unchanged inputs costs a lookup. Heavy stages
+run in a child process (engine and trainer memory live and die with the stage).
 
 Task results (small JSON) are stored under ``<run.storage_root>/.prefect-results``
 (:func:`result_storage`), beside the artifacts they point to: deleting a run root deletes its task
@@ -30,7 +31,6 @@ from typing import Any, Mapping
 from prefect import Task, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
-from pivotrl.data.schema import content_hash
 from pivotrl.pipeline.results import EvalResult, ProbeResult, ReferenceResult, TrainResult
 from pivotrl.tasks import publish
 
@@ -38,14 +38,31 @@ from pivotrl.tasks import publish
 RESULTS_DIR = ".prefect-results"
 
 
+#: The pipeline stage whose key a task uses (the sharded probe's merge is the probe stage).
+_KEYED_AS = {"probe-merge": "probe"}
+
+
 def _base_key(stage: str, config: Mapping[str, Any], inputs: Any) -> str:
-    """Content hash of what a stage depends on: the config, the earlier stages' results, the
-    identity of the files the config points at (model weights, demonstration files: size, mtime,
-    ETag) and the code version — so new weights, new data or new code are never a cache hit."""
+    """The task's cache key: ``pivotrl-<task>-`` + the stage's own content key
+    (:func:`pivotrl.pipeline.keys.stage_key`, with ``/`` and ``-`` as ``.``), e.g.
+    ``pivotrl-train-train.3f2a…`` for the artifacts under ``train/3f2a…``. It covers what the
+    stage's artifact depends on and nothing else — its config sections, the earlier stages' keys,
+    the files it reads, its code — so a change to ``training`` alone is a cache hit for the
+    demonstrations, reference and probe tasks. Computed in the flow process without loading a
+    model (at most a manifest is read).
+
+    The comparison's stages (``pivotrl.tasks.compare``) keep a key of the whole config (without
+    ``tracking``), their inputs, the files the config points at and the package's code version."""
+    from pivotrl.pipeline.keys import STAGE_INPUTS, stage_key
+
+    cfg = _config_obj(config)
+    if _KEYED_AS.get(stage, stage) in STAGE_INPUTS:
+        key = stage_key(_KEYED_AS.get(stage, stage), cfg, _store(config), inputs)
+        return f"pivotrl-{stage}-" + key.replace("/", ".").replace("-", ".")
+    from pivotrl.data.schema import content_hash
     from pivotrl.pipeline.common import inputs_fingerprint
     from pivotrl.storage import code_version
 
-    cfg = _config_obj(config)
     config = {k: v for k, v in config.items() if k != "tracking"}  # where a run is recorded changes no result
     return f"pivotrl-{stage}-" + content_hash({"config": dict(config), "inputs": inputs,
                                               "files": inputs_fingerprint(cfg), "code": code_version()})

@@ -21,7 +21,6 @@ from __future__ import annotations
 import json
 import logging
 import re
-import uuid
 from typing import Any, Iterable, Iterator, Literal
 
 import fsspec
@@ -236,27 +235,36 @@ def load_trajectories(
 
 
 def save_trajectories_jsonl(trajectories: Iterable[Trajectory], url: str) -> int:
-    """Write trajectories as JSON Lines to an fsspec URL, atomically (temporary name, then move).
+    """Write trajectories as JSON Lines to an fsspec URL, atomically, streamed: a local path through
+    :func:`pivotrl.storage.files.atomic_file` (temporary sibling, then rename), any other URL
+    through the artifact store's publish (temporary key, then move). A reader sees the whole file
+    or the previous one, never a part.
 
-    Returns the number written. Raises StorageError if the file cannot be written.
+    Returns the number written. Raises StorageError naming the URL if the file cannot be written.
     """
+    from pivotrl.storage import ArtifactStore
+    from pivotrl.storage.files import atomic_file
+
+    written = 0
+
+    def lines() -> Iterator[bytes]:
+        nonlocal written
+        for t in trajectories:
+            yield (json.dumps(t.to_dict(), ensure_ascii=False) + "\n").encode("utf-8")
+            written += 1
+
     fs, path = fsspec.core.url_to_fs(url)
-    tmp = f"{path}.tmp-{uuid.uuid4().hex}"
-    n = 0
-    try:
-        parent = path.rsplit("/", 1)[0] if "/" in path else ""
-        if parent:
-            fs.makedirs(parent, exist_ok=True)
-        with fs.open(tmp, "wb") as f:
-            for t in trajectories:
-                f.write((json.dumps(t.to_dict(), ensure_ascii=False) + "\n").encode("utf-8"))
-                n += 1
-        fs.mv(tmp, path)
-    except OSError as e:
+    protocols = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
+    if "file" in protocols or "local" in protocols:
         try:
-            if fs.exists(tmp):
-                fs.rm(tmp)
-        except OSError:
-            pass
-        raise StorageError(f"{url}: cannot write ({e})") from e
-    return n
+            with atomic_file(path) as tmp, open(tmp, "wb") as f:
+                for line in lines():
+                    f.write(line)
+        except OSError as e:
+            raise StorageError(f"{url}: cannot write ({e})") from e
+        return written
+    parent, _, name = url.rstrip("/").rpartition("/")
+    if not name or not parent or parent.endswith(":/"):
+        raise StorageError(f"{url}: not a file URL (expected <scheme>://<bucket or folder>/<name>.jsonl)")
+    ArtifactStore(parent).write_bytes(name, lines())  # one attempt: the stream cannot be replayed
+    return written

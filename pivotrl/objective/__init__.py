@@ -25,7 +25,7 @@ from pivotrl.objective.kl import (
     k3_value,
     kl_terms,
 )
-from pivotrl.objective.loss import pivotrl_loss, validate_loss_settings
+from pivotrl.objective.loss import pivotrl_loss
 from pivotrl.objective.ratios import (
     DEFAULT_LOG_RATIO_CLAMP,
     DEFAULT_RATIO_TYPE,
@@ -34,7 +34,7 @@ from pivotrl.objective.ratios import (
     clamp_log_ratio,
     sequence_log_ratio,
 )
-from pivotrl.objective.surrogate import DEFAULT_EPSILON, check_epsilon, clipped_surrogate
+from pivotrl.objective.surrogate import DEFAULT_EPSILON, clipped_surrogate
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
@@ -48,7 +48,6 @@ __all__ = [
     "RATIO_TYPES",
     "action_log_ratio_to_ref",
     "action_ratios",
-    "check_epsilon",
     "clamp_log_ratio",
     "clipped_surrogate",
     "compute_advantages",
@@ -56,5 +55,4 @@ __all__ = [
     "kl_terms",
     "pivotrl_loss",
     "sequence_log_ratio",
-    "validate_loss_settings",
 ]

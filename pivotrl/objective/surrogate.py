@@ -12,25 +12,10 @@ to the action's whole log-probability is ``r · Â``.
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import Tensor
 
-from pivotrl.errors import ConfigError
-
 DEFAULT_EPSILON = 0.2
-
-
-def check_epsilon(epsilon: float) -> float:
-    """Validate the clip range ``0 < epsilon < 1``. Raises ConfigError."""
-    try:
-        value = float(epsilon)
-    except (TypeError, ValueError):
-        raise ConfigError(f"epsilon must be a number in (0, 1), got {epsilon!r}") from None
-    if not (math.isfinite(value) and 0.0 < value < 1.0):
-        raise ConfigError(f"epsilon must satisfy 0 < epsilon < 1 (clip range, e.g. 0.2), got {epsilon!r}")
-    return value
 
 
 def clipped_surrogate(ratio: Tensor, advantages: Tensor, epsilon: float) -> tuple[Tensor, Tensor, Tensor]:
@@ -39,7 +24,7 @@ def clipped_surrogate(ratio: Tensor, advantages: Tensor, epsilon: float) -> tupl
     Args:
         ratio: (B,) whole-action ratios, or (B, T) per-token ratios; may require grad.
         advantages: (B,) advantages of the actions (broadcast over T for a (B, T) ratio); no grad.
-        epsilon: clip range, 0 < ε < 1 (PivotRL default 0.2).
+        epsilon: clip range, 0 < ε < 1 (PivotRL default 0.2; the config schema checks the bound).
 
     Returns:
         ``(surrogate, clipped_high, clipped_low)``: surrogate of ``ratio``'s shape; two bool tensors
@@ -47,10 +32,9 @@ def clipped_surrogate(ratio: Tensor, advantages: Tensor, epsilon: float) -> tupl
         or r < 1−ε (low). Where either is True the surrogate's gradient is exactly 0.
 
     Raises:
-        ConfigError: ``epsilon`` outside (0, 1).
         ValueError: ``advantages`` does not have shape (B,).
     """
-    eps = check_epsilon(epsilon)
+    eps = float(epsilon)  # its bound (0, 1) is the config schema's (training.epsilon)
     if advantages.dim() != 1 or advantages.shape[0] != ratio.shape[0]:
         raise ValueError(
             f"advantages must have shape (B,) = ({ratio.shape[0]},), got {tuple(advantages.shape)}"

@@ -15,7 +15,6 @@ import logging
 import os
 import subprocess
 import sys
-import tempfile
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -174,10 +173,13 @@ def run_stage_process(stage: str, config: dict[str, Any], inputs: dict[str, Any]
     """
     log_path = stage_log_path(config, stage)
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix=f"pivotrl-{stage}-") as tmp, announce(stage, log_path), \
-            open(log_path, "w", encoding="utf-8") as log_file:
-        spec = Path(tmp) / "spec.json"
-        out = Path(tmp) / "result.json"
+    from pivotrl.pipeline.processes import stage_tempdir
+
+    # The spec (the whole config) and the result live in a temporary directory removed on success,
+    # failure, KeyboardInterrupt and a stop by the CLI's signal handler (processes.stage_tempdir).
+    with stage_tempdir(stage) as tmp, announce(stage, log_path), open(log_path, "w", encoding="utf-8") as log_file:
+        spec = tmp / "spec.json"
+        out = tmp / "result.json"
         spec.write_text(json.dumps({"config": config, "inputs": inputs, "output": str(out), "attempt": attempt}))
         # A process group of this process (if any) is not the child's: drop launcher variables.
         launcher_vars = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")

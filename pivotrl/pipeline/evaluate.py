@@ -26,6 +26,18 @@ from pivotrl.rollouts import record_evaluation
 from pivotrl.storage import ArtifactStore
 
 
+def eval_key(cfg: RunConfig, demos: Mapping[str, Any], ref: ReferenceResult | Mapping[str, Any],
+             train: TrainResult | Mapping[str, Any]) -> str:
+    """``eval/<16 hex>``: content hash of the demonstrations, base and π_ref, the trained run, the
+    evaluation, prompt, rollout and quality settings and the evaluate stage's code. ``cfg`` with
+    its dtype resolved (``with_resolved_dtype``)."""
+    ref, train = ReferenceResult.of(ref), TrainResult.of(train)
+    return "eval/" + content_hash({"demos": demos["key"], "base": ref.base_hash, "ref": ref.ref_hash,
+                                   "train": train.train_key, "evaluation": cfg.evaluation.model_dump(mode="json"),
+                                   "prompt": prompt_identity(cfg, ref), "rollout": cfg.rollout.model_dump(mode="json"),
+                                   "quality": cfg.quality.model_dump(mode="json"), "code": stage_code_digest("evaluate")})[:16]
+
+
 def stage_evaluate(cfg: RunConfig, store: ArtifactStore, demos: Mapping[str, Any],
                    ref: ReferenceResult | Mapping[str, Any], probe: ProbeResult | Mapping[str, Any],
                    train: TrainResult | Mapping[str, Any]) -> EvalResult:
@@ -46,10 +58,7 @@ def stage_evaluate(cfg: RunConfig, store: ArtifactStore, demos: Mapping[str, Any
     from pivotrl.pipeline.probe import probe_states, select_candidates
 
     ev = cfg.evaluation
-    ekey = "eval/" + content_hash({"demos": demos["key"], "base": ref.base_hash, "ref": ref.ref_hash,
-                                   "train": train.train_key, "evaluation": ev.model_dump(mode="json"),
-                                   "prompt": prompt_identity(cfg, ref), "rollout": cfg.rollout.model_dump(mode="json"),
-                                   "quality": cfg.quality.model_dump(mode="json"), "code": stage_code_digest("evaluate")})[:16]
+    ekey = eval_key(cfg, demos, ref, train)
     if store.exists(f"{ekey}/report.json"):
         return _result(store, ekey)
     cache = cache_dir(cfg)

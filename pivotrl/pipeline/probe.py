@@ -314,6 +314,12 @@ def probe_table_key(cfg: RunConfig, candidates_hash: str, ref: ReferenceResult |
                       "include_stop_decisions": cfg.quality.include_stop_decisions})
 
 
+def pivot_set_key(probes_key: str, lambda_diff: float) -> str:
+    """``pivots/<16 hex>-<8 hex>``: the pivot set selected with ``lambda_diff`` from the probe table
+    under ``probes_key`` (``probes/<16 hex>``)."""
+    return probes_key.replace("probes/", "pivots/", 1) + "-" + content_hash({"lambda_diff": lambda_diff})[:8]
+
+
 def stage_probe(cfg: RunConfig, store: ArtifactStore, demos: Mapping[str, Any], ref: ReferenceResult | Mapping[str, Any]) -> ProbeResult:
     """The probe stage: probe π_ref on the pivot-candidate split (:func:`probe_states`), then apply
     the pivot rule (λ_diff). The probe table is reused under its content key
@@ -368,7 +374,7 @@ def stage_probe(cfg: RunConfig, store: ArtifactStore, demos: Mapping[str, Any], 
                    "wall_s": round(time.time() - t0, 2), **capture_hashes(cfg, tok)},
         )
     lam = cfg.probing.lambda_diff
-    vkey = pkey.replace("probes/", "pivots/") + "-" + content_hash({"lambda_diff": lam})[:8]
+    vkey = pivot_set_key(pkey, lam)
     if not store.exists(f"{vkey}/pivots.parquet"):
         df = apply_pivot_filter(store.read_parquet(f"{pkey}/probes.parquet"), lam)
         stats = pivot_stats(df, lam)

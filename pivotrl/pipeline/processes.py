@@ -15,16 +15,26 @@ processes, DeepSpeed ranks, sandbox workers (their own sessions too). Three mech
   next run resumes from what was published.
 - :func:`watch_parent`: a stage process kills its own process group when its parent dies (e.g. the
   CLI was SIGKILLed), so no stage outlives its run.
+
+The temporary directories of a run (:func:`stage_tempdir`: a stage's ``spec.json``, which holds
+the whole config, and its ``result.json``) are removed when their block ends — on failure and on
+KeyboardInterrupt too — and by :class:`StopOnSignal` before it exits; one left by a process that
+was killed outright (SIGKILL) is removed by the next run on the machine.
 """
 
 from __future__ import annotations
 
 import os
+import re
+import shutil
 import signal
 import sys
+import tempfile
 import threading
 import time
-from typing import Any, Iterable
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterable, Iterator
 
 #: Seconds the processes of a run get between SIGTERM and SIGKILL.
 GRACE_S = 5.0
@@ -85,6 +95,55 @@ def stop_tree(procs: list[Any], grace_s: float = GRACE_S) -> list[Any]:
     return alive
 
 
+#: Temporary directories of this process still in use (removed by StopOnSignal before it exits).
+_TEMP_DIRS: set[str] = set()
+_TEMP_NAME = re.compile(r"^pivotrl-[A-Za-z0-9_]+-p(\d+)-")
+
+
+def remove_stale_tempdirs() -> list[str]:
+    """Remove the :func:`stage_tempdir` directories (in the system temporary folder, of this user)
+    whose creating process no longer runs; returns their paths."""
+    removed = []
+    root = Path(tempfile.gettempdir())
+    for d in root.glob("pivotrl-*-p*-*"):
+        m = _TEMP_NAME.match(d.name)
+        if not m or not d.is_dir() or int(m.group(1)) == os.getpid():
+            continue
+        try:
+            if d.stat().st_uid != os.getuid():
+                continue
+            os.kill(int(m.group(1)), 0)
+        except ProcessLookupError:
+            shutil.rmtree(d, ignore_errors=True)
+            removed.append(str(d))
+        except (PermissionError, OSError):
+            continue
+    return removed
+
+
+@contextmanager
+def stage_tempdir(stage: str) -> Iterator[Path]:
+    """A private temporary directory ``<tmp>/pivotrl-<stage>-p<pid>-<random>`` for the body of the
+    ``with``, removed when it ends (normally, on an exception, on KeyboardInterrupt) and by
+    :class:`StopOnSignal` if the run is stopped meanwhile. Sweeps stale ones first
+    (:func:`remove_stale_tempdirs`)."""
+    remove_stale_tempdirs()
+    path = tempfile.mkdtemp(prefix=f"pivotrl-{stage}-p{os.getpid()}-")
+    _TEMP_DIRS.add(path)
+    try:
+        yield Path(path)
+    finally:
+        _TEMP_DIRS.discard(path)
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def remove_tempdirs() -> None:
+    """Remove this process's :func:`stage_tempdir` directories (when it is about to exit)."""
+    for path in list(_TEMP_DIRS):
+        shutil.rmtree(path, ignore_errors=True)
+        _TEMP_DIRS.discard(path)
+
+
 def _say(text: str) -> None:
     try:
         os.write(2, text.encode())  # not sys.stderr: a signal handler may interrupt its buffer
@@ -111,6 +170,7 @@ class StopOnSignal:
         if self.stopping:  # second signal: no more waiting
             _say("\nstopping now\n")
             _signal_all(list(self._seen.values()) + descendants(), signal.SIGKILL)
+            remove_tempdirs()
             os._exit(code)
         self.stopping = True
         name = signal.Signals(signum).name
@@ -120,6 +180,7 @@ class StopOnSignal:
         self._seen = {p.pid: p for p in procs}
         left = stop_tree(procs, self.grace_s)
         left += stop_tree(descendants(), 1.0)  # anything started meanwhile
+        remove_tempdirs()  # os._exit runs no finally: the stages' spec files go here
         _say(f"stopped in {time.monotonic() - t0:.1f} s"
              + (f"; still alive: {sorted(p.pid for p in left)}" if left else "")
              + ". Published artifacts are kept; the next run resumes from them.\n")

@@ -91,6 +91,26 @@ def stage_reference(cfg: RunConfig, store: ArtifactStore, demos: Mapping[str, An
     return ReferenceResult(str(base_dir), base_hash, key, ref_hash, sft, fmt)
 
 
+def reference_inputs_key(cfg: RunConfig, demos: Mapping[str, Any] | None) -> str:
+    """``reference/<16 hex>``: what decides this stage's result, known without resolving or loading
+    the base model — the same sections as the warm start's artifact key (demonstrations key,
+    ``warm_start``, ``prompt``, resolved dtype, seed, the reference stage's code) with the base
+    model and the chat template identified by their file fingerprints
+    (:func:`~pivotrl.pipeline.common.path_fingerprint`) instead of their checkpoint/template hash,
+    and the local cache directory (the result names the base model's local directory there).
+    ``cfg`` with its dtype resolved. Without a warm start the demonstrations do not count."""
+    from pivotrl.pipeline.common import inputs_fingerprint
+
+    files = inputs_fingerprint(cfg)
+    ws = cfg.warm_start.model_dump(mode="json") if cfg.warm_start.enabled else {"enabled": False}
+    return "reference/" + content_hash(
+        {"model": [cfg.model.source, files["model"]], "chat_template": files["chat_template"],
+         "cache": str(cache_dir(cfg).resolve()), "warm_start": ws, "prompt": cfg.prompt.model_dump(mode="json"),
+         "demos": demos["key"] if cfg.warm_start.enabled and demos else None,
+         "dtype": cfg.model.dtype, "seed": cfg.run.seed if cfg.warm_start.enabled else None,
+         "code": stage_code_digest("reference")})[:16]
+
+
 def prompt_identity(cfg: RunConfig, ref: ReferenceResult | Mapping[str, Any]) -> dict[str, Any]:
     """What a stage key needs of the prompt: the config section and the chat template's hash."""
     fmt = ReferenceResult.of(ref).prompt_format or {}

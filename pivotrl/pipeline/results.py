@@ -10,6 +10,9 @@ dicts of task results cached before these types existed. Pure core: standard lib
 from __future__ import annotations
 
 import dataclasses
+import inspect
+import json
+import re
 from dataclasses import dataclass
 from typing import Any, Mapping, TypeVar
 
@@ -43,6 +46,45 @@ class StageResult:
             raise ConfigError(f"{cls.__name__}: missing field(s) {missing} in {sorted(value)}")
         return cls(**{f.name: value[f.name] for f in fields if f.name in value})  # type: ignore[call-arg]
 
+    @classmethod
+    def field_docs(cls) -> dict[str, str]:
+        """Each field's description, from the ``Attributes:`` section of the class docstring
+        (``name: text``, ``a, b: text`` and ``a: text; b: text`` entries). Fields without one are
+        absent."""
+        doc = inspect.getdoc(cls) or ""
+        block = doc.split("Attributes:", 1)[1] if "Attributes:" in doc else ""
+        entries: list[str] = []
+        for line in block.splitlines():
+            if re.match(r"^    \S", line):  # a new entry (4 spaces after getdoc's dedent)
+                entries.append(line.strip())
+            elif line.strip() and entries:
+                entries[-1] += " " + line.strip()
+        names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+        docs: dict[str, str] = {}
+        for entry in entries:
+            for part in re.split(r";\s+(?=\w+(?:,\s*\w+)*:\s)", entry):
+                head, _, text = part.partition(": ")
+                for name in (n.strip() for n in head.split(",")):
+                    if name in names and text:
+                        docs[name] = text.strip()
+        return docs
+
+    def markdown(self, max_chars: int = 300) -> str:
+        """The result as a Markdown table — field, value (long values cut at ``max_chars``), and
+        what it means (:meth:`field_docs`) — under the class's one-line summary."""
+        docs = self.field_docs()
+        summary = (inspect.getdoc(type(self)) or type(self).__name__).splitlines()[0]
+        lines = [f"## {type(self).__name__}", "", summary, "", "| field | value | meaning |", "|---|---|---|"]
+        for f in dataclasses.fields(self):  # type: ignore[arg-type]
+            value = getattr(self, f.name)
+            text = value if isinstance(value, str) else json.dumps(value, sort_keys=True, default=str)
+            if len(text) > max_chars:
+                text = text[:max_chars] + " …"
+            cell = text.replace("|", "\\|").replace("\n", " ")
+            meaning = docs.get(f.name, "").replace("``", "`").replace("|", "/")
+            lines.append(f"| `{f.name}` | {cell} | {meaning} |")
+        return "\n".join(lines) + "\n"
+
 
 @dataclass(frozen=True)
 class ReferenceResult(StageResult):
@@ -70,9 +112,10 @@ class ProbeResult(StageResult):
     """The probe stage: the probe table and the pivot set selected from it (λ_diff).
 
     Attributes:
-        probes_key: store key prefix of ``probes.parquet``; probes: its URI.
-        pivots_key: store key prefix of ``pivots.parquet``, ``stats.json``, ``summary.md``;
-            pivots: the URI of ``pivots.parquet``.
+        probes_key: store key prefix of ``probes.parquet``.
+        probes: the URI of ``probes.parquet``.
+        pivots_key: store key prefix of ``pivots.parquet``, ``stats.json``, ``summary.md``.
+        pivots: the URI of ``pivots.parquet``.
         stats: the pivot statistics (``pivotrl.pipeline.probe.pivot_stats``).
         summary_md: those statistics as Markdown.
     """

@@ -62,7 +62,7 @@ def stage_train(cfg: RunConfig, store: ArtifactStore, probe: ProbeResult | Mappi
     from pivotrl.rollouts import record_train_step
     from pivotrl.tracking.live import step_logger
     from pivotrl.training.checkpoints import fetch_checkpoint, latest_checkpoint, rank_and_world, save_checkpoint
-    from pivotrl.training.loop import LoopHooks, LoopSettings, Refilter, pivot_schedule, run_rl_loop
+    from pivotrl.training.loop import LoopHooks, LoopSettings, Refilter, pivot_schedule, refilter_unused, run_rl_loop
     from pivotrl.training.pivotrl import PivotRLTrainer
 
     tr = cfg.training
@@ -136,6 +136,9 @@ def stage_train(cfg: RunConfig, store: ArtifactStore, probe: ProbeResult | Mappi
     summary = {"steps": len(rows), "pivots": len(pivots), "final_reward_mean": float(metrics_df["reward_mean"].iloc[-1])
                if "reward_mean" in metrics_df and len(metrics_df) else None,
                "policy": store.url(final_key)}
+    note = refilter_unused(settings.refilter, len(schedule))
+    if note:  # also logged by the loop; here it reaches the summary, the Prefect UI and the console line
+        summary["warnings"] = [note]
     store.write_artifact(f"{tkey}/summary.json", summary, kind="policy_checkpoint", inputs=inputs,
                          config={"training": tr.model_dump(mode="json")}, extra={"checkpoint": store.url(final_key),
                                                                          "prompt_format": ref.prompt_format})

@@ -40,7 +40,7 @@ log = logging.getLogger("pivotrl.training")
 
 __all__ = [
     "LoopHooks", "LoopSettings", "REFRESH_MEAN_TOLERANCE", "Refilter", "check_refresh", "pivot_schedule",
-    "refresh_delta", "refresh_ok", "run_rl_loop",
+    "refilter_unused", "refresh_delta", "refresh_ok", "run_rl_loop",
 ]
 
 #: Mean |Δ| per token allowed between engine and trainer log-probs after a refresh (spec tolerances).
@@ -108,6 +108,17 @@ class Refilter:
     seed: int
     lambda_diff: float
     steps_per_epoch: int
+
+
+def refilter_unused(refilter: "Refilter | None", steps: int) -> str | None:
+    """Why ``training.refilter_between_epochs`` will do nothing in a run of ``steps`` steps (the
+    run ends within its first epoch: ``training.max_steps`` or a single epoch), or None when a
+    re-filter will run (or none was asked for)."""
+    if refilter is None or steps > refilter.steps_per_epoch:
+        return None
+    return (f"training.refilter_between_epochs is on but will not run: the run has {steps} step(s) and its first "
+            f"epoch has {refilter.steps_per_epoch} (training.max_steps or training.epochs ends it within the first "
+            "epoch), and the pivot set is re-filtered only between epochs")
 
 
 def _refilter(engine: Any, verifier: Any, pivots: Sequence[Any], prompts: Sequence[list[int]], active: list[int],
@@ -231,6 +242,9 @@ def run_rl_loop(trainer: Any, engine: Any, verifier: Any, pivots: Sequence[Any],
                    enabled=lead and progress).__enter__()
     trainer.on_groups = lambda n: bar.update(n * world)
     rf = settings.refilter
+    note = refilter_unused(rf, len(schedule))
+    if note and lead:
+        log.warning(note)
     # Pivots still inside the filter (all of them unless re-filtered; a resumed run takes the last
     # re-filter decision from its rows).
     active = next((json.loads(r["refilter_active"]) for r in reversed(rows)

@@ -97,3 +97,20 @@ def test_two_concurrent_runs_compute_each_stage_once(tmp_path):
     assert len(list(root.glob("eval/*/report.json"))) == 1
     assert len(list(root.glob("train/*/checkpoints/step-*/ranks.json"))) == 2  # smoke: 2 steps, each once
     assert not list((root / "leases").iterdir())
+
+    # A later run that changes only training and evaluation settings finds the demonstrations, the
+    # warm start and the probe stage in Prefect's cache (their keys cover their own inputs only):
+    # no stage process starts.
+    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect-home-0"), "PREFECT_LOGGING_LEVEL": "INFO",
+           "COLUMNS": "400"}
+    env.pop("PREFECT_API_URL", None)
+    out = subprocess.run(
+        [str(Path(sys.executable).parent / "pivotrl"), "probe", "--config", "configs/smoke.yaml",
+         "--set", f"run.storage_root={root}", "--set", f"model.source={model}", "--set", "training.lr=3e-5",
+         "--set", "evaluation.num_tasks=1"], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    text = out.stdout + out.stderr
+    cached = {s for s in ("demonstrations", "reference", "probe")
+              if re.search(rf"Task run '{s}-[^']*' - Finished in state Cached", text)}
+    assert cached == {"demonstrations", "reference", "probe"}, text[-3000:]
+    assert not re.search(r"stage \w+: (computing|started)", text), text[-3000:]

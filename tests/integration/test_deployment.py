@@ -189,6 +189,10 @@ def test_nightly_schedule_fires_and_the_run_completes(prefect_server, tmp_path):
     assert arts["report"]["type"] == "markdown" and arts["report"]["data"] == reports[0].read_text()
     assert "### Per step" in arts["training"]["data"] and arts["training-steps"]["type"] == "table"
     assert {"demonstrations", "pivot-set", "pivot-counts"} <= set(arts)
+    # each typed stage result, field by field with its documented meaning (pivotrl.pipeline.results)
+    assert {"reference-result", "probe-result", "train-result", "evaluate-result"} <= set(arts)
+    assert "| `pivots_key` | pivots/" in arts["probe-result"]["data"] and "the URI of `pivots.parquet`" in \
+        arts["probe-result"]["data"]
 
     # Each stage's key facts are in the run's logs at INFO (the last batch may land after the state).
     patterns = (r"states probed, \d+ pivots kept", r"train step 1: .*reward_mean=", r"evaluate pivotrl: full-task success")

@@ -117,6 +117,13 @@ def test_second_run_reuses_every_artifact(smoke_run):
         (demos["key"], ref.ref_hash, probe.pivots_key, train.train_key, ev.eval_key)
     after = {k: store.read_manifest(k).created_at for k in before}
     assert after == before  # nothing was rewritten
+    # The Prefect tasks' cache keys (pivotrl.pipeline.keys) are the keys these stages wrote under.
+    from pivotrl.pipeline.keys import stage_key
+
+    assert [stage_key("demonstrations", cfg, store), stage_key("probe", cfg, store, {"demos": demos, "reference": ref}),
+            stage_key("train", cfg, store, {"probe": probe, "reference": ref}),
+            stage_key("evaluate", cfg, store, {"demos": demos, "reference": ref, "probe": probe, "train": train})] == \
+        [demos["key"], probe.pivots_key, train.train_key, ev.eval_key]
 
 
 @pytest.mark.integration

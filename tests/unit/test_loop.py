@@ -185,3 +185,24 @@ def test_refilter_between_epochs_drops_pivots_that_left_the_filter(engine, ckpt:
     more = run_rl_loop(trainer, engine, v2, pivots, PROMPTS, schedule, _settings(refilter=rf), tmp_path / "work2",
                        start=3, rows=rows[:3], progress=False)
     assert len(more) == 4 and more[3]["pivots"] == rows[3]["pivots"] and "easy-1" not in v2.calls
+
+
+def test_refilter_that_cannot_run_within_the_first_epoch_is_warned_once(engine, ckpt: Path, tmp_path: Path,
+                                                                        caplog) -> None:
+    import logging
+
+    from pivotrl.training.loop import Refilter, refilter_unused
+    from pivotrl.training.pivotrl import PivotRLTrainer
+
+    rf = Refilter(num_probes=4, temperature=1.0, top_p=1.0, top_k=0, seed=0, lambda_diff=0.5, steps_per_epoch=2)
+    assert refilter_unused(None, 1) is None and refilter_unused(rf, 3) is None  # off, or an epoch boundary is reached
+    assert "the run has 2 step(s) and its first epoch has 2" in refilter_unused(rf, 2)
+    trainer = PivotRLTrainer.build(ckpt, group_size=4, dtype="float32", lr=1e-3, beta=0.0, updates_per_batch=1, seed=0)
+    pivots = _states("p0", "p1", "p2", "p3")
+    schedule = pivot_schedule(len(pivots), 2, 2, seed=0, max_steps=1)  # training.max_steps = 1 of 2 epochs × 2
+    with caplog.at_level(logging.WARNING, logger="pivotrl.training"):
+        rows = run_rl_loop(trainer, engine, ToyVerifier(), pivots, PROMPTS, schedule, _settings(refilter=rf),
+                           tmp_path / "work", progress=False)
+    assert len(rows) == 1 and "refilter_active" not in rows[0]
+    warned = [r.getMessage() for r in caplog.records if "refilter_between_epochs" in r.getMessage()]
+    assert len(warned) == 1 and "will not run: the run has 1 step(s) and its first epoch has 2" in warned[0]

@@ -18,7 +18,6 @@ from pivotrl.objective import (
     k3_value,
     kl_terms,
     pivotrl_loss,
-    validate_loss_settings,
 )
 
 F64 = torch.float64
@@ -306,22 +305,23 @@ def test_unknown_names_in_entry_points():
 
 
 @pytest.mark.parametrize(
-    "settings, key",
+    "override, key",
     [
-        (dict(epsilon=0.0, beta=0.1), "epsilon"),
-        (dict(epsilon=1.0, beta=0.1), "epsilon"),
-        (dict(epsilon=float("nan"), beta=0.1), "epsilon"),
-        (dict(epsilon=0.2, beta=-0.01), "beta"),
-        (dict(epsilon=0.2, beta=float("inf")), "beta"),
-        (dict(epsilon=0.2, beta=0.1, log_ratio_clamp=0.0), "log_ratio_clamp"),
+        ("training.epsilon=0.0", "training.epsilon"),
+        ("training.epsilon=1.0", "training.epsilon"),
+        ("training.epsilon=nan", "training.epsilon"),
+        ("training.beta=-0.01", "training.beta"),
+        ("training.kl_estimator=k2", "training.kl_estimator"),
+        ("training.ratio_type=gspo", "training.ratio_type"),
     ],
 )
-def test_bad_settings_name_the_key(settings, key):
+def test_bad_settings_are_the_config_schemas_to_refuse_once(override, key):
+    """The loss settings' bounds are checked where a config is loaded, once, naming the key;
+    pivotrl_loss does not check them again on every step (issue 12: no bound in two places)."""
+    from pivotrl.config import load_config
+
     with pytest.raises(ConfigError, match=key):
-        validate_loss_settings(**settings)
-    logprobs, old, ref, adv, mask = _batch(2, 2, 0)
-    with pytest.raises(ConfigError, match=key):
-        pivotrl_loss(logprobs, old, ref, adv, mask, **settings)
+        load_config(None, [override])
 
 
 def test_bad_inputs():

@@ -63,3 +63,76 @@ def test_second_ctrl_c_exits_at_once():
     assert _gone(kids)
     err = proc.stderr.read()
     assert "stopping now" in err
+
+
+# ------------------------------------------------- a stage's temporary spec directory never stays
+STAGE_PARENT = textwrap.dedent("""
+    import sys
+    from pivotrl.pipeline.entry import run_stage_process
+    from pivotrl.pipeline.processes import StopOnSignal
+    if sys.argv[1] == "handler":
+        StopOnSignal(grace_s=2.0).install()
+    # sys.argv[2] holds a sitecustomize that keeps the stage process busy at start-up
+    run_stage_process("probe", {"run": {"storage_root": sys.argv[3]}}, {}, env={"PYTHONPATH": sys.argv[2]})
+""")
+
+
+def _stage_dirs(tmp):
+    return sorted(tmp.glob("pivotrl-*"))
+
+
+def _run_stage_parent(tmp_path, mode):
+    import os
+
+    tmp = tmp_path / "tmp"
+    busy = tmp_path / "busy"
+    tmp.mkdir(), busy.mkdir()
+    (busy / "sitecustomize.py").write_text("import time\ntime.sleep(60)\n")
+    proc = subprocess.Popen([sys.executable, "-c", STAGE_PARENT, mode, str(busy), str(tmp_path / "root")],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "TMPDIR": str(tmp)})
+    deadline = time.monotonic() + 60
+    while not list(tmp.glob("pivotrl-probe-*/spec.json")) and time.monotonic() < deadline:
+        assert proc.poll() is None, proc.stderr.read()
+        time.sleep(0.1)
+    spec = list(tmp.glob("pivotrl-probe-*/spec.json"))
+    assert spec and '"storage_root"' in spec[0].read_text()
+    return proc, tmp
+
+
+@pytest.mark.parametrize("mode, code", [("handler", 128 + signal.SIGINT), ("keyboard-interrupt", -signal.SIGINT)])
+def test_ctrl_c_removes_the_stage_spec_directory(tmp_path, mode, code):
+    proc, tmp = _run_stage_parent(tmp_path, mode)
+    kids = psutil.Process(proc.pid).children(recursive=True)
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=30) == code
+    assert _stage_dirs(tmp) == []
+    assert _gone(kids)  # the busy stage process was stopped too
+
+
+def test_a_failed_stage_leaves_no_spec_directory(tmp_path, monkeypatch):
+    import tempfile
+
+    from pivotrl.pipeline.entry import StageError, run_stage_process
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    with pytest.raises(StageError, match="failed"):
+        run_stage_process("probe", {"run": {"storage_root": str(tmp_path / "root"), "nope": 1}}, {})
+    assert _stage_dirs(tmp_path) == []
+
+
+def test_a_directory_left_by_a_killed_run_is_removed_by_the_next(tmp_path):
+    proc, tmp = _run_stage_parent(tmp_path, "handler")
+    kids = psutil.Process(proc.pid).children(recursive=True)
+    proc.kill()  # SIGKILL: nothing of the run's own clean-up runs
+    proc.wait(timeout=30)
+    for k in kids:
+        k.kill()
+    left = _stage_dirs(tmp)
+    assert len(left) == 1
+    code = ("import tempfile, sys; tempfile.tempdir = sys.argv[1]\n"
+            "from pivotrl.pipeline.processes import stage_tempdir\n"
+            "with stage_tempdir('train') as d: print(d)")
+    out = subprocess.run([sys.executable, "-c", code, str(tmp)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert _stage_dirs(tmp) == []  # the stale one swept, the new one removed at its end

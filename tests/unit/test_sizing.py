@@ -68,3 +68,28 @@ def test_reference_class_fixed_mode_and_overrides_leave_the_config_alone(tmp_pat
 
 def test_smoke_config_is_fixed():
     assert load_config("configs/smoke.yaml").run.sizing == "fixed"
+
+
+def test_pivotrl_config_prints_the_sized_values_and_why(tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    import pivotrl.sizing as sizing
+    from pivotrl.flows.cli import app
+
+    apply_sizing(_cfg(tmp_path), measure=lambda *a: AVX2_FP32)  # this machine's calibration, kept in the cache
+    monkeypatch.setattr(sizing, "measure_gflops", lambda *a: pytest.fail("pivotrl config measured again"))
+    args = ["config", "--config", "configs/default.yaml", "--set", f"run.cache_dir={tmp_path / 'cache'}",
+            "--set", "training.max_steps=10"]
+    out = CliRunner().invoke(app, args)
+    assert out.exit_code == 0, out.output
+    lines = out.output.splitlines()
+    assert "  max_states: 40  # scaled from 160: run.sizing auto, work x0.25" in lines
+    assert "  epochs: 1  # scaled from 2: run.sizing auto, work x0.25" in lines
+    assert "  max_steps: 10  # set explicitly: not scaled" in lines
+    assert any(line.startswith("# sizing: auto, 96 GFLOP/s measured") and "work x0.25" in line for line in lines)
+    sized, _ = apply_sizing(_cfg(tmp_path, "training.max_steps=10"), ["run.cache_dir", "training.max_steps"])
+    assert f"# config hash: {config_hash(sized)} (as configured, before sizing: " in out.output
+    # what is printed is what a run reads back
+    body = "\n".join(line.split("  #")[0] for line in lines if not line.startswith("#"))
+    (tmp_path / "shown.yaml").write_text(body)
+    assert config_hash(load_config(str(tmp_path / "shown.yaml"))) == config_hash(sized)

@@ -161,3 +161,21 @@ def test_compressed_jsonl(tmp_path):
     with fsspec.open(url, "wb", compression="gzip") as f:
         f.write((json.dumps(good("z")) + "\n").encode())
     assert [t.id for t in load_trajectories(url)] == ["z"]
+
+
+def test_a_write_that_fails_midway_leaves_the_previous_file_whole(tmp_path):
+    import fsspec
+
+    first = [Trajectory.from_dict(good("a"))]
+
+    def broken():
+        yield Trajectory.from_dict(good("b"))
+        raise RuntimeError("the producer failed")
+
+    for url in (str(tmp_path / "trajs.jsonl"), "memory://pivotrl-atomic/trajs.jsonl"):
+        assert save_trajectories_jsonl(first, url) == 1
+        with pytest.raises(RuntimeError, match="producer failed"):
+            save_trajectories_jsonl(broken(), url)
+        assert load_trajectories(url) == first  # the old file, whole: never a half-written copy
+    assert [p.name for p in tmp_path.iterdir()] == ["trajs.jsonl"]
+    assert fsspec.filesystem("memory").find("/pivotrl-atomic") == ["/pivotrl-atomic/trajs.jsonl"]

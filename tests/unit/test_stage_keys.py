@@ -189,3 +189,108 @@ def test_the_train_digest_covers_every_training_module_but_the_compare_baselines
     listed = {m.rsplit(".", 1)[1] for m in STAGE_CODE["train"] if m.startswith("pivotrl.training.")}
     # A new training module must be listed (or named here as not deciding PivotRL's policy).
     assert names - listed == {"e2e", "sft"}
+
+
+# ---------------------------------------------------------------- the Prefect cache key per stage
+STAGES = ("demonstrations", "reference", "probe", "train", "evaluate")
+
+
+def _chain(cfg, store):
+    """Every stage's key for ``cfg``, each stage's result built from the key before it as the
+    stages build theirs (content-addressed tables written where the stages write them)."""
+    import hashlib
+
+    import pandas as pd
+
+    from pivotrl.pipeline.keys import stage_key
+    from pivotrl.pipeline.results import ProbeResult, ReferenceResult, TrainResult
+
+    keys = {"demonstrations": stage_key("demonstrations", cfg, store)}
+    demos = {"key": keys["demonstrations"]}
+    store.write_artifact(f"{demos['key']}/candidates.parquet", pd.DataFrame({"state_id": ["s1", "s2"]}),
+                         kind="candidates")
+    keys["reference"] = stage_key("reference", cfg, store, {"demos": demos})
+    # a new warm start gives new weights (π_ref's checkpoint hash); the same one, the same weights
+    ref = ReferenceResult("/base", "b" * 64, keys["reference"], hashlib.sha256(keys["reference"].encode()).hexdigest(),
+                          None, {"template_hash": "t" * 16})
+    keys["probe"] = stage_key("probe", cfg, store, {"demos": demos, "reference": ref})
+    pivots = keys["probe"]
+    store.write_artifact(f"{pivots}/pivots.parquet", pd.DataFrame({"state_id": ["s1"]}), kind="pivots")
+    probe = ProbeResult(pivots.split("-")[0].replace("pivots/", "probes/"), "", pivots, store.url(f"{pivots}/pivots.parquet"), {})
+    keys["train"] = stage_key("train", cfg, store, {"probe": probe.to_dict(), "reference": ref.to_dict()})
+    train = TrainResult(keys["train"], None, store.url(f"{keys['train']}/metrics.parquet"))
+    keys["evaluate"] = stage_key("evaluate", cfg, store, {"demos": demos, "reference": ref, "probe": probe,
+                                                          "train": train})
+    return keys
+
+
+@pytest.fixture()
+def smoke(tmp_path):
+    from pivotrl.config import load_config
+    from pivotrl.storage import ArtifactStore
+
+    def cfg(*overrides):
+        return load_config(str(REPO / "configs" / "smoke.yaml"), [f"run.storage_root={tmp_path / 'root'}", *overrides])
+
+    return cfg, ArtifactStore(str(tmp_path / "root"))
+
+
+@pytest.mark.parametrize("override, changed", [
+    ("training.lr=2e-5", {"train", "evaluate"}),
+    ("training.max_steps=3", {"train", "evaluate"}),
+    ("evaluation.num_tasks=3", {"evaluate"}),
+    # the same pivot set selected again (this table): training and evaluation stay cached
+    ("probing.lambda_diff=0.5", {"probe"}),
+    ("warm_start.epochs=2", {"reference", "probe", "train", "evaluate"}),
+    ("data.split.seed=7", {"demonstrations", "reference", "probe", "train", "evaluate"}),
+    ("tracking.backend=mlflow", set()),  # where a run is recorded changes no result
+])
+def test_a_change_re_keys_its_stage_and_the_later_ones_only(smoke, override, changed):
+    cfg, store = smoke
+    before, after = _chain(cfg(), store), _chain(cfg(override), store)
+    assert {s for s in STAGES if before[s] != after[s]} == changed
+
+
+def test_the_prefect_cache_key_is_the_stage_key_and_misses_once_an_artifact_is_deleted(smoke):
+    import json
+
+    from pivotrl.tasks.stages import RESULTS_DIR, _cache_key
+
+    cfg, store = smoke
+    config = cfg().model_dump(mode="json")
+    keys = _chain(cfg(), store)
+    assert _cache_key("demonstrations")(None, {"config": config}) == \
+        "pivotrl-demonstrations-" + keys["demonstrations"].replace("/", ".")
+    changed = cfg("training.lr=2e-5").model_dump(mode="json")
+    assert _cache_key("demonstrations")(None, {"config": changed}) == _cache_key("demonstrations")(None, {"config": config})
+    # a cached result is trusted only while the artifacts it names exist
+    base = _cache_key("demonstrations")(None, {"config": config})
+    table = f"{keys['demonstrations']}/candidates.parquet"
+    store.write_text(f"{RESULTS_DIR}/outputs/{base}.json", json.dumps({"artifacts": [store.url(table)]}))
+    assert _cache_key("demonstrations")(None, {"config": config}) == base
+    store.delete(table)
+    rerun = _cache_key("demonstrations")(None, {"config": config})
+    assert rerun.startswith(base + "-rerun-")
+    # the comparison's stages keep a key of the whole config
+    from pivotrl.tasks.stages import _base_key
+
+    assert _base_key("sft_baseline", config, {}) != _base_key("sft_baseline", changed, {})
+    assert _base_key("sft_baseline", config, {}).startswith("pivotrl-sft_baseline-")
+
+
+def test_every_stage_result_field_is_documented_and_shown_with_its_meaning():
+    import dataclasses
+
+    from pivotrl.pipeline.results import EvalResult, ProbeResult, ReferenceResult, TrainResult
+
+    for cls in (ReferenceResult, ProbeResult, TrainResult, EvalResult):
+        docs = cls.field_docs()
+        assert set(docs) == {f.name for f in dataclasses.fields(cls)}, cls.__name__  # none undocumented
+        assert all(len(d) > 8 for d in docs.values())
+    res = ProbeResult("probes/ab", "file:///r/probes/ab/probes.parquet", "pivots/ab-cd",
+                      "file:///r/pivots/ab-cd/pivots.parquet", {"total": {"kept": 3}}, "a | b\n" * 100)
+    md = res.markdown()
+    assert md.startswith("## ProbeResult\n\nThe probe stage: the probe table and the pivot set")
+    assert "| `pivots_key` | pivots/ab-cd | store key prefix of `pivots.parquet`, `stats.json`, `summary.md`. |" in md
+    assert '| `stats` | {"total": {"kept": 3}} | the pivot statistics' in md
+    assert "a \\| b" in md and " …" in md  # cut, and a | in a value does not break the table
