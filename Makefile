@@ -22,7 +22,7 @@ install: $(STAMP)
 
 # The whole suite (CI runs this).
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -ra
+	$(BIN)/python -m pytest -q -ra --durations=25
 
 # Offline: everything but the vLLM, real-model (slow), downloaded-data and multi-process tests.
 test-fast: $(STAMP)

@@ -31,6 +31,9 @@ from pivotrl.evaluation.full_task import evaluate_full_tasks, split_user_turns
 from pivotrl.rollout.base import Generation, SamplingConfig
 from pivotrl.testing import tiny_tokenizer
 
+# Every test here reads the pinned BFCL records (downloaded once into the cache).
+pytestmark = pytest.mark.data
+
 GREEDY = SamplingConfig(n=1, temperature=0.0, max_tokens=32)
 
 #: One call per involved class that reads and changes no public state.

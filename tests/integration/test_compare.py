@@ -12,30 +12,23 @@ import sys
 
 import pytest
 
-from pivotrl.config import load_config
 from pivotrl.ledger import COUNTERS, CostLedger
 from pivotrl.models import checkpoint_hash
 from pivotrl.pipeline import stages
 from pivotrl.pipeline.compare import pivotrl_ledger, stage_e2e_baseline, stage_sft_baseline
 from pivotrl.pipeline.compare_eval import METHODS, stage_compare_evaluate
-from pivotrl.pipeline.demos import build_demonstrations, read_trajectories
-from pivotrl.storage import ArtifactStore
-from pivotrl.testing import save_tiny_checkpoint
+from pivotrl.pipeline.demos import read_trajectories
+
+from smoke_runs import copy_smoke_run
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.data, pytest.mark.integration]
 
 
 @pytest.fixture(scope="module")
-def compared(tmp_path_factory):
-    model = save_tiny_checkpoint(tmp_path_factory.mktemp("model") / "tiny")
-    root = tmp_path_factory.mktemp("root")
-    cfg = load_config(str(REPO / "configs" / "smoke.yaml"), [f"run.storage_root={root}", f"model.source={model}"])
-    store = ArtifactStore(cfg.run.storage_root)
-    demos = build_demonstrations(cfg, store)
-    ref = stages.stage_reference(cfg, store, demos)
-    probe = stages.stage_probe(cfg, store, demos, ref)
-    train = stages.stage_train(cfg, store, probe, ref)
+def compared(tmp_path_factory, smoke_run):
+    # The session's smoke run (conftest.py), copied: the comparison stages write into its root.
+    cfg, store, demos, ref, probe, train, _ = copy_smoke_run(smoke_run, tmp_path_factory.mktemp("compare") / "root")
     # The comparison stages take the results as the stage processes pass them (their dicts).
     r, p, t = ref.to_dict(), probe.to_dict(), train.to_dict()
     sft = stage_sft_baseline(cfg, store, demos, r, t)
@@ -98,9 +91,9 @@ def test_report_puts_the_methods_side_by_side_with_their_ledgers(compared):
                                   e2e)["key"] == ev["key"]
 
 
-def test_compare_flow_runs_and_a_second_run_is_all_cached(tmp_path):
+def test_compare_flow_runs_and_a_second_run_is_all_cached(tmp_path, tiny_model):
     """The Prefect flow through the CLI, as a user runs it; the second run re-runs no stage."""
-    model = save_tiny_checkpoint(tmp_path / "tiny")
+    model = tiny_model
     cmd = [sys.executable, "-m", "pivotrl.flows.cli", "compare", "--config", str(REPO / "configs" / "smoke.yaml"),
            "--set", f"run.storage_root={tmp_path / 'root'}", "--set", f"model.source={model}"]
     env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect"), "OMP_NUM_THREADS": "1"}

@@ -17,33 +17,11 @@ from pivotrl.config import load_config
 from pivotrl.pipeline import stages
 from pivotrl.pipeline.demos import build_demonstrations
 from pivotrl.pipeline.probe import candidate_kind_column
-from pivotrl.storage import ArtifactStore
-from pivotrl.testing import save_tiny_checkpoint
+
+from smoke_runs import copy_smoke_run
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-def smoke_config(root: Path, model: Path, *extra: str):
-    return load_config(str(REPO / "configs" / "smoke.yaml"),
-                       [f"run.storage_root={root}", f"model.source={model}", *extra])
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory) -> Path:
-    return save_tiny_checkpoint(tmp_path_factory.mktemp("model") / "tiny")
-
-
-@pytest.fixture(scope="module")
-def smoke_run(tmp_path_factory, tiny_model):
-    root = tmp_path_factory.mktemp("root")
-    cfg = smoke_config(root, tiny_model)
-    store = ArtifactStore(cfg.run.storage_root)
-    demos = build_demonstrations(cfg, store)
-    ref = stages.stage_reference(cfg, store, demos)
-    probe = stages.stage_probe(cfg, store, demos, ref)
-    train = stages.stage_train(cfg, store, probe, ref)
-    ev = stages.stage_evaluate(cfg, store, demos, ref, probe, train)
-    return cfg, store, demos, ref, probe, train, ev
+# smoke_run, tiny_model: the session's shared smoke run and model (conftest.py).
 
 
 @pytest.mark.integration
@@ -127,8 +105,9 @@ def test_second_run_reuses_every_artifact(smoke_run):
 
 
 @pytest.mark.integration
-def test_lambda_change_refilters_without_reprobing(smoke_run):
-    cfg, store, demos, ref, probe, _, _ = smoke_run
+def test_lambda_change_refilters_without_reprobing(smoke_run, tmp_path):
+    # A new pivot set is written: into a copy of the shared run's root.
+    cfg, store, demos, ref, probe, _, _ = copy_smoke_run(smoke_run, tmp_path / "root")
     cfg2 = cfg.model_copy(update={"probing": cfg.probing.model_copy(update={"lambda_diff": 0.3})})
     probe2 = stages.stage_probe(cfg2, store, demos, ref)
     assert probe2.probes_key == probe.probes_key  # same probe table

@@ -105,13 +105,6 @@ def s3():
             server.stop()
 
 
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory) -> Path:
-    from pivotrl.testing import save_tiny_checkpoint
-
-    return save_tiny_checkpoint(tmp_path_factory.mktemp("model") / "tiny")
-
-
 def _config(root: str, model: Path, *extra: str) -> RunConfig:
     return load_config(str(REPO / "configs" / "smoke.yaml"), [f"run.storage_root={root}", f"model.source={model}", *extra])
 
@@ -193,10 +186,11 @@ def _tmp_keys(store: ArtifactStore) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def local_run(tmp_path_factory, tiny_model):
-    cfg = _config(str(tmp_path_factory.mktemp("local") / "runs"), tiny_model)
-    out = _run_in_process(cfg)
-    return ArtifactStore.from_config(cfg), out
+def local_run(smoke_run):
+    """The session's in-process smoke run on a local root (conftest.py), as ``_run_in_process`` returns it."""
+    _, store, demos, ref, probe, train, ev = smoke_run
+    return store, {"demos": demos, "reference": ref.to_dict(), "probe": probe.to_dict(), "train": train.to_dict(),
+                   "evaluate": ev.to_dict()}
 
 
 def _s3_root() -> str:

@@ -4,41 +4,26 @@ table and pivot set; every sample kept so pass rates can be re-derived without n
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pandas as pd
 import pytest
 
-from pivotrl.config import load_config
 from pivotrl.pipeline import stages
 from pivotrl.pipeline.results import ProbeResult
 from pivotrl.pipeline.demos import build_demonstrations
 from pivotrl.pipeline.probe import rederive_pivots
 from pivotrl.pipeline.shards import merge_probe_shards, plan_probe_shards, probe_shard
 from pivotrl.storage import ArtifactStore
-from pivotrl.testing import save_tiny_checkpoint
 
-REPO = Path(__file__).resolve().parents[2]
-
-
-def smoke_config(root: Path, model: Path, *extra: str):
-    return load_config(str(REPO / "configs" / "smoke.yaml"),
-                       [f"run.storage_root={root}", f"model.source={model}", *extra])
+from smoke_runs import smoke_config
 
 
 @pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory) -> Path:
-    return save_tiny_checkpoint(tmp_path_factory.mktemp("model") / "tiny")
-
-
-@pytest.fixture(scope="module")
-def unsharded(tmp_path_factory, tiny_model):
-    cfg = smoke_config(tmp_path_factory.mktemp("root"), tiny_model)
-    store = ArtifactStore(cfg.run.storage_root)
-    demos = build_demonstrations(cfg, store)
-    ref = stages.stage_reference(cfg, store, demos)
-    probe = stages.stage_probe(cfg, store, demos, ref)
-    return cfg, store, demos, ref, probe
+def unsharded(smoke_run):
+    """The session's smoke run (conftest.py): its demonstrations, reference and unsharded probing."""
+    return smoke_run[:5]
 
 
 def _tables(store: ArtifactStore, probe) -> tuple[pd.DataFrame, pd.DataFrame]:
@@ -51,6 +36,9 @@ def _tables(store: ArtifactStore, probe) -> tuple[pd.DataFrame, pd.DataFrame]:
 @pytest.mark.parametrize("shard_size", [1, 2])
 def test_sharded_probing_equals_the_unsharded_run(unsharded, tiny_model, tmp_path, shard_size):
     cfg0, store0, _, _, probe0 = unsharded
+    # The demonstrations and the warm start as published by the unsharded run: only probing is new.
+    for published in ("demos", "models"):
+        shutil.copytree(Path(cfg0.run.storage_root) / published, tmp_path / published)
     cfg = smoke_config(tmp_path, tiny_model, f"scale_out.probe_shard_size={shard_size}")
     store = ArtifactStore(cfg.run.storage_root)
     demos = build_demonstrations(cfg, store)
@@ -71,6 +59,7 @@ def test_sharded_probing_equals_the_unsharded_run(unsharded, tiny_model, tmp_pat
     assert [probe_shard(cfg, store, demos, ref, s)["probed"] for s in plan["shards"]] == [0] * len(plan["shards"])
 
 
+@pytest.mark.integration  # it reads the session's smoke run
 def test_every_sample_is_kept_and_pass_rates_rederive_without_rollouts(unsharded):
     cfg, store, _, _, probe = unsharded
     df = store.read_parquet(f"{probe.probes_key}/probes.parquet")

@@ -1,24 +1,18 @@
-"""The data audit at load: BFCL gold replayed (failing calls flagged and kept out), and the
+"""The data audit at load: the replay of BFCL gold (tests/integration/test_bfcl_records.py), and the
 load-time rejections of chat records (each naming file, line, id and field; quarantinable)."""
 
 from __future__ import annotations
 
 import json
-import os
-from pathlib import Path
 
 import pytest
 
 from pivotrl.config import load_config
-from pivotrl.data.audit import audit_bfcl_replay, failure_status, is_flagged
-from pivotrl.data.bfcl import load_bfcl
+from pivotrl.data.audit import audit_bfcl_replay, failure_status
 from pivotrl.data.sources import load_trajectories
 from pivotrl.errors import DataError
 from pivotrl.pipeline.demos import build_demonstrations
 from pivotrl.storage import ArtifactStore
-
-#: multi_turn_base tasks whose gold calls report a failure when replayed (found by the audit).
-FLAGGED = ["multi_turn_base_153", "multi_turn_base_154", "multi_turn_base_181", "multi_turn_base_188"]
 
 
 def test_failure_status_reads_errors_and_false_statuses():
@@ -41,45 +35,6 @@ def test_a_replay_that_does_not_reproduce_is_flagged():
         "replay does not reproduce: final state differs"]
     failing = (['{"error": "nope"}', "2"], {})
     assert audit_bfcl_replay(failing, failing, where, calls) == ["turn 0 call 0 'a()': error status: nope"]
-
-
-def test_bfcl_gold_is_replayed_and_failing_tasks_are_flagged():
-    trajs = load_bfcl(["multi_turn_base"], os.environ["PIVOTRL_CACHE_DIR"])
-    flagged = [t for t in trajs if is_flagged(t)]
-    assert [t.id for t in flagged] == FLAGGED
-    t188 = next(t for t in flagged if t.id == "multi_turn_base_188")
-    assert t188.meta["audit_flags"] == [
-        "turn 4 call 0 \"authenticate_twitter(password='michael_cant_smith_smith', username='michael_smith')\": "
-        "failure status: authentication_status=false"]
-
-
-def _bfcl_config(root: Path, *extra: str):
-    return load_config(None, [f"run.storage_root={root}", "data.sources=[{kind: bfcl, categories: [multi_turn_base]}]",
-                              *extra])
-
-
-def test_flagged_tasks_are_counted_recorded_and_kept_out_unless_asked(tmp_path):
-    cfg = _bfcl_config(tmp_path / "root")
-    store = ArtifactStore(cfg.run.storage_root)
-    out = build_demonstrations(cfg, store)
-    c = out["counts"]
-    assert (c["flagged"], c["flagged_ids"], c["flagged_kept"]) == (4, FLAGGED, False)
-    assert c["trajectories_per_split"]["flagged"] == 4
-    traj_df = store.read_parquet(f"{out['key']}/trajectories.parquet")
-    cand = store.read_parquet(f"{out['key']}/candidates.parquet")
-    assert set(traj_df[traj_df["id"].isin(FLAGGED)]["split"]) == {"flagged"}
-    # No warm-start, pivot or held-out row comes from a flagged task.
-    in_use = cand[cand["split"].isin(["warm_start", "pivot", "heldout"])]
-    assert not in_use["trajectory_id"].isin(FLAGGED).any() and len(in_use) == len(cand) - (cand["split"] == "flagged").sum()
-    # Recorded in lineage: an artifact with a manifest, listing each task and its flags.
-    assert store.read_manifest(f"{out['key']}/flagged.jsonl").kind == "flagged"
-    lines = [json.loads(x) for x in store.read_bytes(f"{out['key']}/flagged.jsonl").decode().splitlines()]
-    assert [x["id"] for x in lines] == FLAGGED and all(x["flags"] for x in lines)
-    # The setting keeps them (a different demonstrations key: nothing is reused across the two).
-    kept_cfg = _bfcl_config(tmp_path / "root", "quality.keep_flagged=true")
-    kept = build_demonstrations(kept_cfg, store)
-    assert kept["key"] != out["key"] and kept["counts"]["flagged_kept"] is True
-    assert "flagged" not in kept["counts"]["trajectories_per_split"]
 
 
 # ---------------------------------------------------------------------------------- chat records

@@ -63,13 +63,14 @@ def test_editing_a_verifier_changes_the_probe_key_and_nothing_else_does(tree):
     assert after["demos"] == before["demos"]  # loading demonstrations does not run verifiers
 
 
-@pytest.mark.parametrize("module", ["actions.py", "prompts.py", "envs/bfcl.py", "envs/sandbox_worker.py",
-                                    "storage/retry.py", "rollout/base.py"])
-def test_parser_renderer_environment_and_sampling_code_are_in_the_probe_key(tree, module):
-    before = _keys(tree)["probe"]
-    f = tree / "pivotrl" / module
-    f.write_text(f.read_text() + "\n# changed\n")
-    assert _keys(tree)["probe"] != before
+#: Modules whose code decides probe rewards: parser, renderer, environments, retry, sampling.
+PROBE_CODE = ["actions.py", "prompts.py", "envs/bfcl.py", "envs/sandbox_worker.py", "storage/retry.py", "rollout/base.py"]
+
+
+@pytest.mark.parametrize("module", PROBE_CODE)
+def test_parser_renderer_environment_and_sampling_code_are_in_the_probe_key(edited, module):
+    base, after = edited["base"], edited["edits"][module]
+    assert after["probe"] != base["probe"]
 
 
 def test_every_stage_digest_is_stable_and_distinct():
@@ -115,49 +116,75 @@ def test_resume_retries_then_raises_on_a_storage_outage_never_restarts_from_step
     assert store.fs.calls == 3
 
 
-DIGESTS = """
-import json
-from pivotrl.code_digest import STAGE_CODE, stage_code_digest
-print(json.dumps({s: stage_code_digest(s) for s in STAGE_CODE}))
+#: module (a path under pivotrl/) → the stages whose code digest must change when it is edited.
+DIGEST_CASES = {
+    # The warm start is keyed by its own code only: train/evaluate edits never re-run it.
+    "pipeline/reference.py": {"reference"},
+    "pipeline/train.py": {"train"},
+    "pipeline/evaluate.py": {"evaluate"},
+    "evaluation/aggregate.py": {"evaluate"},
+    "training/loop.py": {"train"},
+    "training/checkpoints.py": {"train"},
+    "training/sft.py": {"reference"},
+    "training/e2e.py": set(),
+    # sample → score decides probing, training and local evaluation alike
+    "rollout/scoring.py": {"probe", "train", "evaluate"},
+    # the drift re-probe and the held-out state selection of the evaluation run probe.py's code
+    "pipeline/probe.py": {"probe", "evaluate"},
+}
+
+#: One child process over a copy of the package: the keys and stage digests of the unedited copy,
+#: then, for each module in turn, after appending a comment to it (undone before the next one).
+#: ``code_digest`` caches per process; clearing its cache between edits makes each computation
+#: read the files again, as the next run's fresh process would.
+EDITS = """
+import json, sys
+from pathlib import Path
+from pivotrl.code_digest import STAGE_CODE, code_digest, stage_code_digest
+from pivotrl.config import RunConfig
+from pivotrl.pipeline.demos import demos_key
+from pivotrl.pipeline.probe import probe_key
+cfg = RunConfig()
+
+def state():
+    code_digest.cache_clear()
+    return {"probe": probe_key("c" * 64, "r" * 64, cfg.probing.model_dump(mode="json"),
+                               cfg.verifier.model_dump(mode="json"), cfg.prompt.model_dump(mode="json"),
+                               {"engine": "hf"}),
+            "demos": demos_key(cfg), "digests": {s: stage_code_digest(s) for s in STAGE_CODE}}
+
+result = {"base": state(), "edits": {}}
+for module in json.loads(sys.argv[1]):
+    f = Path("pivotrl") / module
+    text = f.read_text()
+    f.write_text(text + "\\n# changed\\n")
+    result["edits"][module] = state()
+    f.write_text(text)
+assert state() == result["base"]  # every edit was undone
+print(json.dumps(result))
 """
 
 
-def _digests(tree: Path) -> dict[str, str]:
+@pytest.fixture(scope="module")
+def edited(tmp_path_factory):
+    """Keys and stage digests of a copy of the package before and after editing each module of
+    PROBE_CODE and DIGEST_CASES (one child process for all of them)."""
     import json
 
-    out = subprocess.run([sys.executable, "-c", DIGESTS], capture_output=True, text=True, cwd=tree, timeout=120,
+    tree = tmp_path_factory.mktemp("tree")
+    shutil.copytree(REPO / "pivotrl", tree / "pivotrl", ignore=shutil.ignore_patterns("__pycache__"))
+    modules = sorted(set(PROBE_CODE) | set(DIGEST_CASES))
+    out = subprocess.run([sys.executable, "-c", EDITS, json.dumps(modules)], capture_output=True, text=True,
+                         cwd=tree, timeout=120,
                          env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(tree), "HOME": str(tree)})
     assert out.returncode == 0, out.stderr[-2000:]
     return json.loads(out.stdout)
 
 
-def _changed(tree: Path, module: str) -> set[str]:
-    """The stages whose code digest changes when ``module`` (a path under pivotrl/) is edited."""
-    before = _digests(tree)
-    f = tree / "pivotrl" / module
-    f.write_text(f.read_text() + "\n# changed\n")
-    after = _digests(tree)
-    f.write_text(f.read_text().removesuffix("\n# changed\n"))
-    return {s for s in before if before[s] != after[s]}
-
-
-@pytest.mark.parametrize("module, stages", [
-    # The warm start is keyed by its own code only: train/evaluate edits never re-run it.
-    ("pipeline/reference.py", {"reference"}),
-    ("pipeline/train.py", {"train"}),
-    ("pipeline/evaluate.py", {"evaluate"}),
-    ("evaluation/aggregate.py", {"evaluate"}),
-    ("training/loop.py", {"train"}),
-    ("training/checkpoints.py", {"train"}),
-    ("training/sft.py", {"reference"}),
-    ("training/e2e.py", set()),
-    # sample → score decides probing, training and local evaluation alike
-    ("rollout/scoring.py", {"probe", "train", "evaluate"}),
-    # the drift re-probe and the held-out state selection of the evaluation run probe.py's code
-    ("pipeline/probe.py", {"probe", "evaluate"}),
-])
-def test_each_stage_digest_covers_the_modules_that_hold_its_code(tree, module, stages):
-    assert _changed(tree, module) == stages
+@pytest.mark.parametrize("module", DIGEST_CASES)
+def test_each_stage_digest_covers_the_modules_that_hold_its_code(edited, module):
+    before, after = edited["base"]["digests"], edited["edits"][module]["digests"]
+    assert {s for s in before if before[s] != after[s]} == DIGEST_CASES[module]
 
 
 def test_the_training_package_imports_no_pipeline_module():

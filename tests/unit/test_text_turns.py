@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import json
-import os
 import random
 import string
 
 import pytest
 
-from pivotrl.data.bfcl import load_bfcl
 from pivotrl.data.schema import Message, ToolCall, ToolSpec, Trajectory
 from pivotrl.data.states import candidate_kinds_for_pivots, extract_turn_states, states_to_frame
 from pivotrl.errors import DataError
@@ -88,38 +86,8 @@ def test_rules_per_turn_index_and_malformed_rules():
             extract_turn_states(chat(meta))
 
 
-def test_bfcl_closing_turns_are_stop_decisions_kept_out_of_pivots_by_default():
-    (traj,) = load_bfcl(["multi_turn_base"], os.environ["PIVOTRL_CACHE_DIR"], limit_per_category=1)
-    states = extract_turn_states(traj)
-    kinds = [s.verifier_context["candidate_kind"] for s in states]
-    assert {k for k, s in zip(kinds, states) if not s.demo_action.tool_calls} == {"stop"}
-    assert kinds.count("stop") == sum(1 for m in traj.messages if m.role == "user")
-    frame = states_to_frame(states).assign(split="pivot")
-    assert list(candidate_kind_column(frame)) == kinds
-    default = select_candidates(frame, "pivot", None, 0, kinds=candidate_kinds_for_pivots())
-    assert len(default) == kinds.count("call")
-    assert len(select_candidates(frame, "pivot", None, 0, kinds=candidate_kinds_for_pivots(True))) == len(states)
-    stop = states[kinds.index("stop")]
-    verdicts = get_verifier("tool_name").score(stop, ["Done.", "All set, anything else?", "[ls()]"])
-    assert [(v.reward, v.reason) for v in verdicts] == [(1.0, "stop"), (1.0, "stop"), (0.0, "wrong_kind")]
-
-
 def test_old_candidate_rows_without_a_kind_are_read_conservatively():
     frame = states_to_frame(extract_turn_states(chat()))
     frame["verifier_context"] = [json.dumps({k: v for k, v in json.loads(c).items() if k != "candidate_kind"})
                                  for c in frame["verifier_context"]]
     assert list(candidate_kind_column(frame)) == ["call", "text_no_rule"]
-
-
-def test_out_of_domain_categories_must_be_unseen_and_load_as_states():
-    from pivotrl.config import load_config
-    from pivotrl.errors import ConfigError
-    from pivotrl.evaluation.trust import out_of_domain_states
-
-    cfg = load_config(None, ["quality.out_of_domain_limit=3"])
-    states = out_of_domain_states(cfg, os.environ["PIVOTRL_CACHE_DIR"])
-    assert [s.category for s in states] == ["parallel"] * 3
-    assert {s.verifier_context["default_verifier"] for s in states} == {"arguments"}
-    bad = load_config(None, ["quality.out_of_domain=[multiple]"])
-    with pytest.raises(ConfigError, match=r"quality.out_of_domain = \['multiple'\]: \['multiple'\] also in data.sources"):
-        out_of_domain_states(bad, os.environ["PIVOTRL_CACHE_DIR"])
