@@ -132,6 +132,64 @@ def test_lambda_change_refilters_without_reprobing(smoke_run):
     assert set(store.read_parquet(f"{probe2.pivots_key}/pivots.parquet")["state_id"]) == expected
 
 
+def _copy_root(src: Path, dst: Path) -> Path:
+    """A copy of a run root without its evaluation (same content keys, nothing evaluated yet)."""
+    import shutil
+
+    shutil.copytree(src, dst, ignore=lambda d, names: [n for n in names if Path(d) == Path(src)
+                                                       and n in ("eval", ".prefect-results", "logs")])
+    return dst
+
+
+def same_report(out: dict, ev, root: Path, root0: Path, config_hash: str) -> None:
+    """``out`` (a merged EvalResult dict) holds exactly the unsharded report ``ev``; the only field
+    that differs is the config hash (the config names the shard size)."""
+    report, report0 = out["report"], ev.report
+    assert report["meta"].pop("config_hash") == config_hash != report0["meta"]["config_hash"]
+    assert report == {**report0, "meta": {k: v for k, v in report0["meta"].items() if k != "config_hash"}}
+
+    def text(uri: str, h: str) -> str:  # the roots' paths and the config hash aside
+        md = Path(uri.removeprefix("file://")).read_text().replace(str(root), "ROOT").replace(str(root0), "ROOT")
+        return md.replace(h, "H").replace(h[:12], "H")
+
+    assert text(out["report_md"], config_hash) == text(ev.report_md, report0["meta"]["config_hash"])
+    # The numbers, one by one: per policy full-task success, turns passed, local accuracy and n.
+    rows = {p["policy"]: p for p in report["policies"]}
+    for p in report0["policies"]:
+        for k in ("full_task_success", "turn_pass_rate", "local_pivot_accuracy", "local_pivot_set_accuracy",
+                  "tasks", "turns_total", "local_samples", "local_states"):
+            assert rows[p["policy"]][k] == p[k], (p["policy"], k)
+    assert sum(p["tasks"] for p in rows.values()) == 3 * len(report["meta"]["heldout_tasks"]) > 0
+
+
+@pytest.mark.integration
+def test_sharded_evaluation_gives_the_unsharded_report_and_reruns_only_a_missing_shard(smoke_run, tmp_path):
+    """``scale_out.eval_shard_size=1``: a shard per held-out task (every policy on one engine) and
+    one for the state-level measures, merged into the unsharded stage's report; after one shard's
+    output and the report are deleted, a rerun evaluates exactly that shard."""
+    from pivotrl.config import config_hash
+    from pivotrl.pipeline.eval_shards import eval_shard, merge_eval_shards, plan_eval_shards
+
+    cfg0, _, demos, ref, probe, train, ev = smoke_run
+    root = _copy_root(Path(cfg0.run.storage_root), tmp_path / "root")
+    cfg = smoke_config(root, Path(cfg0.model.source), "scale_out.eval_shard_size=1")
+    store = ArtifactStore(cfg.run.storage_root)
+    args = (demos, ref.to_dict(), probe.to_dict(), train.to_dict())
+    plan = plan_eval_shards(cfg, store, *args)
+    tasks = ev.report["meta"]["heldout_tasks"]
+    assert plan["eval_key"] == ev.eval_key and not plan["done"]
+    assert [(s["part"], s["tasks"]) for s in plan["shards"]] == [("tasks", [t]) for t in tasks] + [("states", [])]
+    assert [eval_shard(cfg, store, *args, s)["evaluated"] for s in plan["shards"]] == [True] * len(plan["shards"])
+    same_report(merge_eval_shards(cfg, store, *args, plan), ev, root, Path(cfg0.run.storage_root), config_hash(cfg))
+
+    gone = plan["shards"][0]
+    store.delete(gone["output"])
+    store.delete(ev.eval_key)
+    rerun = [eval_shard(cfg, store, *args, s) for s in plan["shards"]]
+    assert [r["index"] for r in rerun if r["evaluated"]] == [gone["index"]]
+    same_report(merge_eval_shards(cfg, store, *args, plan), ev, root, Path(cfg0.run.storage_root), config_hash(cfg))
+
+
 @pytest.mark.integration
 def test_training_stage_two_ranks_matches_one_rank(smoke_run, tmp_path):
     """The training stage as a 2-rank torchrun process group on the same pivots gives the same
