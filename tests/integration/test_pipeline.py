@@ -18,7 +18,7 @@ from pivotrl.pipeline import stages
 from pivotrl.pipeline.demos import build_demonstrations
 from pivotrl.pipeline.probe import candidate_kind_column
 from pivotrl.storage import ArtifactStore
-from pivotrl.testing import save_tiny_checkpoint
+from pivotrl.testing import comparable_report, save_tiny_checkpoint
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -141,18 +141,13 @@ def _copy_root(src: Path, dst: Path) -> Path:
     return dst
 
 
-def same_report(out: dict, ev, root: Path, root0: Path, config_hash: str) -> None:
-    """``out`` (a merged EvalResult dict) holds exactly the unsharded report ``ev``; the only field
-    that differs is the config hash (the config names the shard size)."""
-    report, report0 = out["report"], ev.report
-    assert report["meta"].pop("config_hash") == config_hash != report0["meta"]["config_hash"]
-    assert report == {**report0, "meta": {k: v for k, v in report0["meta"].items() if k != "config_hash"}}
-
-    def text(uri: str, h: str) -> str:  # the roots' paths and the config hash aside
-        md = Path(uri.removeprefix("file://")).read_text().replace(str(root), "ROOT").replace(str(root0), "ROOT")
-        return md.replace(h, "H").replace(h[:12], "H")
-
-    assert text(out["report_md"], config_hash) == text(ev.report_md, report0["meta"]["config_hash"])
+def same_report(out: dict, ev, roots: list[Path]) -> None:
+    """``out`` (a merged EvalResult dict) holds the unsharded report ``ev``: the same report.json and
+    report.md but for the config hash (the config names the shard size) and the roots' paths."""
+    report, md = comparable_report(out, roots)
+    assert (report, md) == comparable_report(ev.to_dict(), roots)
+    assert out["report"]["meta"]["config_hash"] != ev.report["meta"]["config_hash"]
+    report0 = ev.report
     # The numbers, one by one: per policy full-task success, turns passed, local accuracy and n.
     rows = {p["policy"]: p for p in report["policies"]}
     for p in report0["policies"]:
@@ -167,7 +162,6 @@ def test_sharded_evaluation_gives_the_unsharded_report_and_reruns_only_a_missing
     """``scale_out.eval_shard_size=1``: a shard per held-out task (every policy on one engine) and
     one for the state-level measures, merged into the unsharded stage's report; after one shard's
     output and the report are deleted, a rerun evaluates exactly that shard."""
-    from pivotrl.config import config_hash
     from pivotrl.pipeline.eval_shards import eval_shard, merge_eval_shards, plan_eval_shards
 
     cfg0, _, demos, ref, probe, train, ev = smoke_run
@@ -180,14 +174,14 @@ def test_sharded_evaluation_gives_the_unsharded_report_and_reruns_only_a_missing
     assert plan["eval_key"] == ev.eval_key and not plan["done"]
     assert [(s["part"], s["tasks"]) for s in plan["shards"]] == [("tasks", [t]) for t in tasks] + [("states", [])]
     assert [eval_shard(cfg, store, *args, s)["evaluated"] for s in plan["shards"]] == [True] * len(plan["shards"])
-    same_report(merge_eval_shards(cfg, store, *args, plan), ev, root, Path(cfg0.run.storage_root), config_hash(cfg))
+    same_report(merge_eval_shards(cfg, store, *args, plan), ev, [root, Path(cfg0.run.storage_root)])
 
     gone = plan["shards"][0]
     store.delete(gone["output"])
     store.delete(ev.eval_key)
     rerun = [eval_shard(cfg, store, *args, s) for s in plan["shards"]]
     assert [r["index"] for r in rerun if r["evaluated"]] == [gone["index"]]
-    same_report(merge_eval_shards(cfg, store, *args, plan), ev, root, Path(cfg0.run.storage_root), config_hash(cfg))
+    same_report(merge_eval_shards(cfg, store, *args, plan), ev, [root, Path(cfg0.run.storage_root)])
 
 
 @pytest.mark.integration
