@@ -1,4 +1,6 @@
-"""Prefect tasks of sharded probing (``scale_out``): plan → one mapped task run per shard → merge.
+"""Prefect tasks of sharded probing (``scale_out``): plan → one mapped task run per shard → merge;
+and the pieces sharded evaluation (:mod:`pivotrl.tasks.eval_shards`) shares with it: the shard
+cache key, :func:`run_shard`, the task runner, the resources and :func:`wait_for_shards`.
 
 Each shard is its own task run with its own cache key (the shard's content address, see
 :mod:`pivotrl.pipeline.shards`) and ``scale_out.shard_retries`` retries, so a rerun of the flow
@@ -115,7 +117,8 @@ def probe_merge(config: dict[str, Any], inputs: dict[str, Any]) -> dict[str, Any
 
 @dataclass(frozen=True)
 class ShardTasks:
-    """The sharded-probing tasks of one run (see :func:`shard_tasks`)."""
+    """The plan, shard and merge tasks of one sharded stage (probing: :func:`shard_tasks`;
+    evaluation: ``pivotrl.tasks.eval_shards.eval_shard_tasks``)."""
 
     plan: Task
     shard: Task
