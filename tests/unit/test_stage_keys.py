@@ -146,6 +146,7 @@ def _changed(tree: Path, module: str) -> set[str]:
     ("pipeline/reference.py", {"reference"}),
     ("pipeline/train.py", {"train"}),
     ("pipeline/evaluate.py", {"evaluate"}),
+    ("pipeline/eval_shards.py", {"evaluate"}),
     ("evaluation/aggregate.py", {"evaluate"}),
     ("training/loop.py", {"train"}),
     ("training/checkpoints.py", {"train"}),
