@@ -31,7 +31,7 @@ def nightly(config_path: str = "configs/default.yaml", overrides: list[str] | No
 
     Returns the evaluation result: ``report_md``/``report_json`` URIs and the report dict.
     """
-    from pivotrl.flows.shards import probe_stage
+    from pivotrl.flows.shards import evaluate_stage, probe_stage
     from pivotrl.tasks.stages import pipeline_tasks
 
     from pivotrl.tasks.tracking import tracking_hooks
@@ -49,7 +49,7 @@ def nightly(config_path: str = "configs/default.yaml", overrides: list[str] | No
         track.stage("probe", probe)
         train = t.train(config, {"probe": probe, "reference": ref})
         track.stage("train", train)
-        result = t.evaluate(config, {"demos": demos, "reference": ref, "probe": probe, "train": train})
+        result = evaluate_stage(t, config, {"demos": demos, "reference": ref, "probe": probe, "train": train})
         track.stage("evaluate", result)
     except BaseException:
         track.end("FAILED")

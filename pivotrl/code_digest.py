@@ -44,7 +44,7 @@ STAGE_CODE: dict[str, tuple[str, ...]] = {
                               "pivotrl.pipeline.train"),
     # The drift re-probe and the held-out state selection run pivotrl.pipeline.probe's code.
     "evaluate": _CORE + _ENVS + ("pivotrl.verifiers", "pivotrl.rollout", "pivotrl.evaluation",
-                                 "pivotrl.pipeline.probe", "pivotrl.pipeline.evaluate"),
+                                 "pivotrl.pipeline.probe", "pivotrl.pipeline.evaluate", "pivotrl.pipeline.eval_shards"),
 }
 
 

@@ -238,8 +238,24 @@ def save_tiny_checkpoint(directory: str | os.PathLike[str], seed: int = 0, token
     return target
 
 
+def comparable_report(result: dict[str, Any], roots: "list[str | os.PathLike[str]]") -> tuple[dict[str, Any], str]:
+    """``(report.json, report.md)`` of an evaluation result dict (``EvalResult.to_dict()``, local
+    root) without what names the run rather than its numbers: ``meta.config_hash`` (a sharded run's
+    config differs in ``scale_out``) and the paths of ``roots`` in the Markdown. Two evaluations of
+    the same policies on the same tasks give equal pairs, whether sharded or not."""
+    import copy
+
+    report = copy.deepcopy(result["report"])
+    digest = report["meta"].pop("config_hash")
+    md = Path(result["report_md"].removeprefix("file://")).read_text(encoding="utf-8")
+    for root in sorted((str(r) for r in roots), key=len, reverse=True):
+        md = md.replace(root, "<root>")
+    return report, md.replace(digest, "<config hash>").replace(digest[:12], "<config hash>")
+
+
 __all__ = [
     "CHAT_TEMPLATE",
+    "comparable_report",
     "FAMILIES",
     "IM_END",
     "IM_START",

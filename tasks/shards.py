@@ -1,4 +1,6 @@
-"""Prefect tasks of sharded probing (``scale_out``): plan → one mapped task run per shard → merge.
+"""Prefect tasks of sharded probing (``scale_out``): plan → one mapped task run per shard → merge;
+and the pieces sharded evaluation (:mod:`pivotrl.tasks.eval_shards`) shares with it: the shard
+cache key, :func:`run_shard`, the task runner, the resources and :func:`wait_for_shards`.
 
 Each shard is its own task run with its own cache key (the shard's content address, see
 :mod:`pivotrl.pipeline.shards`) and ``scale_out.shard_retries`` retries, so a rerun of the flow
@@ -18,7 +20,7 @@ import contextlib
 import uuid
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 from prefect import Task, task
 from pivotrl.errors import PivotRLError
@@ -31,17 +33,42 @@ class ShardsFailed(PivotRLError, RuntimeError):
 
 
 def _shard_cache_key(_ctx: Any, params: dict[str, Any]) -> str:
-    # The shard's content address covers everything its table depends on; a cached result is only
-    # trusted while that table still exists (a result recorded for a deleted table is a miss).
+    # The shard's content address covers everything its output depends on; a cached result is only
+    # trusted while that output still exists (a result recorded for a deleted output is a miss).
     shard, config = params["shard"], params["config"]
-    key = f"pivotrl-probe-shard-{shard['key'].rsplit('/', 1)[-1]}"
+    key = f"pivotrl-{shard.get('kind', 'probe')}-shard-{shard['key'].rsplit('/', 1)[-1]}"
+    output = shard.get("output") or f"{shard['key']}/probes.parquet"
     try:
         store = _store(config)
-        if store.exists(f"{RESULTS_DIR}/{key}") and not store.exists(f"{shard['key']}/probes.parquet"):
+        if store.exists(f"{RESULTS_DIR}/{key}") and not store.exists(output):
             return f"{key}-rerun-{uuid.uuid4().hex}"
     except Exception:  # the check is an optimisation; the shard itself is idempotent
         pass
     return key
+
+
+def run_shard(stage: str, config: dict[str, Any], inputs: dict[str, Any], shard: dict[str, Any],
+              in_worker: Callable[[Any, Any], dict[str, Any]]) -> dict[str, Any]:
+    """Run one shard task's work: on Ray, ``in_worker(cfg, store)`` in this worker process (its
+    engine stays warm for the worker's next shard; the result names the worker's pid and node);
+    in-process, the entry stage ``stage`` in a child process (its engine ends with it)."""
+    from prefect.runtime import task_run
+
+    from pivotrl.pipeline.common import make_store, set_threads
+    from pivotrl.pipeline.entry import run_stage_process
+
+    cfg = _config_obj(config)
+    attempt = max(0, int(task_run.run_count or 1) - 1)
+    if cfg.scale_out.task_runner == "ray":
+        import os
+
+        import ray
+
+        set_threads(cfg.rollout.num_threads)
+        out = in_worker(cfg, make_store(cfg, attempt=attempt))
+        return {**out, "worker": {"pid": os.getpid(), "node": ray.get_runtime_context().get_node_id()}}
+    return run_stage_process(stage, config, {**inputs, "shard": shard}, threads=cfg.rollout.num_threads,
+                             attempt=attempt)
 
 
 @task(name="probe-plan", persist_result=False)
@@ -57,29 +84,15 @@ def probe_plan(config: dict[str, Any], inputs: dict[str, Any]) -> dict[str, Any]
       result_serializer="json")
 def probe_shard(config: dict[str, Any], inputs: dict[str, Any], shard: dict[str, Any]) -> dict[str, Any]:
     """Probe one shard: in this process with a warm engine on Ray, else in a child process."""
-    from prefect.runtime import task_run
+    from pivotrl.pipeline.entry import StageError
+    from pivotrl.pipeline.shards import probe_shard as run_probe_shard, shard_failure
 
-    from pivotrl.pipeline.common import make_store, set_threads
-    from pivotrl.pipeline.entry import StageError, run_stage_process
-    from pivotrl.pipeline.shards import probe_shard as run_shard, shard_failure
-
-    cfg = _config_obj(config)
     store = _store(config)
-    attempt = max(0, int(task_run.run_count or 1) - 1)
     if store.exists(f"{shard['key']}/failed.json"):
         store.delete(f"{shard['key']}/failed.json")  # only this attempt's failure is reported
-    if cfg.scale_out.task_runner == "ray":
-        import os
-
-        import ray
-
-        set_threads(cfg.rollout.num_threads)
-        out = run_shard(cfg, make_store(cfg, attempt=attempt), inputs["demos"], inputs["reference"], shard,
-                        warm_engine=True)
-        return {**out, "worker": {"pid": os.getpid(), "node": ray.get_runtime_context().get_node_id()}}
     try:
-        return run_stage_process("probe_shard", config, {**inputs, "shard": shard},
-                                 threads=cfg.rollout.num_threads, attempt=attempt)
+        return run_shard("probe_shard", config, inputs, shard, lambda cfg, st: run_probe_shard(
+            cfg, st, inputs["demos"], inputs["reference"], shard, warm_engine=True))
     except StageError:
         failure = shard_failure(store, shard)
         if failure is not None:
@@ -104,7 +117,8 @@ def probe_merge(config: dict[str, Any], inputs: dict[str, Any]) -> dict[str, Any
 
 @dataclass(frozen=True)
 class ShardTasks:
-    """The sharded-probing tasks of one run (see :func:`shard_tasks`)."""
+    """The plan, shard and merge tasks of one sharded stage (probing: :func:`shard_tasks`;
+    evaluation: ``pivotrl.tasks.eval_shards.eval_shard_tasks``)."""
 
     plan: Task
     shard: Task
@@ -154,9 +168,10 @@ def shard_resources(config: Mapping[str, Any]) -> Iterator[None]:
         yield
 
 
-def wait_for_shards(futures: list[Any], plan: dict[str, Any]) -> list[dict[str, Any]]:
+def wait_for_shards(futures: list[Any], plan: dict[str, Any], what: str = "probe") -> list[dict[str, Any]]:
     """The results of every shard future, in plan order; raises ShardsFailed naming each failed
-    shard (index, key and its failure message, e.g. the states it could not decide)."""
+    shard (index, key and its failure message, e.g. the states it could not decide). ``what``:
+    the kind of shards, for the message ("probe", "evaluation")."""
     results, failed = [], []
     for shard, fut in zip(plan["shards"], futures):
         fut.wait()
@@ -166,10 +181,10 @@ def wait_for_shards(futures: list[Any], plan: dict[str, Any]) -> list[dict[str, 
         else:
             failed.append(f"shard {shard['index']} ({shard['key']}): {state.name}: {state.message or ''}".strip())
     if failed:
-        raise ShardsFailed(f"{len(failed)} of {len(futures)} probe shards failed; run the flow again to retry "
+        raise ShardsFailed(f"{len(failed)} of {len(futures)} {what} shards failed; run the flow again to retry "
                            "only them:\n" + "\n".join(failed))
     return results
 
 
 __all__ = ["ShardTasks", "ShardsFailed", "probe_merge", "probe_plan", "probe_shard", "shard_resources",
-           "shard_tasks", "task_runner", "wait_for_shards"]
+           "run_shard", "shard_tasks", "task_runner", "wait_for_shards"]

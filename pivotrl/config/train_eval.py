@@ -214,7 +214,7 @@ class FaultsSection(Section):
 
 # ------------------------------------------------------------------------------------ scale-out
 class ScaleOutSection(Section):
-    """Sharded probing and where shards run (evaluation is not sharded yet)."""
+    """Sharded probing and evaluation, and where shards run."""
 
     probe_shard_size: Int | None = Field(
         None, ge=1, description=(
@@ -238,6 +238,12 @@ class ScaleOutSection(Section):
     )
     ray_cpus_per_shard: Float = Field(1.0, gt=0, description="CPUs a shard task asks Ray for (its engine's threads).")
     ray_gpus_per_shard: Float = Field(0.0, ge=0, description="GPUs a shard task asks Ray for (one engine per GPU: 1).")
+    eval_shard_size: Int | None = Field(
+        None, ge=1, description=(
+            "Held-out tasks per evaluation shard, each its own Prefect task run (every policy, one engine) "
+            "with its own cache key and retries, plus one shard for the state-level measures (null = "
+            "evaluate in one task).")
+    )
 
 
 # ------------------------------------------------------------------------------------ tracking

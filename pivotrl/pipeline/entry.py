@@ -25,7 +25,7 @@ from pivotrl.storage.files import atomic_file
 
 #: Stages of ``pivotrl compare`` (pivotrl.pipeline.compare / compare_eval), run the same way.
 COMPARE_STAGES = ("sft_baseline", "e2e_baseline", "compare_evaluate")
-STAGES = ("reference", "probe", "train", "evaluate", "probe_shard") + COMPARE_STAGES
+STAGES = ("reference", "probe", "train", "evaluate", "probe_shard", "eval_shard") + COMPARE_STAGES
 
 #: Exit code of a stage process that failed for a reason a retry cannot fix (bad config or data,
 #: an unreadable model, a broken training invariant).
@@ -83,6 +83,10 @@ def run_stage(stage: str, config: dict[str, Any], inputs: dict[str, Any], *, att
         from pivotrl.pipeline.shards import probe_shard
 
         return probe_shard(cfg, store, inputs["demos"], inputs["reference"], inputs["shard"])
+    if stage == "eval_shard":
+        from pivotrl.pipeline.eval_shards import eval_shard
+
+        return eval_shard(cfg, store, *(inputs[k] for k in ("demos", "reference", "probe", "train")), inputs["shard"])
     if stage in COMPARE_STAGES:
         from pivotrl.pipeline.compare_eval import run_compare_stage
 

@@ -1,16 +1,26 @@
 """The evaluate stage: base, π_ref and the PivotRL policy on held-out tasks and states, and the report.
 
-``stage_evaluate(cfg, store, demos, ref, probe, train) -> EvalResult``. The arithmetic over seeds
-and categories lives in :mod:`pivotrl.evaluation.aggregate`, the report in
-:mod:`pivotrl.evaluation.report`.
+``stage_evaluate(cfg, store, demos, ref, probe, train) -> EvalResult``. It is built from parts that
+sharded evaluation (:mod:`pivotrl.pipeline.eval_shards`) runs apart and merges:
+
+- :func:`policy_task_frames`: one policy's full multi-turn tasks from scratch, one table per seed;
+- :func:`policy_state_results`: one policy's local accuracy on held-out states, stop decisions,
+  out-of-domain states and the pivot set;
+- :func:`reprobe_pivots`: the pivot set re-probed under the trained policy (pivot drift);
+- :func:`write_report`: the report from those parts (full-task summaries are computed here, from
+  the per-task tables, so a report merged from shards is the same as one computed in one piece).
+
+The arithmetic over seeds and categories lives in :mod:`pivotrl.evaluation.aggregate`, the report
+in :mod:`pivotrl.evaluation.report`.
 """
 
 from __future__ import annotations
 
 import json
 import tempfile
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import pandas as pd
 
@@ -38,6 +48,153 @@ def eval_key(cfg: RunConfig, demos: Mapping[str, Any], ref: ReferenceResult | Ma
                                    "quality": cfg.quality.model_dump(mode="json"), "code": stage_code_digest("evaluate")})[:16]
 
 
+def heldout_tasks(cfg: RunConfig, store: ArtifactStore, demos: Mapping[str, Any]) -> list[Any]:
+    """The held-out tasks played from scratch: held-out trajectories with a tool environment,
+    sorted by id, the first ``evaluation.num_tasks``."""
+    heldout = [t for t in read_trajectories(store, demos["key"], split="heldout") if t.env is not None]
+    return sorted(heldout, key=lambda t: t.id)[: cfg.evaluation.num_tasks]
+
+
+#: The policies evaluated, in the report's order.
+POLICIES = ("base", "reference", "pivotrl")
+
+
+def eval_policies(cfg: RunConfig, store: ArtifactStore, ref: ReferenceResult, train: TrainResult) -> dict[str, Path]:
+    """Policy name → local checkpoint directory, in :data:`POLICIES` order."""
+    return {"base": Path(ref.base_dir), "reference": reference_dir(cfg, store, ref),
+            "pivotrl": local_checkpoint(store, train.policy_key, cache_dir(cfg)) if train.policy_key
+            else reference_dir(cfg, store, ref)}
+
+
+@dataclass(frozen=True)
+class EvalStates:
+    """The turn states evaluated locally: held-out calls and text turns, stop decisions,
+    out-of-domain BFCL categories and the pivot set."""
+
+    local: list[Any]
+    stop: list[Any]
+    ood: list[Any]
+    pivots: list[Any]
+
+    @classmethod
+    def select(cls, cfg: RunConfig, store: ArtifactStore, demos: Mapping[str, Any], probe: ProbeResult) -> "EvalStates":
+        from pivotrl.data.states import frame_to_states
+        from pivotrl.evaluation.trust import out_of_domain_states
+        from pivotrl.pipeline.probe import select_candidates
+
+        cand = store.read_parquet(f"{demos['key']}/candidates.parquet")
+        n_local = max(min(cfg.evaluation.num_tasks * 4, 40), 32)  # held-out states (m samples each)
+        hist = read_histories(store, demos["key"], cand.loc[cand["split"] == "heldout", "trajectory_id"])
+        local = frame_to_states(select_candidates(cand, "heldout", n_local, cfg.run.seed, kinds=("call", "text_rule")), hist)
+        # Stop decisions (BFCL's closing "Done.") are scored apart; text turns without a rule never.
+        stop = frame_to_states(select_candidates(cand, "heldout", n_local, cfg.run.seed, kinds=("stop",)), hist)
+        ood = out_of_domain_states(cfg, cache_dir(cfg))  # BFCL categories never trained on
+        pivots = frame_to_states(store.read_parquet(f"{probe.pivots_key}/pivots.parquet"))
+        return cls(local, stop, ood, pivots)
+
+    def counts(self) -> dict[str, int]:
+        return {"local_states": len(self.local), "pivots": len(self.pivots), "stop_decision_states": len(self.stop),
+                "out_of_domain_states": len(self.ood)}
+
+
+@dataclass
+class StateParts:
+    """What the state-level evaluation of every policy produced (see :func:`policy_state_results`).
+
+    ``results``: policy → its per-seed local summaries; ``local_frames`` / ``pivot_frames``: the
+    per-state tables (columns of :func:`pivotrl.evaluation.local.evaluate_local` plus policy, seed
+    and, for local frames, kind); ``reprobe``: the pivot set re-probed under the trained policy."""
+
+    counts: dict[str, int]
+    results: dict[str, dict[str, Any]] = field(default_factory=dict)
+    local_frames: list[pd.DataFrame] = field(default_factory=list)
+    pivot_frames: list[pd.DataFrame] = field(default_factory=list)
+    reprobe: pd.DataFrame | None = None
+
+
+def _lkw(cfg: RunConfig) -> dict[str, Any]:
+    return {"max_context": cfg.model.max_context - cfg.rollout.max_tokens, **prompt_kwargs(cfg)}
+
+
+def policy_task_frames(cfg: RunConfig, engine: Any, tok: Any, tasks: Sequence[Any], bfcl_root: Path,
+                       policy: str) -> list[pd.DataFrame]:
+    """The held-out ``tasks`` played from scratch by the policy loaded in ``engine``: one per-task
+    table (:func:`pivotrl.evaluation.full_task.evaluate_full_tasks` plus policy, seed) per seed."""
+    from pivotrl.evaluation.full_task import evaluate_full_tasks
+
+    ev, frames = cfg.evaluation, []
+    for seed in ev.seeds:
+        df, _ = evaluate_full_tasks(engine, tok, tasks, bfcl_root=str(bfcl_root), max_steps_per_turn=ev.max_steps_per_turn,
+                                    sampling=sampling_for(cfg, n=1, temperature=ev.temperature, seed=seed), seed=seed,
+                                    max_context=cfg.model.max_context - cfg.rollout.max_tokens,
+                                    judge=cfg.quality.judge, **prompt_kwargs(cfg))
+        df["policy"], df["seed"] = policy, seed
+        frames.append(df)
+    return frames
+
+
+def full_task_runs(cfg: RunConfig, frames: Sequence[pd.DataFrame]) -> list[dict[str, Any]]:
+    """The per-seed full-task summaries of one policy's per-task tables (one per seed)."""
+    from pivotrl.evaluation.aggregate import task_summary
+
+    ev = cfg.evaluation
+    return [task_summary(df.drop(columns=["policy", "seed"]), max_steps_per_turn=ev.max_steps_per_turn,
+                         sampling=sampling_for(cfg, n=1, temperature=ev.temperature, seed=seed), seed=seed,
+                         max_context=cfg.model.max_context - cfg.rollout.max_tokens, judge=cfg.quality.judge)
+            for seed, df in zip(ev.seeds, frames)]
+
+
+def policy_state_results(cfg: RunConfig, engine: Any, tok: Any, states: EvalStates, verifier: Any, policy: str,
+                         parts: StateParts) -> None:
+    """Local accuracy of the policy loaded in ``engine`` on ``states`` (greedy; sampled as in
+    probing; stop decisions; out-of-domain; the pivot set), every seed, added to ``parts``."""
+    from pivotrl.evaluation.aggregate import accuracy_by_category
+    from pivotrl.evaluation.local import evaluate_local
+
+    ev, lkw, res = cfg.evaluation, _lkw(cfg), {}
+    text_turn = {st.state_id: not st.demo_action.tool_calls for st in states.local}
+    for seed in ev.seeds:
+        samp = sampling_for(cfg, n=1, temperature=ev.temperature, seed=seed)
+        ldf, lsum = evaluate_local(engine, tok, states.local, verifier, sampling=samp, **lkw)
+        res.setdefault("local_heldout_runs", []).append(lsum)
+        # Sampled success as in probing (m samples at the probe temperature), beside greedy.
+        sampled = sampling_for(cfg, n=cfg.probing.num_probes, temperature=cfg.probing.temperature, seed=seed)
+        sdf, ssum = evaluate_local(engine, tok, states.local, verifier, sampling=sampled, **lkw)
+        res.setdefault("local_sampled_runs", []).append(ssum)
+        stdf, stsum = (evaluate_local(engine, tok, states.stop, verifier, sampling=samp, **lkw) if states.stop
+                       else (ldf.iloc[:0], None))
+        res.setdefault("local_stop_runs", []).append(stsum)
+        odf, osum = (evaluate_local(engine, tok, states.ood, verifier, sampling=samp, **lkw) if states.ood
+                     else (ldf.iloc[:0], None))
+        res.setdefault("out_of_domain_runs", []).append(osum)
+        for kind, frame in (("heldout_greedy", ldf), ("heldout_sampled", sdf), ("stop_decisions_greedy", stdf),
+                            ("out_of_domain_greedy", odf)):
+            parts.local_frames.append(frame.assign(policy=policy, seed=seed, kind=kind))
+        # Per category, tool calls apart from text turns with an answer rule (stop decisions: above).
+        res["local_by_category"] = {kind: accuracy_by_category(frame, text_turn)
+                                    for kind, frame in (("greedy", ldf), ("sampled", sdf))}
+        if ev.local_pivots:
+            pdf, psum = evaluate_local(engine, tok, states.pivots, verifier, sampling=samp, **lkw)
+            parts.pivot_frames.append(pdf.assign(policy=policy, seed=seed))
+            res.setdefault("local_pivot_runs", []).append(psum)
+    parts.results[policy] = res
+
+
+def reprobe_pivots(cfg: RunConfig, engine: Any, tok: Any, pivots: Sequence[Any], verifier: Any) -> pd.DataFrame | None:
+    """Pivot drift: the pivot set re-probed (same m, temperature and seed as probing) under the
+    policy loaded in ``engine``; None without pivots."""
+    from pivotrl.pipeline.probe import probe_states
+
+    if not pivots:
+        return None
+    p = cfg.probing
+    return probe_states(engine, tok, pivots, verifier, num_probes=p.num_probes,
+                        sampling=sampling_for(cfg, n=p.num_probes, temperature=p.temperature, seed=p.seed,
+                                              top_p=p.top_p, top_k=p.top_k),
+                        max_context=cfg.model.max_context, max_tokens=cfg.rollout.max_tokens,
+                        prompt_kwargs=prompt_kwargs(cfg), progress=False)
+
+
 def stage_evaluate(cfg: RunConfig, store: ArtifactStore, demos: Mapping[str, Any],
                    ref: ReferenceResult | Mapping[str, Any], probe: ProbeResult | Mapping[str, Any],
                    train: TrainResult | Mapping[str, Any]) -> EvalResult:
@@ -46,118 +203,76 @@ def stage_evaluate(cfg: RunConfig, store: ArtifactStore, demos: Mapping[str, Any
     cfg = with_resolved_dtype(cfg)  # model.dtype: auto → bf16 | fp32 on this hardware
     ref, probe, train = ReferenceResult.of(ref), ProbeResult.of(probe), TrainResult.of(train)
     from pivotrl.data.bfcl import ensure_bfcl
-    from pivotrl.data.states import frame_to_states
-    from pivotrl.evaluation.full_task import evaluate_full_tasks
-    from pivotrl.evaluation.local import evaluate_local
-    from pivotrl.evaluation.comparison import compare_policies
-    from pivotrl.evaluation.report import build_report
-    from pivotrl.evaluation.trust import full_task_metric, out_of_domain_states, trust_sections
     from pivotrl.models import load_tokenizer
-    from pivotrl.evaluation.drift import drift_markdown, drift_table, zero_variance_summary
-    from pivotrl.evaluation.aggregate import accuracy_by_category, summarize_runs
-    from pivotrl.pipeline.probe import probe_states, select_candidates
 
-    ev = cfg.evaluation
     ekey = eval_key(cfg, demos, ref, train)
     if store.exists(f"{ekey}/report.json"):
-        return _result(store, ekey)
-    cache = cache_dir(cfg)
-    bfcl_root = ensure_bfcl(cache)
-    heldout = [t for t in read_trajectories(store, demos["key"], split="heldout") if t.env is not None]
-    heldout = sorted(heldout, key=lambda t: t.id)[: ev.num_tasks]
-    cand = store.read_parquet(f"{demos['key']}/candidates.parquet")
-    n_local = max(min(ev.num_tasks * 4, 40), 32)  # held-out states for local accuracy (m samples each)
-    hist = read_histories(store, demos["key"], cand.loc[cand["split"] == "heldout", "trajectory_id"])
-    local_states = frame_to_states(select_candidates(cand, "heldout", n_local, cfg.run.seed, kinds=("call", "text_rule")),
-                                   hist)
-    # Stop decisions (BFCL's closing "Done.") are scored apart; text turns without a rule never.
-    stop_states = frame_to_states(select_candidates(cand, "heldout", n_local, cfg.run.seed, kinds=("stop",)), hist)
-    ood_states = out_of_domain_states(cfg, cache)  # BFCL categories never trained on
-    pivots = frame_to_states(store.read_parquet(f"{probe.pivots_key}/pivots.parquet"))
-    text_turn = {st.state_id: not st.demo_action.tool_calls for st in local_states}
-    policies = {"base": Path(ref.base_dir),
-                "reference": reference_dir(cfg, store, ref),
-                "pivotrl": local_checkpoint(store, train.policy_key, cache) if train.policy_key
-                else reference_dir(cfg, store, ref)}
+        return eval_result(store, ekey)
+    bfcl_root = ensure_bfcl(cache_dir(cfg))
+    heldout = heldout_tasks(cfg, store, demos)
+    states = EvalStates.select(cfg, store, demos, probe)
+    policies = eval_policies(cfg, store, ref, train)
     tok = load_tokenizer(policies["reference"])
     verifier = make_verifier(cfg, bfcl_root, tokenizer=tok)
     engine = make_rollout_engine(cfg, policies["base"])
-    results: dict[str, Any] = {}
-    per_task: list[pd.DataFrame] = []
-    local_frames: list[pd.DataFrame] = []
-    pivot_frames: list[pd.DataFrame] = []
+    task_frames: dict[str, list[pd.DataFrame]] = {}
+    parts = StateParts(states.counts())
     try:
         for name, mdir in policies.items():
             if name != "base":
                 engine.load_weights(str(mdir))  # same architecture: swap weights, keep the engine
-            res: dict[str, Any] = {}
-            for seed in ev.seeds:
-                samp = sampling_for(cfg, n=1, temperature=ev.temperature, seed=seed)
-                df, summ = evaluate_full_tasks(engine, tok, heldout, bfcl_root=str(bfcl_root),
-                                               max_steps_per_turn=ev.max_steps_per_turn, sampling=samp, seed=seed,
-                                               max_context=cfg.model.max_context - cfg.rollout.max_tokens,
-                                               judge=cfg.quality.judge, **prompt_kwargs(cfg))
-                df["policy"], df["seed"] = name, seed
-                per_task.append(df)
-                res.setdefault("full_task_runs", []).append(summ)
-                lkw = {"max_context": cfg.model.max_context - cfg.rollout.max_tokens, **prompt_kwargs(cfg)}
-                ldf, lsum = evaluate_local(engine, tok, local_states, verifier, sampling=samp, **lkw)
-                res.setdefault("local_heldout_runs", []).append(lsum)
-                # Sampled success as in probing (m samples at the probe temperature), beside greedy.
-                sampled = sampling_for(cfg, n=cfg.probing.num_probes, temperature=cfg.probing.temperature, seed=seed)
-                sdf, ssum = evaluate_local(engine, tok, local_states, verifier, sampling=sampled, **lkw)
-                res.setdefault("local_sampled_runs", []).append(ssum)
-                stdf, stsum = (evaluate_local(engine, tok, stop_states, verifier, sampling=samp, **lkw) if stop_states
-                               else (ldf.iloc[:0], None))
-                res.setdefault("local_stop_runs", []).append(stsum)
-                odf, osum = (evaluate_local(engine, tok, ood_states, verifier, sampling=samp, **lkw) if ood_states
-                             else (ldf.iloc[:0], None))
-                res.setdefault("out_of_domain_runs", []).append(osum)
-                for kind, frame in (("heldout_greedy", ldf), ("heldout_sampled", sdf), ("stop_decisions_greedy", stdf),
-                                    ("out_of_domain_greedy", odf)):
-                    local_frames.append(frame.assign(policy=name, seed=seed, kind=kind))
-                # Per category, tool calls apart from text turns with an answer rule (stop decisions: above).
-                res["local_by_category"] = {kind: accuracy_by_category(frame, text_turn)
-                                            for kind, frame in (("greedy", ldf), ("sampled", sdf))}
-                if ev.local_pivots:
-                    pdf, psum = evaluate_local(engine, tok, pivots, verifier, sampling=samp, **lkw)
-                    pivot_frames.append(pdf.assign(policy=name, seed=seed))
-                    res.setdefault("local_pivot_runs", []).append(psum)
-            summarize_runs(res, has_stop=bool(stop_states), has_ood=bool(ood_states), pivots=ev.local_pivots)
-            results[name] = res
-        # Pivot drift: the pivot set re-probed under the trained policy (last in `policies`), same m.
-        reprobe = probe_states(engine, tok, pivots, verifier, num_probes=cfg.probing.num_probes,
-                               sampling=sampling_for(cfg, n=cfg.probing.num_probes, temperature=cfg.probing.temperature,
-                                                     seed=cfg.probing.seed, top_p=cfg.probing.top_p, top_k=cfg.probing.top_k),
-                               max_context=cfg.model.max_context, max_tokens=cfg.rollout.max_tokens,
-                               prompt_kwargs=prompt_kwargs(cfg), progress=False) if pivots else None
+            task_frames[name] = policy_task_frames(cfg, engine, tok, heldout, bfcl_root, name)
+            policy_state_results(cfg, engine, tok, states, verifier, name, parts)
+        parts.reprobe = reprobe_pivots(cfg, engine, tok, states.pivots, verifier)  # the trained policy: last
     finally:
         engine.close()
         close_quietly(verifier)
+    return write_report(cfg, store, ekey, demos, ref, probe, train, heldout, task_frames, parts)
+
+
+def write_report(cfg: RunConfig, store: ArtifactStore, ekey: str, demos: Mapping[str, Any], ref: ReferenceResult,
+                 probe: ProbeResult, train: TrainResult, heldout: Sequence[Any],
+                 task_frames: Mapping[str, list[pd.DataFrame]], parts: StateParts) -> EvalResult:
+    """Build and write the report (``<ekey>/report.json``, ``report.md``, plots, ``full_task.parquet``,
+    ``local.parquet``, ``rollouts.parquet``) from the per-policy task tables (policy order = the
+    report's) and the state-level parts. ``report.json`` is written last."""
+    from pivotrl.evaluation.aggregate import summarize_runs
+    from pivotrl.evaluation.comparison import compare_policies
+    from pivotrl.evaluation.drift import drift_markdown, drift_table, zero_variance_summary
+    from pivotrl.evaluation.report import build_report
+    from pivotrl.evaluation.trust import full_task_metric, trust_sections
+
+    ev, counts = cfg.evaluation, parts.counts
+    results: dict[str, Any] = {}
+    for name, frames in task_frames.items():
+        res = {"full_task_runs": full_task_runs(cfg, frames), **parts.results[name]}
+        summarize_runs(res, has_stop=counts["stop_decision_states"] > 0, has_ood=counts["out_of_domain_states"] > 0,
+                       pivots=ev.local_pivots)
+        results[name] = res
     metrics_df = store.read_parquet(f"{train.train_key}/metrics.parquet")
     probe_df = store.read_parquet(f"{probe.probes_key}/probes.parquet")
     meta = {"run": cfg.run.name, "config_hash": config_hash(cfg), "model_source": cfg.model.source,
             "note": "SmolLM2-135M-Instruct here is dequantised from a Q4_1 GGUF, not the original bf16 weights"
             if "smollm2" in cfg.model.source.lower() else "",
-            "heldout_tasks": [t.id for t in heldout], "local_states": len(local_states), "pivots": len(pivots),
-            "stop_decision_states": len(stop_states), "out_of_domain": list(cfg.quality.out_of_domain),
-            "out_of_domain_states": len(ood_states),
-            "sft": ref.sft, "training": train.summary}
-    per_task_df, local_df = pd.concat(per_task), pd.concat(local_frames)
-    statistics = compare_policies(per_task_df, local_df, list(policies), seed=cfg.run.seed)
+            "heldout_tasks": [t.id for t in heldout], "local_states": counts["local_states"], "pivots": counts["pivots"],
+            "stop_decision_states": counts["stop_decision_states"], "out_of_domain": list(cfg.quality.out_of_domain),
+            "out_of_domain_states": counts["out_of_domain_states"], "sft": ref.sft, "training": train.summary}
+    per_task_df = pd.concat([f for frames in task_frames.values() for f in frames])
+    local_df = pd.concat(parts.local_frames)
+    statistics = compare_policies(per_task_df, local_df, list(task_frames), seed=cfg.run.seed)
     sections = trust_sections(cfg, demos.get("counts") or {}, heldout, bfcl_total=200)
-    drift = None if reprobe is None else drift_table(reprobe, cfg.probing.lambda_diff)
+    drift = None if parts.reprobe is None else drift_table(parts.reprobe, cfg.probing.lambda_diff)
     pivot_mus = [float(x) for x in store.read_parquet(f"{probe.pivots_key}/pivots.parquet").get("mu", [])]
     zero_var = zero_variance_summary(metrics_df, cfg.training.group_size, pivot_mus)
     sections += drift_markdown(drift, zero_var, cfg.probing.num_probes)
     statistics["pivot_drift"], statistics["zero_variance"] = drift, zero_var
     meta["full_task_metric"], meta["full_task_metric_differs_from_bfcl"] = full_task_metric(
         cfg.quality.judge, ev.max_steps_per_turn, len(heldout))
-    with tempfile.TemporaryDirectory(dir=cache) as tmp:
+    with tempfile.TemporaryDirectory(dir=cache_dir(cfg)) as tmp:
         rj, rm = build_report(results, metrics_df=metrics_df, probe_df=probe_df, pivot_stats=probe.stats,
                               meta=meta, out_dir=tmp, statistics=statistics, sections=sections)
-        record_evaluation(store, ekey, pivot_frames, probes_key=probe.probes_key, train_key=train.train_key,
-                          train_steps=int((train.summary or {}).get("steps") or 0), report_md=rm, reprobe=reprobe)
+        record_evaluation(store, ekey, parts.pivot_frames, probes_key=probe.probes_key, train_key=train.train_key,
+                          train_steps=int((train.summary or {}).get("steps") or 0), report_md=rm, reprobe=parts.reprobe)
         per_task_df.to_parquet(Path(tmp) / "full_task.parquet")
         local_df.to_parquet(Path(tmp) / "local.parquet")
         for f in sorted(Path(tmp).iterdir()):
@@ -167,10 +282,11 @@ def stage_evaluate(cfg: RunConfig, store: ArtifactStore, demos: Mapping[str, Any
                              inputs={"policy": store.url(train.policy_key) if train.policy_key else "reference", "pivots": probe.pivots,
                                      "metrics": train.metrics, "trajectories": demos["trajectories"]},
                              config={"evaluation": ev.model_dump(mode="json")}, extra={"seeds": ev.seeds, "prompt_format": ref.prompt_format})
-    return _result(store, ekey)
+    return eval_result(store, ekey)
 
 
-def _result(store: ArtifactStore, ekey: str) -> EvalResult:
+def eval_result(store: ArtifactStore, ekey: str) -> EvalResult:
+    """The EvalResult of the report written under ``ekey``."""
     return EvalResult(ekey, store.url(f"{ekey}/report.json"), store.url(f"{ekey}/report.md"),
                       store.read_json(f"{ekey}/report.json"))
 

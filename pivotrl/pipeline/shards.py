@@ -95,20 +95,34 @@ def plan_probe_shards(cfg: RunConfig, store: ArtifactStore, demos: dict[str, Any
 
 # One warm engine per worker process (a Ray worker probes many shards): (model dir, settings) → engine.
 _WARM: dict[str, Any] = {}
+# Keys of warm engines that hold other weights than their model dir's (an evaluation shard swapped them).
+_SWAPPED: set[str] = set()
 
 
-def _engine(cfg: RunConfig, model_dir: Path, warm: bool) -> Any:
+def shard_engine(cfg: RunConfig, model_dir: Path, warm: bool, *, any_weights: bool = False) -> tuple[Any, bool]:
+    """``(engine, reused)``: the rollout engine on ``model_dir``; with ``warm``, the one this process
+    keeps for its shards (built on first use; an engine on another model is closed first).
+
+    ``any_weights``: the caller loads the weights it needs itself (evaluation shards swap policies),
+    so a warm engine built on ``model_dir`` is reused whatever it holds, and is marked as holding
+    other weights; without it such an engine is rebuilt (a probe shard never sees swapped weights).
+    """
     from pivotrl.pipeline.common import make_rollout_engine
 
     if not warm:
         return make_rollout_engine(cfg, model_dir), False
     key = f"{Path(model_dir).resolve()}|{cfg.rollout.engine, cfg.rollout.max_tokens, cfg.model.dtype, cfg.model.max_context}|{cfg.rollout.kv_cache_gib}"
-    if key in _WARM:
+    if key in _WARM and (any_weights or key not in _SWAPPED):
+        if any_weights:
+            _SWAPPED.add(key)
         return _WARM[key], True
     for old in _WARM.values():  # a new reference: free the old engine first
         old.close()
     _WARM.clear()
+    _SWAPPED.clear()
     _WARM[key] = make_rollout_engine(cfg, model_dir)
+    if any_weights:
+        _SWAPPED.add(key)
     return _WARM[key], False
 
 
@@ -161,7 +175,7 @@ def probe_shard(cfg: RunConfig, store: ArtifactStore, demos: dict[str, Any], ref
         rdir = reference_dir(cfg, store, ref)
         tok = load_tokenizer(rdir)
         bfcl_root = ensure_bfcl(cache_dir(cfg))
-        engine, out["engine_reused"] = _engine(cfg, rdir, warm_engine)
+        engine, out["engine_reused"] = shard_engine(cfg, rdir, warm_engine)
         drill = set(cfg.faults.tool_failure_trajectories)
         sampling = sampling_for(cfg, n=cfg.probing.num_probes, temperature=cfg.probing.temperature,
                                 seed=cfg.probing.seed, top_p=cfg.probing.top_p, top_k=cfg.probing.top_k)

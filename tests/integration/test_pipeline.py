@@ -18,7 +18,9 @@ from pivotrl.pipeline import stages
 from pivotrl.pipeline.demos import build_demonstrations
 from pivotrl.pipeline.probe import candidate_kind_column
 
-from smoke_runs import copy_smoke_run
+from smoke_runs import copy_smoke_run, smoke_config
+from pivotrl.storage import ArtifactStore
+from pivotrl.testing import comparable_report, save_tiny_checkpoint
 
 REPO = Path(__file__).resolve().parents[2]
 # smoke_run, tiny_model: the session's shared smoke run and model (conftest.py).
@@ -116,6 +118,58 @@ def test_lambda_change_refilters_without_reprobing(smoke_run, tmp_path):
     ok = probes[probes["status"] == "ok"]
     expected = {s for s, mu, v in zip(ok["state_id"], ok["mu"], ok["var"]) if v > 0 and mu < 0.3}
     assert set(store.read_parquet(f"{probe2.pivots_key}/pivots.parquet")["state_id"]) == expected
+
+
+def _copy_root(src: Path, dst: Path) -> Path:
+    """A copy of a run root without its evaluation (same content keys, nothing evaluated yet)."""
+    import shutil
+
+    shutil.copytree(src, dst, ignore=lambda d, names: [n for n in names if Path(d) == Path(src)
+                                                       and n in ("eval", ".prefect-results", "logs")])
+    return dst
+
+
+def same_report(out: dict, ev, roots: list[Path]) -> None:
+    """``out`` (a merged EvalResult dict) holds the unsharded report ``ev``: the same report.json and
+    report.md but for the config hash (the config names the shard size) and the roots' paths."""
+    report, md = comparable_report(out, roots)
+    assert (report, md) == comparable_report(ev.to_dict(), roots)
+    assert out["report"]["meta"]["config_hash"] != ev.report["meta"]["config_hash"]
+    report0 = ev.report
+    # The numbers, one by one: per policy full-task success, turns passed, local accuracy and n.
+    rows = {p["policy"]: p for p in report["policies"]}
+    for p in report0["policies"]:
+        for k in ("full_task_success", "turn_pass_rate", "local_pivot_accuracy", "local_pivot_set_accuracy",
+                  "tasks", "turns_total", "local_samples", "local_states"):
+            assert rows[p["policy"]][k] == p[k], (p["policy"], k)
+    assert sum(p["tasks"] for p in rows.values()) == 3 * len(report["meta"]["heldout_tasks"]) > 0
+
+
+@pytest.mark.integration
+def test_sharded_evaluation_gives_the_unsharded_report_and_reruns_only_a_missing_shard(smoke_run, tmp_path):
+    """``scale_out.eval_shard_size=1``: a shard per held-out task (every policy on one engine) and
+    one for the state-level measures, merged into the unsharded stage's report; after one shard's
+    output and the report are deleted, a rerun evaluates exactly that shard."""
+    from pivotrl.pipeline.eval_shards import eval_shard, merge_eval_shards, plan_eval_shards
+
+    cfg0, _, demos, ref, probe, train, ev = smoke_run
+    root = _copy_root(Path(cfg0.run.storage_root), tmp_path / "root")
+    cfg = smoke_config(root, Path(cfg0.model.source), "scale_out.eval_shard_size=1")
+    store = ArtifactStore(cfg.run.storage_root)
+    args = (demos, ref.to_dict(), probe.to_dict(), train.to_dict())
+    plan = plan_eval_shards(cfg, store, *args)
+    tasks = ev.report["meta"]["heldout_tasks"]
+    assert plan["eval_key"] == ev.eval_key and not plan["done"]
+    assert [(s["part"], s["tasks"]) for s in plan["shards"]] == [("tasks", [t]) for t in tasks] + [("states", [])]
+    assert [eval_shard(cfg, store, *args, s)["evaluated"] for s in plan["shards"]] == [True] * len(plan["shards"])
+    same_report(merge_eval_shards(cfg, store, *args, plan), ev, [root, Path(cfg0.run.storage_root)])
+
+    gone = plan["shards"][0]
+    store.delete(gone["output"])
+    store.delete(ev.eval_key)
+    rerun = [eval_shard(cfg, store, *args, s) for s in plan["shards"]]
+    assert [r["index"] for r in rerun if r["evaluated"]] == [gone["index"]]
+    same_report(merge_eval_shards(cfg, store, *args, plan), ev, [root, Path(cfg0.run.storage_root)])
 
 
 @pytest.mark.integration

@@ -78,14 +78,14 @@ def _tables(store: ArtifactStore, probe: Any) -> tuple[pd.DataFrame, pd.DataFram
             store.read_parquet(f"{probe.pivots_key}/pivots.parquet"))
 
 
-async def _shard_runs() -> dict[str, list[Any]]:
-    """Task runs of the probe-shard task, by the sharded subflow run they belong to (oldest first)."""
+async def _shard_runs(flow: str = "pivotrl-probe-shards", task: str = "probe-shard") -> dict[str, list[Any]]:
+    """Task runs of a shard task, by the sharded (sub)flow run they belong to (oldest first)."""
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import FlowFilter, FlowFilterName
 
     async with get_client() as client:
-        subflows = await client.read_flow_runs(flow_filter=FlowFilter(name=FlowFilterName(any_=["pivotrl-probe-shards"])))
-        runs = [r for r in await client.read_task_runs() if r.name.startswith("probe-shard")]
+        subflows = await client.read_flow_runs(flow_filter=FlowFilter(name=FlowFilterName(any_=[flow])))
+        runs = [r for r in await client.read_task_runs() if r.name.startswith(task)]
     order = sorted(subflows, key=lambda r: r.created)
     return {str(f.id): [r for r in runs if r.flow_run_id == f.id] for f in order}
 
@@ -133,6 +133,11 @@ def test_failed_shard_is_failed_then_retried_alone(expert_model, clean_run, tmp_
     assert out["stats"] == clean_probe.stats
 
 
+def _results(root: Path, pattern: str) -> list[dict[str, Any]]:
+    """The persisted results of the shard task runs under ``root`` whose cache key matches ``pattern``."""
+    return [json.loads(json.loads(p.read_text())["result"]) for p in (root / ".prefect-results").glob(pattern)]
+
+
 @pytest.fixture(scope="module")
 def ray_cluster():
     cluster = RayCluster(workers=2)
@@ -144,12 +149,18 @@ def ray_cluster():
         assert cluster.leftovers() == []
 
 
-def test_ray_task_runner_gives_the_in_process_probe_table(ray_cluster, tmp_path, monkeypatch):
+def test_ray_task_runner_gives_the_in_process_probe_table_and_report(ray_cluster, tmp_path, monkeypatch):
     """The smoke config's probing on the real cluster through prefect-ray's RayTaskRunner: 4 shards
-    over 2 one-CPU workers; the probe table and pivot set equal the in-process unsharded run's."""
+    over 2 one-CPU workers; the probe table and pivot set equal the in-process unsharded run's. Then
+    its evaluation (a shard per held-out task and the states shard) on the same workers: the
+    in-process report; deleting one shard's output, the rerun executes only that shard."""
+    import shutil
+
     from prefect.testing.utilities import prefect_test_harness
 
     from pivotrl.flows.nightly import probe_only
+    from pivotrl.flows.shards import evaluate_stage
+    from pivotrl.testing import comparable_report
 
     tiny = save_tiny_checkpoint(tmp_path / "tiny")
     smoke = [f"model.source={tiny}"]
@@ -158,6 +169,15 @@ def test_ray_task_runner_gives_the_in_process_probe_table(ray_cluster, tmp_path,
     demos = build_demonstrations(cfg, store0)
     ref = stages.stage_reference(cfg, store0, demos)
     probe0 = stages.stage_probe(cfg, store0, demos, ref)
+    train0 = stages.stage_train(cfg, store0, probe0, ref)
+    ev0 = stages.stage_evaluate(cfg, store0, demos, ref, probe0, train0)
+    # The evaluation's root: the in-process run's, without its evaluation (same content keys).
+    eval_root = tmp_path / "ray-eval"
+    shutil.copytree(tmp_path / "local", eval_root, ignore=lambda d, names: ["eval", "logs"] if d == str(tmp_path / "local") else [])
+    ray = ["scale_out.task_runner=ray", f"scale_out.ray_address={ray_cluster.address}", "scale_out.ray_cpus_per_shard=1"]
+    eval_config = load_config(str(REPO / "configs" / "smoke.yaml"), [
+        f"run.storage_root={eval_root}", *smoke, *ray, "scale_out.eval_shard_size=1"]).model_dump(mode="json")
+    eval_inputs = {"demos": demos, "reference": ref.to_dict(), "probe": probe0.to_dict(), "train": train0.to_dict()}
 
     root = tmp_path / "ray"
     monkeypatch.setenv("PREFECT_HOME", str(tmp_path / "prefect"))
@@ -165,6 +185,18 @@ def test_ray_task_runner_gives_the_in_process_probe_table(ray_cluster, tmp_path,
         out = probe_only(config_path=str(REPO / "configs" / "smoke.yaml"), overrides=[
             f"run.storage_root={root}", *smoke, "scale_out.task_runner=ray", f"scale_out.ray_address={ray_cluster.address}",
             "scale_out.probe_shard_size=2", "scale_out.ray_cpus_per_shard=1"])
+        ev = evaluate_stage(None, eval_config, eval_inputs)
+        first = _results(eval_root, "pivotrl-eval-shard-*")
+        ArtifactStore(str(eval_root)).delete(next(s["key"] for s in first if s["index"] == 0))  # one task shard's output
+        ArtifactStore(str(eval_root)).delete(ev["eval_key"])
+        ev_again = evaluate_stage(None, eval_config, eval_inputs)
+        reruns = list(asyncio.run(_shard_runs("pivotrl-eval-shards", "eval-shard")).values())
+    roots = [tmp_path / "local", eval_root]
+    assert comparable_report(ev, roots) == comparable_report(ev_again, roots) == comparable_report(ev0.to_dict(), roots)
+    assert [sorted(r.state.name for r in runs) for runs in reruns] == [["Completed", "Completed"], ["Cached", "Completed"]]
+    assert sorted((s["index"], s["part"]) for s in first) == [(0, "tasks"), (1, "states")]
+    workers = {n["NodeID"] for n in ray_cluster.nodes() if n["Resources"].get("CPU") == 1}
+    assert {s["worker"]["node"] for s in _results(eval_root, "pivotrl-eval-shard-*")} <= workers
     store = ArtifactStore(str(root))
     probes, pivots = _tables(store, out)
     probes0, pivots0 = _tables(store0, probe0)

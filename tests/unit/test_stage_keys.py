@@ -122,6 +122,7 @@ DIGEST_CASES = {
     "pipeline/reference.py": {"reference"},
     "pipeline/train.py": {"train"},
     "pipeline/evaluate.py": {"evaluate"},
+    "pipeline/eval_shards.py": {"evaluate"},
     "evaluation/aggregate.py": {"evaluate"},
     "training/loop.py": {"train"},
     "training/checkpoints.py": {"train"},

@@ -1,0 +1,186 @@
+"""Sharded evaluation: the held-out tasks cut into shards (whole tasks, sorted by id), each played
+from scratch by every policy on its own (its own content key, retried on its own), plus one shard
+for the state-level measures; then merged into the same report as one unsharded evaluate stage.
+
+A shard covers all policies: its one engine is built on the base model and swaps weights per
+policy (as the unsharded stage does), so a Ray worker keeps one engine warm across its shards;
+a shard per (policy, shard) would rebuild or reload an engine for every task run. Full-task
+evaluation is greedy by default and every engine seeds each prompt apart from the others, so a
+task plays the same in any shard; the per-seed summaries are recomputed at the merge from the
+per-task tables (:func:`pivotrl.pipeline.evaluate.full_task_runs`), as the unsharded stage does.
+
+Artifacts (``<key>`` = a content address over the evaluation key, which covers the
+demonstrations, base, π_ref, the trained policy, the evaluation/prompt/rollout/quality settings and
+the code, plus the shard's task ids; the states shard adds the pivot set and probing settings):
+- ``eval/shards/<key>/full_task.parquet``: one task shard's per-task rows, every (policy, seed);
+- ``eval/shards/<key>/local.parquet``, ``pivots.parquet``, ``reprobe.parquet`` and, last,
+  ``states.json``: the states shard (local accuracy on held-out states, stop decisions,
+  out-of-domain states and the pivot set; the pivot set re-probed under the trained policy);
+- the merged report under ``eval/<ekey>/`` exactly as :func:`~pivotrl.pipeline.evaluate.stage_evaluate`
+  writes it.
+
+The functions here are the pure pipeline; ``pivotrl.tasks.eval_shards`` wraps them as Prefect tasks.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from typing import Any, Mapping
+
+import pandas as pd
+
+from pivotrl.config import RunConfig
+from pivotrl.data.schema import content_hash
+from pivotrl.errors import StorageError
+from pivotrl.pipeline.evaluate import (
+    POLICIES, EvalStates, StateParts, eval_key, eval_policies, eval_result, heldout_tasks, policy_state_results,
+    policy_task_frames, reprobe_pivots, write_report,
+)
+from pivotrl.pipeline.results import ProbeResult, ReferenceResult, TrainResult
+from pivotrl.precision import with_resolved_dtype
+from pivotrl.storage import ArtifactStore
+
+log = logging.getLogger("pivotrl.pipeline")
+
+SHARDS_PREFIX = "eval/shards"
+
+
+def _typed(ref: Any, probe: Any, train: Any) -> tuple[ReferenceResult, ProbeResult, TrainResult]:
+    return ReferenceResult.of(ref), ProbeResult.of(probe), TrainResult.of(train)
+
+
+def plan_eval_shards(cfg: RunConfig, store: ArtifactStore, demos: Mapping[str, Any], ref: Any, probe: Any,
+                     train: Any) -> dict[str, Any]:
+    """Cut the held-out tasks into shards of ``scale_out.eval_shard_size`` tasks (sorted by id; null
+    = one shard), then one states shard.
+
+    Returns {"eval_key", "done" (the report exists), "shards": [{"index", "kind": "eval", "part":
+    "tasks" | "states", "key", "tasks" (ids), "output" (the key written last)}]} — small JSON.
+    """
+    cfg = with_resolved_dtype(cfg)
+    ref, probe, train = _typed(ref, probe, train)
+    ekey = eval_key(cfg, demos, ref, train)
+    ids = [t.id for t in heldout_tasks(cfg, store, demos)]
+    size = cfg.scale_out.eval_shard_size or max(1, len(ids))
+    shards = []
+    for i in range(0, max(1, len(ids)), size):  # no task at all: one empty task shard (empty tables)
+        part = ids[i : i + size]
+        key = f"{SHARDS_PREFIX}/" + content_hash({"eval": ekey, "part": "tasks", "tasks": part})[:16]
+        shards.append({"index": len(shards), "kind": "eval", "part": "tasks", "key": key, "tasks": part,
+                       "output": f"{key}/full_task.parquet"})
+    key = f"{SHARDS_PREFIX}/" + content_hash({"eval": ekey, "part": "states", "pivots": probe.pivots_key,
+                                              "probing": cfg.probing.model_dump(mode="json")})[:16]
+    shards.append({"index": len(shards), "kind": "eval", "part": "states", "key": key, "tasks": [],
+                   "output": f"{key}/states.json"})
+    return {"eval_key": ekey, "done": store.exists(f"{ekey}/report.json"), "shards": shards}
+
+
+def eval_shard(cfg: RunConfig, store: ArtifactStore, demos: Mapping[str, Any], ref: Any, probe: Any, train: Any,
+               shard: dict[str, Any], *, warm_engine: bool = False) -> dict[str, Any]:
+    """Evaluate one shard (an entry of :func:`plan_eval_shards`) for every policy and write its
+    tables; a shard whose output exists is not evaluated again. ``warm_engine``: keep the engine
+    in this process for the next shard (Ray workers).
+
+    Returns {"index", "key", "part", "uri", "tasks" (count), "evaluated" (computed now),
+    "engine_reused" (the warm engine of an earlier shard served this one)}.
+    """
+    from pivotrl.data.bfcl import ensure_bfcl
+    from pivotrl.models import load_tokenizer
+    from pivotrl.pipeline.common import close_quietly, make_verifier
+    from pivotrl.pipeline.demos import cache_dir
+    from pivotrl.pipeline.shards import shard_engine
+
+    cfg = with_resolved_dtype(cfg)
+    ref, probe, train = _typed(ref, probe, train)
+    out = {"index": shard["index"], "key": shard["key"], "part": shard["part"], "uri": store.url(shard["output"]),
+           "tasks": len(shard["tasks"]), "evaluated": False, "engine_reused": False}
+    if store.exists(shard["output"]):
+        return out
+    t0 = time.time()
+    bfcl_root = ensure_bfcl(cache_dir(cfg))
+    policies = eval_policies(cfg, store, ref, train)
+    tok = load_tokenizer(policies["reference"])
+    states, verifier, tasks = None, None, []
+    if shard["part"] == "tasks":
+        by_id = {t.id: t for t in heldout_tasks(cfg, store, demos)}
+        tasks = [by_id[i] for i in shard["tasks"]]
+    else:
+        states = EvalStates.select(cfg, store, demos, probe)
+        verifier = make_verifier(cfg, bfcl_root, tokenizer=tok)
+    engine, out["engine_reused"] = shard_engine(cfg, policies["base"], warm_engine, any_weights=True)
+    frames: list[pd.DataFrame] = []
+    parts = StateParts(states.counts() if states is not None else {})
+    try:
+        for name, mdir in policies.items():
+            if name != "base" or out["engine_reused"]:  # a warm engine holds the last shard's last policy
+                engine.load_weights(str(mdir))
+            if states is None:
+                frames += policy_task_frames(cfg, engine, tok, tasks, bfcl_root, name)
+            else:
+                policy_state_results(cfg, engine, tok, states, verifier, name, parts)
+        if states is not None:
+            parts.reprobe = reprobe_pivots(cfg, engine, tok, states.pivots, verifier)  # the trained policy: last
+    finally:
+        if not warm_engine:
+            engine.close()
+        close_quietly(verifier)
+    if states is None:
+        store.write_parquet(shard["output"], pd.concat(frames, ignore_index=True))
+    else:
+        _write_states(store, shard["key"], parts)
+    log.info("evaluation shard %d (%s): %d tasks in %.1f s", shard["index"], shard["part"], len(tasks), time.time() - t0)
+    return {**out, "evaluated": True}
+
+
+def _with_json(df: pd.DataFrame, to: Any) -> pd.DataFrame:
+    # ``reasons`` holds {reason: count} dicts, which Parquet would widen into one struct.
+    return df.assign(reasons=df["reasons"].map(to)) if "reasons" in df else df
+
+
+def _write_states(store: ArtifactStore, key: str, parts: StateParts) -> None:
+    store.write_parquet(f"{key}/local.parquet", _with_json(pd.concat(parts.local_frames), json.dumps))
+    if parts.pivot_frames:
+        store.write_parquet(f"{key}/pivots.parquet", _with_json(
+            pd.concat([f.assign(_frame=i) for i, f in enumerate(parts.pivot_frames)]), json.dumps))
+    if parts.reprobe is not None:
+        store.write_parquet(f"{key}/reprobe.parquet", parts.reprobe)
+    record = {"counts": parts.counts, "results": parts.results, "pivot_frames": len(parts.pivot_frames),
+              "reprobe": parts.reprobe is not None}
+    store.write_bytes(f"{key}/states.json", json.dumps(record).encode())  # NaN rates stay NaN
+
+
+def _read_states(store: ArtifactStore, key: str) -> StateParts:
+    record = json.loads(store.read_bytes(f"{key}/states.json"))
+    parts = StateParts(record["counts"], record["results"])
+    parts.local_frames = [_with_json(store.read_parquet(f"{key}/local.parquet"), json.loads)]
+    if record["pivot_frames"]:
+        df = _with_json(store.read_parquet(f"{key}/pivots.parquet"), json.loads)
+        parts.pivot_frames = [df[df["_frame"] == i].drop(columns="_frame") for i in range(record["pivot_frames"])]
+    parts.reprobe = store.read_parquet(f"{key}/reprobe.parquet") if record["reprobe"] else None
+    return parts
+
+
+def merge_eval_shards(cfg: RunConfig, store: ArtifactStore, demos: Mapping[str, Any], ref: Any, probe: Any,
+                      train: Any, plan: dict[str, Any]) -> dict[str, Any]:
+    """Build the report from the shards' tables, as :func:`~pivotrl.pipeline.evaluate.stage_evaluate`
+    writes it (a report already written is returned as it is).
+
+    Returns the EvalResult as a dict. Raises StorageError naming the shards without output.
+    """
+    cfg = with_resolved_dtype(cfg)
+    ref, probe, train = _typed(ref, probe, train)
+    ekey = plan["eval_key"]
+    if store.exists(f"{ekey}/report.json"):
+        return eval_result(store, ekey).to_dict()
+    missing = [s["index"] for s in plan["shards"] if not store.exists(s["output"])]
+    if missing:
+        raise StorageError(f"evaluation shards {missing} have no output yet; run them before merging")
+    tables = [store.read_parquet(s["output"]) for s in plan["shards"] if s["part"] == "tasks"]
+    task_frames = {p: [pd.concat([t[(t["policy"] == p) & (t["seed"] == seed)] for t in tables], ignore_index=True)
+                       for seed in cfg.evaluation.seeds] for p in POLICIES}
+    states = next(s for s in plan["shards"] if s["part"] == "states")
+    out = write_report(cfg, store, ekey, demos, ref, probe, train, heldout_tasks(cfg, store, demos), task_frames,
+                       _read_states(store, states["key"]))
+    return out.to_dict()
