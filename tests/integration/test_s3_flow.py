@@ -111,15 +111,9 @@ def _config(root: str, model: Path, *extra: str) -> RunConfig:
 
 def _run_in_process(cfg: RunConfig) -> dict[str, Any]:
     """Every stage of the pipeline in this process, in the nightly flow's order."""
-    from pivotrl.pipeline import stages
-    from pivotrl.pipeline.demos import build_demonstrations
+    from smoke_runs import run_smoke_stages
 
-    store = ArtifactStore.from_config(cfg)
-    demos = build_demonstrations(cfg, store)
-    ref = stages.stage_reference(cfg, store, demos)
-    probe = stages.stage_probe(cfg, store, demos, ref)
-    train = stages.stage_train(cfg, store, probe, ref)
-    ev = stages.stage_evaluate(cfg, store, demos, ref, probe, train)
+    _, _, demos, ref, probe, train, ev = run_smoke_stages(cfg)
     # the stages' typed results as the flow passes them between tasks (their dicts)
     return {"demos": demos, "reference": ref.to_dict(), "probe": probe.to_dict(), "train": train.to_dict(),
             "evaluate": ev.to_dict()}
