@@ -38,7 +38,7 @@ STAGE_CODE: dict[str, tuple[str, ...]] = {
     # baseline must not re-train PivotRL.
     "train": _CORE + _ENVS + ("pivotrl.verifiers", "pivotrl.rollout", "pivotrl.objective",
                               *(f"pivotrl.training.{m}" for m in ("checkpoints", "deepspeed_utils", "groups",
-                                                                  "launch", "logprobs", "loop", "offline",
+                                                                  "launch", "logprobs", "loop", "offline", "rank_engines",
                                                                   "pivotrl", "rl_stage", "settings",
                                                                   "trainer_state")),
                               "pivotrl.pipeline.train"),

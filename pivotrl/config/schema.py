@@ -71,4 +71,24 @@ class RunConfig(Section):
                 "warm_start.max_len", self.warm_start.max_len,
                 f"must be ≤ model.max_context = {self.model.max_context}",
             )
+        self._engine_layout()
         return self
+
+    def _engine_layout(self) -> None:
+        """Training's rollout engines fit the trainer's ranks (``rollout.engine_placement``)."""
+        ro, tr = self.rollout, self.training
+        if ro.engine_placement == "rank0":
+            return
+        span = tr.nproc_per_node if ro.engine_placement == "node" else ro.ranks_per_engine
+        if ro.engine_placement == "ranks" and tr.nproc_per_node % span:
+            raise _rule("rollout.ranks_per_engine", span,
+                        f"must divide training.nproc_per_node = {tr.nproc_per_node} (an engine's ranks share a node)")
+        engines = tr.world_size // span
+        if ro.num_engines not in (1, engines):
+            raise _rule("rollout.num_engines", ro.num_engines,
+                        f"with engine_placement {ro.engine_placement} the layout gives {engines} engine(s) "
+                        f"(one every {span} of the {tr.world_size} ranks): leave 1 or give {engines}")
+        if ro.engine != "vllm" or ro.tensor_parallel_size <= span:
+            return
+        raise _rule("rollout.tensor_parallel_size", ro.tensor_parallel_size,
+                    f"must be ≤ the {span} GPUs of an engine's ranks (engine_placement {ro.engine_placement})")

@@ -211,9 +211,17 @@ class RolloutSection(Section):
         1, ge=1, description="vLLM tensor parallelism: GPUs one rollout engine spans (1 on CPU)."
     )
     num_engines: Int = Field(1, ge=1, description=(
-        "Rollout engines serving the GRPO groups of a training batch, all on the trainer's rank 0: the "
-        "batch's states are split across them in order, they generate concurrently, and every engine is "
-        "refreshed and verified after each step. Probing and evaluation are unaffected (one engine per task)."))
+        "Rollout engines serving the GRPO groups of a training batch: the batch's states are split across "
+        "them in order, they generate concurrently, and every engine is refreshed and verified after each "
+        "step. With engine_placement rank0, that many engines on rank 0; with node or ranks the count follows "
+        "from the layout (leave 1 or give that count). Probing and evaluation are unaffected (one engine per task)."))
+    engine_placement: Literal["rank0", "node", "ranks"] = Field("rank0", description=(
+        "Where training's rollout engines live: rank0 (rank 0 owns them and broadcasts each batch), node (one "
+        "engine on each node's first rank, on that rank's GPU), ranks (one engine every ranks_per_engine "
+        "ranks). With node or ranks every engine rank samples and verifies its share of the batch."))
+    ranks_per_engine: Int = Field(1, ge=1, description=(
+        "engine_placement ranks: an engine on ranks 0, N, 2N, … (N = this); on GPUs it spans "
+        "tensor_parallel_size of that rank's node-local GPUs from the rank's own. Must divide nproc_per_node."))
     gpu_memory_utilization: Float | None = Field(None, gt=0, le=1, description=(
         "vLLM on GPUs: fraction of a GPU's memory one engine may take (null: vLLM's default, 0.9). In "
         "training the engine shares rank 0's GPU with the trainer: leave room for it."))

@@ -15,13 +15,14 @@ import shutil
 import signal
 import tempfile
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import pandas as pd
 
 from pivotrl.code_digest import stage_code_digest
 from pivotrl.config import RunConfig
 from pivotrl.data.schema import content_hash
+from pivotrl.errors import ConfigError
 from pivotrl.pipeline.common import close_quietly, make_rollout_engine, make_verifier, prompt_kwargs
 from pivotrl.pipeline.demos import cache_dir
 from pivotrl.pipeline.reference import prompt_identity, reference_dir
@@ -63,6 +64,7 @@ def stage_train(cfg: RunConfig, store: ArtifactStore, probe: ProbeResult | Mappi
     from pivotrl.tracking.live import step_logger
     from pivotrl.training.checkpoints import fetch_checkpoint, latest_checkpoint, rank_and_world, save_checkpoint
     from pivotrl.training.loop import LoopHooks, LoopSettings, Refilter, pivot_schedule, refilter_unused, run_rl_loop
+    from pivotrl.training.rank_engines import engine_host_ranks, local_world_size
     from pivotrl.training.pivotrl import PivotRLTrainer
 
     tr = cfg.training
@@ -84,9 +86,16 @@ def stage_train(cfg: RunConfig, store: ArtifactStore, probe: ProbeResult | Mappi
     schedule = pivot_schedule(len(pivots), tr.pivots_per_batch, tr.epochs, cfg.run.seed, tr.max_steps)
     work = Path(tempfile.mkdtemp(prefix="pivotrl-train-", dir=cache))
     trainer = PivotRLTrainer.for_run(cfg, str(rdir))
-    # Data parallel: every rank trains; rank 0 alone owns the rollout engine and the verifier.
+    # Data parallel: every rank trains; the host ranks (rank 0 alone by default) own the rollout
+    # engines and the verifiers (rollout.engine_placement, pivotrl.training.rank_engines).
     rank, world = rank_and_world()
     lead = rank == 0
+    hosts = engine_host_ranks(cfg.rollout.engine_placement, world, local_world_size(default=tr.nproc_per_node),
+                              cfg.rollout.ranks_per_engine)
+    host = rank in hosts
+    if cfg.rollout.engine_placement != "rank0" and cfg.rollout.num_engines not in (1, len(hosts)):
+        raise ConfigError(f"rollout.num_engines={cfg.rollout.num_engines}, but engine_placement "
+                          f"{cfg.rollout.engine_placement} on these {world} ranks gives {len(hosts)} engine(s)")
     start, rows = 0, []
     latest = latest_checkpoint(store, f"{tkey}/checkpoints")
     policy_dir = rdir
@@ -97,8 +106,8 @@ def stage_train(cfg: RunConfig, store: ArtifactStore, probe: ProbeResult | Mappi
         rows = pd.read_parquet(step_dir / "metrics.parquet").to_dict("records")
         policy_dir = step_dir / "hf"
         log.info("resuming PivotRL training from %s (step %d)", latest, start)
-    verifier = make_verifier(cfg, ensure_bfcl(cache), tokenizer=tok) if lead else None
-    engine = make_training_engines(cfg, policy_dir) if lead else None
+    verifier = make_verifier(cfg, ensure_bfcl(cache), tokenizer=tok) if host else None
+    engine = make_training_engines(cfg, policy_dir, hosts=hosts, rank=rank) if host else None
     settings = LoopSettings(
         group_size=tr.group_size, max_tokens=cfg.rollout.max_tokens, seed=cfg.run.seed,
         checkpoint_every=tr.checkpoint_every, dtype=cfg.model.dtype,
@@ -118,7 +127,7 @@ def stage_train(cfg: RunConfig, store: ArtifactStore, probe: ProbeResult | Mappi
             store, trainer, f"{tkey}/checkpoints/step-{step:06d}", rows_so_far, work, rank, world))
     try:
         rows = run_rl_loop(trainer, engine, verifier, pivots, prompts, schedule, settings, work,
-                           start=start, rows=rows, hooks=hooks, rank=rank, world=world)
+                           start=start, rows=rows, hooks=hooks, rank=rank, world=world, hosts=hosts)
     finally:
         if engine is not None:
             engine.close()
@@ -146,15 +155,27 @@ def stage_train(cfg: RunConfig, store: ArtifactStore, probe: ProbeResult | Mappi
     return TrainResult(tkey, final_key, metrics_uri, summary)
 
 
-def make_training_engines(cfg: RunConfig, model_dir: Path | str) -> Any:
-    """The rollout engine(s) of the train stage on rank 0: one engine for ``rollout.num_engines: 1``
-    (as before), else an ``EnginePool`` of that many (:mod:`pivotrl.rollout.pool`), each vLLM engine
-    on CPU bound to its own block of this process's CPUs (``engine_cpus``) with at most
-    ``rollout.num_threads`` threads. On GPUs every engine of the pool is built in rank 0's process
-    with vLLM's own device choice: they are not placed on separate GPUs. An engine that fails to
-    build closes the ones already built."""
+def make_training_engines(cfg: RunConfig, model_dir: Path | str, *, hosts: Sequence[int] = (0,), rank: int = 0) -> Any:
+    """The rollout engine(s) of the train stage on a host rank (``hosts``, see
+    :mod:`pivotrl.training.rank_engines`).
+
+    On rank 0 alone (``hosts == [0]``): one engine for ``rollout.num_engines: 1`` (as before), else
+    an ``EnginePool`` of that many (:mod:`pivotrl.rollout.pool`), each vLLM engine on CPU bound to its
+    own block of this process's CPUs (``engine_cpus``) with at most ``rollout.num_threads`` threads;
+    on GPUs every engine of that pool is built with vLLM's own device choice (rank 0's GPU).
+
+    On several host ranks: one engine on this rank. A vLLM engine on GPUs takes the GPUs
+    ``LOCAL_RANK .. LOCAL_RANK + tensor_parallel_size - 1`` of its node (``device_ids``), the
+    transformers engine ``cuda:LOCAL_RANK``; on CPU, the host ranks of one node split its CPUs.
+    An engine that fails to build closes the ones already built."""
     from pivotrl.rollout.pool import EnginePool, engine_cpus
 
+    hosts = list(hosts)
+    if hosts != [0]:
+        place = _host_engine_placement(cfg, hosts, rank)
+        log.info("train: rollout engine %d of %d on rank %d (%s%s)", hosts.index(rank), len(hosts), rank,
+                 cfg.rollout.engine, "".join(f", {k}={v}" for k, v in place.items()))
+        return make_rollout_engine(cfg, model_dir, **place)
     n = cfg.rollout.num_engines
     if n == 1:
         return make_rollout_engine(cfg, model_dir)
@@ -172,6 +193,26 @@ def make_training_engines(cfg: RunConfig, model_dir: Path | str) -> Any:
         raise
     log.info("train: %d rollout engines on rank 0 (%s)", n, cfg.rollout.engine)
     return EnginePool(engines)
+
+
+def _host_engine_placement(cfg: RunConfig, hosts: list[int], rank: int) -> dict[str, Any]:
+    """Constructor keywords placing the engine of host rank ``rank`` (see make_training_engines)."""
+    import torch
+
+    from pivotrl.rollout.pool import engine_cpus
+    from pivotrl.training.rank_engines import local_world_size
+
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    if torch.cuda.is_available():
+        if cfg.rollout.engine == "vllm":
+            return {"device_ids": list(range(local_rank, local_rank + cfg.rollout.tensor_parallel_size))}
+        return {"device": f"cuda:{local_rank}"}
+    if cfg.rollout.engine != "vllm":
+        return {}
+    local = local_world_size(default=cfg.training.nproc_per_node)
+    node = rank // local
+    on_node = [h for h in hosts if h // local == node]
+    return {"cpu_ids": engine_cpus(on_node.index(rank), len(on_node))}
 
 
 def _empty(cfg: RunConfig, store: ArtifactStore, probe: ProbeResult, tkey: str) -> TrainResult:

@@ -66,7 +66,8 @@ def verifier_retries(verifier: Any) -> int:
 
 
 def sample_and_score(engine: Any, verifier: Any, states: Sequence[Any], prompts: Sequence[list[int]],
-                     sampling: Any, *, seeds: Sequence[int] | None = None) -> list[ScoredState]:
+                     sampling: Any, *, seeds: Sequence[int] | None = None,
+                     positions: Sequence[int] | None = None) -> list[ScoredState]:
     """Sample ``sampling.n`` actions at each state with one ``engine.generate`` call and score each
     group with ``verifier.score(state, texts)``.
 
@@ -78,6 +79,8 @@ def sample_and_score(engine: Any, verifier: Any, states: Sequence[Any], prompts:
         sampling: a ``SamplingConfig`` (n samples per prompt).
         seeds: one base seed per prompt (a state then samples the same in any batch); None: the
             engine seeds from ``sampling.seed`` and the prompt's position.
+        positions: the prompts' positions in a larger batch that several engines share (seeded as
+            if they stood there); exclusive with ``seeds``.
 
     Returns:
         One :class:`ScoredState` per state, input order. A state the verifier cannot decide is
@@ -86,14 +89,22 @@ def sample_and_score(engine: Any, verifier: Any, states: Sequence[Any], prompts:
     Raises:
         ValueError: ``states`` and ``prompts`` (or ``seeds``) differ in length.
     """
+    if seeds is not None and positions is not None:
+        raise ValueError("sample_and_score: give seeds or positions, not both")
+    if positions is not None and len(positions) != len(prompts):
+        raise ValueError(f"sample_and_score: {len(positions)} positions for {len(prompts)} prompts")
     if len(states) != len(prompts) or (seeds is not None and len(seeds) != len(prompts)):
         raise ValueError(f"sample_and_score: {len(states)} states, {len(prompts)} prompts"
                          + ("" if seeds is None else f", {len(seeds)} seeds"))
     if not prompts:
         return []
     prompts = [list(p) for p in prompts]
-    gens = (engine.generate(prompts, sampling) if seeds is None
-            else engine.generate(prompts, sampling, seeds=list(seeds)))
+    if seeds is not None:
+        gens = engine.generate(prompts, sampling, seeds=list(seeds))
+    elif positions is not None:
+        gens = engine.generate(prompts, sampling, positions=list(positions))
+    else:
+        gens = engine.generate(prompts, sampling)
     out: list[ScoredState] = []
     for state, ids, samples in zip(states, prompts, gens):
         samples = list(samples)

@@ -54,6 +54,9 @@ class VLLMEngine:
         cpu_ids: CPU builds only: the CPUs this engine's worker may bind to (default: all this
             process may run on); several engines in one process get disjoint sets
             (``rollout.num_engines``, ``pivotrl.pipeline.common.make_rollout_engine``).
+        device_ids: GPU builds only: the node-local GPU indices this engine runs on (its engine
+            process starts with ``CUDA_VISIBLE_DEVICES`` narrowed to them, :func:`visible_devices`),
+            e.g. a trainer rank's own GPU (``rollout.engine_placement``); None: vLLM's choice.
         llm_kwargs: further ``vllm.LLM`` arguments.
 
     Raises:
@@ -71,6 +74,7 @@ class VLLMEngine:
         seed: int = 0,
         cpu_threads: int | None = None,
         cpu_ids: Sequence[int] | None = None,
+        device_ids: Sequence[int] | None = None,
         **llm_kwargs: Any,
     ) -> None:
         if cpu_threads is not None and cpu_threads < 1:
@@ -93,12 +97,16 @@ class VLLMEngine:
         self.model_dir = str(model_dir)
         self.max_model_len = int(max_model_len)
         bind = None
-        if int(llm_kwargs.get("tensor_parallel_size", 1)) == 1 and _is_cpu_platform():
+        on_cpu = _is_cpu_platform()
+        if int(llm_kwargs.get("tensor_parallel_size", 1)) == 1 and on_cpu:
             bind = cpu_bind_list(cpu_threads, os.environ, allowed=cpu_ids)
         self.cpu_bind = bind or os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
+        start_env = {"VLLM_CPU_OMP_THREADS_BIND": bind} if bind else {}
+        if device_ids is not None and not on_cpu:
+            start_env["CUDA_VISIBLE_DEVICES"] = visible_devices(device_ids, os.environ)
         try:
             # Set only while the engine process starts (it inherits the environment).
-            with mock.patch.dict(os.environ, {"VLLM_CPU_OMP_THREADS_BIND": bind} if bind else {}):
+            with mock.patch.dict(os.environ, start_env):
                 self.llm = LLM(
                     model=self.model_dir,
                     dtype=normalise_dtype(dtype),
@@ -267,6 +275,22 @@ def cpu_bind_list(cpu_threads: int | None, environ: Any = None, allowed: Sequenc
         return None
     n = len(cpus) if cpu_threads is None else min(cpu_threads, len(cpus))
     return ",".join(str(c) for c in cpus[:n])
+
+
+def visible_devices(device_ids: Sequence[int], environ: Any = None) -> str:
+    """``CUDA_VISIBLE_DEVICES`` for an engine on the node-local GPUs ``device_ids``: the ids mapped
+    through the process's own ``CUDA_VISIBLE_DEVICES`` when it sets one (index i = its i-th entry).
+    Raises ConfigError for an empty list or an index the process cannot see."""
+    environ = os.environ if environ is None else environ
+    ids = [int(i) for i in device_ids]
+    if not ids:
+        raise ConfigError("device_ids: need at least one GPU index")
+    seen = [d.strip() for d in str(environ.get("CUDA_VISIBLE_DEVICES", "")).split(",") if d.strip()]
+    if not seen:
+        return ",".join(str(i) for i in ids)
+    if max(ids) >= len(seen) or min(ids) < 0:
+        raise ConfigError(f"device_ids {ids}: this process sees {len(seen)} GPU(s) (CUDA_VISIBLE_DEVICES={','.join(seen)})")
+    return ",".join(seen[i] for i in ids)
 
 
 def _is_cpu_platform() -> bool:

@@ -29,7 +29,7 @@ import os
 import shutil
 import socket
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Mapping, Sequence
 
 import torch
 
@@ -299,8 +299,9 @@ def _tied_duplicates(module: torch.nn.Module) -> list[str]:
     return dups
 
 
-def _full_state_dict(engine: Any) -> dict[str, torch.Tensor] | None:
-    """The complete module state dict on rank 0 (None on other ranks), detached CPU clones.
+def _full_state_dict(engine: Any, writers: Sequence[int] = (0,)) -> dict[str, torch.Tensor] | None:
+    """The complete module state dict on the ``writers`` ranks (None on the others), detached CPU
+    clones. ZeRO 0–2 keep whole parameters on every rank; ZeRO-3 gathers them on all ranks first.
 
     Tied duplicates are left out (the config's ``tie_word_embeddings`` restores them on load).
     """
@@ -316,9 +317,9 @@ def _full_state_dict(engine: Any) -> dict[str, torch.Tensor] | None:
 
         # Gather every partitioned parameter on all ranks (fine for ≤ ~1B params per host).
         with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
-            sd = _clone(module.state_dict()) if rank == 0 else None
+            sd = _clone(module.state_dict()) if rank in writers else None
         return sd
-    if rank != 0:
+    if rank not in writers:
         return None
     return _clone(module.state_dict())
 
@@ -329,13 +330,15 @@ def replace_directory(tmp: Path, target: Path) -> None:
 
 
 def export_hf_checkpoint(
-    engine: Any, out_dir: str | os.PathLike[str], *, tokenizer_dir: str | os.PathLike[str] | None = None
+    engine: Any, out_dir: str | os.PathLike[str], *, tokenizer_dir: str | os.PathLike[str] | None = None,
+    writers: Sequence[int] = (0,),
 ) -> Path:
     """Write the engine's current weights as an HF checkpoint directory (safetensors), atomically.
 
-    Every rank must call this (ZeRO-3 gathers collectively); rank 0 writes into a temporary
-    sibling directory and renames it to ``out_dir`` (replacing an existing one); all ranks wait
-    for the rename. Weights are saved in the compute dtype (bf16 for a bf16 run: what the trainer
+    Every rank must call this (ZeRO-3 gathers collectively); rank 0 (each rank of ``writers``: the
+    ranks that own a rollout engine, each with its own ``out_dir``) writes into a temporary sibling
+    directory and renames it to ``out_dir`` (replacing an existing one); all ranks wait for the
+    renames. Weights are saved in the compute dtype (bf16 for a bf16 run: what the trainer
     computes with). ZeRO 0–2 read ``module.state_dict()``; ZeRO-3 gathers the partitions first.
     Tokenizer files from ``tokenizer_dir`` are copied alongside. Returns ``out_dir``.
 
@@ -343,12 +346,19 @@ def export_hf_checkpoint(
     """
     target = Path(out_dir)
     rank, world = rank_and_world()
-    sd = _full_state_dict(engine)
-    if rank == 0:
+    sd = _full_state_dict(engine, writers)
+    if rank in writers:
         module = engine.module
         try:
             with atomic_dir(target, mode=None, replace_existing=True) as tmp:
-                module.save_pretrained(tmp, state_dict=sd, safe_serialization=True)
+                if rank == 0:
+                    module.save_pretrained(tmp, state_dict=sd, safe_serialization=True)
+                else:  # transformers' save_pretrained writes on distributed rank 0 only
+                    from safetensors.torch import save_file
+
+                    module.config.to_json_file(str(Path(tmp) / "config.json"))
+                    save_file({k: v.contiguous() for k, v in sd.items()}, str(Path(tmp) / "model.safetensors"),
+                              metadata={"format": "pt"})
                 if tokenizer_dir is not None:
                     copy_tokenizer_files(tokenizer_dir, tmp)
         except OSError as err:

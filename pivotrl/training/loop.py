@@ -8,18 +8,20 @@ verifier, the pivots with their encoded prompts and the pivot order, and calls
 tracker, checkpoints on the store: see ``pivotrl.pipeline.train``). So it runs in a unit test with
 the transformers engine, a tiny random model and a toy verifier.
 
-Data parallel: every rank trains; rank 0 alone owns the rollout engine and the verifier (``None``
-on the other ranks) and broadcasts each batch's groups, so all ranks step on the same global batch.
+Data parallel: every rank trains on the same global batch. Where the rollout engines live is
+``hosts`` (:mod:`pivotrl.training.rank_engines`, ``rollout.engine_placement``): by default rank 0
+alone owns the engine and the verifier (``None`` on the other ranks) and broadcasts each batch's
+groups; with engines on several ranks (one per node, or one every N ranks) each host rank samples
+and scores its block of the batch and the blocks are all-gathered.
 
-Several engines (``rollout.num_engines`` > 1): ``engine`` is a :class:`pivotrl.rollout.pool.EnginePool`
-on rank 0. The batch's states are split across its engines in order (engine j serves block j of
-the batch positions), they generate concurrently, each state seeded by its position in the whole
-batch (the same samples as one engine would draw), and after every step *every* engine is refreshed
-and checked against the trainer; a row then also carries ``engines``,
-``refresh_verified_engines`` (engines whose log-probs of the check action matched the trainer's;
-0 when the batch had no action to check), ``refresh_max_abs_delta_e<j>`` and
+Several engines (``rollout.num_engines`` > 1 on rank 0, an :class:`pivotrl.rollout.pool.EnginePool`,
+or one engine on each of several host ranks): the batch's states are split across the engines in
+order (engine j serves block j of the batch positions), they generate concurrently, each state
+seeded by its position in the whole batch (the same samples as one engine would draw), and after
+every step *every* engine is refreshed and checked against the trainer; a row then also carries
+``engines``, ``refresh_verified_engines`` (engines whose log-probs of the check action matched the
+trainer's; 0 when the batch had no action to check), ``refresh_max_abs_delta_e<j>`` and
 ``rollout_states_e<j>`` (states engine j sampled at). With one engine the rows are as before.
-Engines on other ranks or nodes (one per node) are not implemented: rank 0 owns every engine.
 """
 
 from __future__ import annotations
@@ -29,12 +31,13 @@ import logging
 import random
 import shutil
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from pivotrl.errors import TrainingError
 from pivotrl.training.checkpoints import broadcast
+from pivotrl.training.rank_engines import refresh_delta, refresh_step, rollout_step
 
 log = logging.getLogger("pivotrl.training")
 
@@ -169,49 +172,18 @@ class LoopHooks:
     save_checkpoint: Callable[[int, list[dict]], Any] = _noop
 
 
-@dataclass
-class _Batch:
-    groups: list = field(default_factory=list)
-    dropped: int = 0
-    retries: int = 0
-    scored: list = field(default_factory=list)
-
-
-def _rollout(engine: Any, verifier: Any, pivots: Sequence[Any], prompts: Sequence[list[int]], idx: list[int],
-             settings: LoopSettings, step: int) -> _Batch:
-    """Sample K actions per pivot of the batch, score them, and build the trainer's groups. A pivot
-    the verifier cannot decide is dropped and counted (pivotrl.rollout.scoring)."""
-    from pivotrl.rollout.base import SamplingConfig
-    from pivotrl.rollout.scoring import sample_and_score, verifier_retries
-    from pivotrl.training.pivotrl import Group
-
-    sampling = SamplingConfig(n=settings.group_size, temperature=1.0, top_p=1.0, top_k=0,
-                              max_tokens=settings.max_tokens, seed=settings.seed * 100_003 + step)
-    batch = _Batch()
-    retries0 = verifier_retries(verifier)
-    for g in sample_and_score(engine, verifier, [pivots[i] for i in idx], [prompts[i] for i in idx], sampling):
-        if not g.decided:  # the whole group is dropped: never advantages from a partial group
-            batch.dropped += 1
-            log.warning("dropping pivot %s at step %d: %s", g.state.state_id, step, g.error)
-            continue
-        batch.groups.append(Group(state_id=g.state.state_id, prompt_ids=g.prompt_ids,
-                                  actions=[list(x.token_ids) for x in g.samples], rewards=g.rewards))
-        batch.scored.append((g.state.state_id, g.samples, g.results))
-    batch.retries = verifier_retries(verifier) - retries0
-    return batch
-
-
 def run_rl_loop(trainer: Any, engine: Any, verifier: Any, pivots: Sequence[Any], prompts: Sequence[list[int]],
                 schedule: Sequence[Sequence[int]], settings: LoopSettings, work: Path, *, start: int = 0,
                 rows: list[dict] | None = None, hooks: LoopHooks | None = None, rank: int = 0, world: int = 1,
-                progress: bool = True) -> list[dict]:
+                progress: bool = True, hosts: Sequence[int] = (0,)) -> list[dict]:
     """Run steps ``start .. len(schedule) - 1`` of PivotRL training and return every step's metrics row.
 
     Args:
         trainer: a ``PivotRLTrainer`` (``train_step``, ``export_hf``, ``old_policy_logprobs``).
-        engine: the rollout engine serving π_old (rank 0; None elsewhere), or an ``EnginePool`` of
-            several; refreshed in place (``load_weights``, every engine) after every step.
-        verifier: ``score(state, actions)`` (rank 0; None elsewhere).
+        engine: the rollout engine serving π_old on a host rank (None elsewhere), or an
+            ``EnginePool`` of several on rank 0; refreshed in place (``load_weights``, every engine)
+            after every step.
+        verifier: ``score(state, actions)`` (on the host ranks; None elsewhere).
         pivots: the pivot set (``TurnState``-like: a ``state_id``, whatever the verifier reads).
         prompts: each pivot's encoded prompt (token ids).
         schedule: pivot indices per step (:func:`pivot_schedule`).
@@ -220,6 +192,8 @@ def run_rl_loop(trainer: Any, engine: Any, verifier: Any, pivots: Sequence[Any],
         start, rows: resume at step ``start`` with the metrics rows of the steps before it.
         hooks: :class:`LoopHooks`.
         rank, world: this process's rank and the world size.
+        hosts: the ranks that own an engine (``pivotrl.training.rank_engines.engine_host_ranks``;
+            default rank 0 alone).
 
     Each row: step (1-based), pivots, groups, dropped_groups, verifier_retries, the trainer's
     metrics (reward_mean, kl, ...), rollout_s, step_time_s, refresh_max_abs_delta and
@@ -266,32 +240,25 @@ def run_rl_loop(trainer: Any, engine: Any, verifier: Any, pivots: Sequence[Any],
                               **{f"refilter_{k}": v for k, v in counts.items()}}
             keep = set(active)
             idx = [i for i in schedule[step] if i in keep]
-            batch = _rollout(engine, verifier, pivots, prompts, idx, settings, step) if lead else _Batch()
-            # States each engine of a pool sampled at in this step (none when the batch was empty).
-            served = [len(b) if idx else 0 for b in getattr(engine, "served", [])] if lead else []
-            groups, dropped, retries = broadcast((batch.groups, batch.dropped, batch.retries), world)
+            batch, served = rollout_step(engine, verifier, pivots, prompts, idx, settings, step, rank=rank,
+                                         world=world, hosts=hosts)
+            groups, dropped, retries = batch.groups, batch.dropped, batch.retries
             t_roll = time.time() - t0
             metrics = trainer.train_step(groups) if groups else {}
             if lead:
                 hooks.record_step(step + 1, batch.scored, groups)
-            # Refresh π_old inside the running engine (no restart), then check that it took: the
+            # Refresh π_old inside the running engines (no restart), then check that it took: each
             # engine's log-probs of a fixed action must match the trainer's.
             export = work / f"policy-{step}"
-            trainer.export_hf(str(export))
+            if list(hosts) == [0]:
+                trainer.export_hf(str(export))
+            else:  # every host rank reads its own export (its node's disk)
+                trainer.export_hf(str(export), writers=list(hosts))
             probe_prompt = groups[0].prompt_ids if groups else None
             action = groups[0].actions[0] if groups else None
             trainer_lp = trainer.old_policy_logprobs(probe_prompt, action) if action else []
-            d_max = d_mean = 0.0
-            per_engine: list[tuple[float, float] | None] = []
-            if lead:
-                engine.load_weights(str(export))
-                if _several(engine):
-                    per_engine = engine.refresh_deltas(probe_prompt, action, trainer_lp)
-                    d_max = max((d[0] for d in per_engine if d), default=0.0)
-                    d_mean = max((d[1] for d in per_engine if d), default=0.0)
-                else:
-                    d_max, d_mean = refresh_delta(engine, probe_prompt, action, trainer_lp)
-            d_max, d_mean, per_engine, served = broadcast((d_max, d_mean, per_engine, served), world)
+            d_max, d_mean, per_engine = refresh_step(engine, str(export), probe_prompt, action, trainer_lp,
+                                                     rank=rank, world=world, hosts=hosts)
             engines_row = _engines_row(per_engine, served, settings) if per_engine else {}
             shutil.rmtree(work / f"policy-{step - 1}", ignore_errors=True)
             row = {"step": step + 1, "pivots": len(idx), "groups": len(groups), "dropped_groups": dropped,
@@ -314,11 +281,6 @@ def run_rl_loop(trainer: Any, engine: Any, verifier: Any, pivots: Sequence[Any],
     finally:
         bar.close()
     return rows
-
-
-def _several(engine: Any) -> bool:
-    """True for an engine pool of more than one engine (``pivotrl.rollout.pool.EnginePool``)."""
-    return hasattr(engine, "refresh_deltas") and len(getattr(engine, "engines", ())) > 1
 
 
 def _engines_row(per_engine: Sequence[tuple[float, float] | None], served: Sequence[int],
@@ -358,13 +320,3 @@ def check_refresh(step: int, d_max: float, d_mean: float, tol_max: float, dtype:
     if d_max > tol_max:
         log.warning("refresh check at step %d: max per-token |Δ| %.3g exceeds %.3g (mean %.3g is within %.3g); "
                     "bf16 kernel noise", step, d_max, tol_max, d_mean, mean_tol)
-
-
-def refresh_delta(engine: Any, prompt: list[int] | None, action: list[int] | None,
-                  trainer_lp: list[float]) -> tuple[float, float]:
-    """Max and mean |Δ| per token (nats) between the engine's and the trainer's log-probs of ``action``."""
-    if not action:
-        return 0.0, 0.0
-    eng = engine.score([prompt], [action])[0]
-    deltas = [abs(a - float(b)) for a, b in zip(eng, trainer_lp)]
-    return (max(deltas), sum(deltas) / len(deltas)) if deltas else (0.0, 0.0)

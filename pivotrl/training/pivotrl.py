@@ -340,9 +340,10 @@ class PivotRLTrainer:
             res = compute_group_logprobs(self.engine, prompt_ids, [list(action_ids)], shared_prefix=self.settings.shared_prefix)
         return res.logprobs[0, : len(action_ids)].double().tolist()
 
-    def export_hf(self, directory: str | os.PathLike[str]) -> Path:
-        """Write the current weights + tokenizer files as an HF checkpoint (atomic); every rank calls."""
-        return export_hf_checkpoint(self.engine, directory, tokenizer_dir=self.tokenizer_dir)
+    def export_hf(self, directory: str | os.PathLike[str], writers: Sequence[int] = (0,)) -> Path:
+        """Write the current weights + tokenizer files as an HF checkpoint (atomic); every rank
+        calls, the ranks in ``writers`` write (each to its own ``directory``)."""
+        return export_hf_checkpoint(self.engine, directory, tokenizer_dir=self.tokenizer_dir, writers=writers)
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, directory: str | os.PathLike[str]) -> Path:

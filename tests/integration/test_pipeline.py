@@ -173,9 +173,13 @@ def test_sharded_evaluation_gives_the_unsharded_report_and_reruns_only_a_missing
 
 
 @pytest.mark.integration
-def test_training_stage_two_ranks_matches_one_rank(smoke_run, tmp_path):
+@pytest.mark.parametrize("placement", ["rank0", "ranks"])
+def test_training_stage_two_ranks_matches_one_rank(smoke_run, tmp_path, placement):
     """The training stage as a 2-rank torchrun process group on the same pivots gives the same
-    policy as the 1-rank run (rank 0 samples and broadcasts the batch; gradients are averaged)."""
+    policy as the 1-rank run: with rank 0's engine (it samples and broadcasts the batch), and with
+    an engine and a verifier on each rank (``rollout.engine_placement: ranks``: each rank samples
+    its half of the batch, both engines are refreshed and verified every step); gradients are
+    averaged."""
     from pivotrl.training.launch import LaunchConfig, launch
 
     cfg, store, demos, ref, probe, train, _ = smoke_run
@@ -187,16 +191,23 @@ def test_training_stage_two_ranks_matches_one_rank(smoke_run, tmp_path):
     shutil.rmtree(root2 / "train")
     tr = LaunchConfig(launcher="torchrun", nnodes=1, nproc_per_node=2,
                       master_port=29500 + (hash(str(tmp_path)) % 1000), omp_num_threads=1)
-    cfg2 = cfg.model_copy(update={"run": cfg.run.model_copy(update={"storage_root": str(root2)})})
+    cfg2 = cfg.model_copy(update={"run": cfg.run.model_copy(update={"storage_root": str(root2)}),
+                                  "rollout": cfg.rollout.model_copy(update={"engine_placement": placement})})
     out = tmp_path / "result.json"
     spec = {"config": cfg2.model_dump(mode="json"), "inputs": {"probe": probe.to_dict(), "reference": ref.to_dict()},
             "output": str(out)}
     launch(tr, entry="rl_stage", spec=spec, workdir=tmp_path, timeout_s=600)
     res = json.loads(out.read_text())
-    assert res["train_key"] == train.train_key
+    assert (res["train_key"] == train.train_key) == (placement == "rank0")  # the placement is in the key
     m1 = store.read_parquet(f"{train.train_key}/metrics.parquet")
     m2 = pd.read_parquet(root2 / res["train_key"] / "metrics.parquet")
-    assert list(m2["reward_mean"]) == list(m1["reward_mean"])  # identical rollouts (rank 0's engine)
+    assert list(m2["reward_mean"]) == list(m1["reward_mean"])  # identical rollouts (seeds by batch position)
+    if placement == "ranks":  # 2 pivots per batch: one on each rank's engine, both engines checked
+        assert list(m2["engines"]) == [2, 2] and list(m2["refresh_verified_engines"]) == [2, 2]
+        assert list(m2["rollout_states_e0"]) == [1, 1] and list(m2["rollout_states_e1"]) == [1, 1]
+        assert (m2["refresh_max_abs_delta_e1"] <= 1e-4).all()
+    else:
+        assert "engines" not in m2
     w1 = load_file(str(Path(cfg.run.storage_root) / train.policy_key / "model.safetensors"))
     w2 = load_file(str(root2 / res["policy_key"] / "model.safetensors"))
     assert w1.keys() == w2.keys()

@@ -20,6 +20,7 @@ from pivotrl.training.loop import LoopSettings, pivot_schedule, run_rl_loop
 from pivotrl.verifiers import VerifierResult
 
 PROMPTS = [[5, 17, 42, 9, 11], [7, 8, 9], [100, 3, 64, 2], [12, 13, 14, 15, 16, 17], [21, 22, 23]]
+ACTION = [3, 4, 5, 6]  # the action whose log-probs show which weights an engine serves
 
 
 class CountingEngine(TransformersEngine):
@@ -110,10 +111,9 @@ def test_two_engines_serve_the_batch_and_are_refreshed_and_verified_every_step(c
         assert engines[0].prompts[step] == [tuple(PROMPTS[i]) for i in order[:2]]
         assert engines[1].prompts[step] == [tuple(PROMPTS[i]) for i in order[2:]]
     # Both engines serve the trained weights now: their log-probs equal the trainer's.
-    action = [3, 4, 5, 6]
-    want = trainer.old_policy_logprobs(PROMPTS[0], action)
+    want = trainer.old_policy_logprobs(PROMPTS[0], ACTION)
     for e in engines:
-        got = TransformersEngine.score(e, [PROMPTS[0]], [action])[0]
+        got = TransformersEngine.score(e, [PROMPTS[0]], [ACTION])[0]
         assert max(abs(x - y) for x, y in zip(got, want)) <= 1e-4
     for r in rows:
         assert r["engines"] == 2 and r["refresh_verified_engines"] == 2
@@ -127,12 +127,69 @@ def test_two_engines_serve_the_batch_and_are_refreshed_and_verified_every_step(c
     single = _engines(ckpt, 1)[0]
     rows1 = run_rl_loop(trainer1, single, EvenVerifier(), pivots, PROMPTS, schedule, _settings(), tmp_path / "work1",
                         progress=False)
+    assert _same_part(rows) == _same_part(rows1) and "engines" not in rows1[0]
+    single.close()
+
+
+def _same_part(rows: list[dict]) -> list[dict]:
+    """The rows without times and engine columns: what one engine or several must agree on."""
     skip = ("rollout_s", "step_time_s", "tokens_per_s", "engines", "refresh_verified_engines", "_e0", "_e1")
+    return [{k: v for k, v in r.items() if not k.endswith(skip)} for r in rows]
 
-    def same_part(rs):
-        return [{k: v for k, v in r.items() if not k.endswith(skip)} for r in rs]
 
-    assert same_part(rows) == same_part(rows1) and "engines" not in rows1[0]
+@pytest.mark.integration
+def test_an_engine_on_each_of_two_ranks_serves_its_block_and_is_refreshed_and_verified_every_step(
+        ckpt: Path, tmp_path: Path) -> None:
+    """rollout.engine_placement ranks: two trainer ranks (torchrun, gloo), each owning an engine and a
+    verifier; each rank's engine samples its block of every batch, the groups are all-gathered, and
+    both engines are refreshed from their own rank's export and checked every step. The run equals
+    one process with one engine."""
+    import json
+    import subprocess
+    import sys
+
+    from pivotrl.training.deepspeed_utils import free_port
+    from pivotrl.training.pivotrl import PivotRLTrainer
+
+    out = tmp_path / "ranks"
+    out.mkdir()
+    worker = Path(__file__).resolve().parent / "engines_worker.py"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={free_port()}",
+           str(worker), str(ckpt), str(out)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**__import__("os").environ,
+                                                                                 "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+    schedule = pivot_schedule(len(PROMPTS), 5, 2, seed=0, max_steps=None)
+    assert [r["world"] for r in ranks] == [2, 2]
+    # Each rank's engine sampled at its block of each batch (2 and 3 states), once per step, and was
+    # refreshed and scored (the refresh check) once per step.
+    for rank, block in ((0, slice(0, 2)), (1, slice(2, 5))):
+        assert ranks[rank]["prompts"] == [[list(PROMPTS[i]) for i in order[block]] for order in schedule]
+        assert (ranks[rank]["refreshes"], ranks[rank]["scores"]) == (2, 2)
+    assert _same_part(ranks[0]["rows"]) == _same_part(ranks[1]["rows"])  # the same batches and checks
+    for r in ranks[0]["rows"]:
+        assert r["engines"] == 2 and r["refresh_verified_engines"] == 2
+        assert (r["rollout_states_e0"], r["rollout_states_e1"]) == (2, 3) and r["groups"] == 5
+        assert r["refresh_max_abs_delta_e0"] <= 1e-4 and r["refresh_max_abs_delta_e1"] <= 1e-4
+    # The same run in one process with one engine: the same rows, and both ranks' engines end on
+    # the weights that run ends on.
+    trainer = PivotRLTrainer.build(ckpt, group_size=4, dtype="float32", lr=1e-3, beta=0.0, updates_per_batch=1, seed=0)
+    single = _engines(ckpt, 1)[0]
+    pivots = [SimpleNamespace(state_id=f"p{i}") for i in range(len(PROMPTS))]
+    rows1 = run_rl_loop(trainer, single, EvenVerifier(), pivots, PROMPTS, schedule, _settings(), tmp_path / "work1",
+                        progress=False)
+    # 2 ranks average their gradients: the same numbers up to float rounding (the refresh deltas
+    # are float noise of their own).
+    two, one = _same_part(ranks[0]["rows"]), _same_part(rows1)
+    assert [r.keys() for r in two] == [r.keys() for r in one]
+    for a, b in zip(two, one):
+        for k in a:
+            if not k.startswith("refresh_"):
+                assert a[k] == pytest.approx(b[k], rel=1e-5, abs=1e-6), k
+    want = trainer.old_policy_logprobs(PROMPTS[0], ACTION)
+    for r in ranks:
+        assert max(abs(x - y) for x, y in zip(r["final_logprobs"], want)) <= 1e-4
     single.close()
 
 
@@ -173,7 +230,55 @@ def test_the_train_stage_builds_one_engine_or_a_pool_from_the_config(ckpt: Path)
     assert all(isinstance(e, TransformersEngine) for e in pool.engines) and pool.engines[0] is not pool.engines[1]
     one.close()
     pool.close()
-    # The GPU cluster config keeps one engine on rank 0 and leaves the trainer room on its GPU.
+    # The GPU cluster config puts one engine on each node's first rank and leaves the trainer room
+    # on that GPU.
     multi = load_config(str(Path(__file__).resolve().parents[2] / "configs" / "multinode-gpu.yaml"))
-    assert (multi.rollout.num_engines, multi.rollout.gpu_memory_utilization) == (1, 0.35)
+    assert (multi.rollout.engine_placement, multi.rollout.gpu_memory_utilization) == ("node", 0.35)
     assert (RunConfig().rollout.num_engines, RunConfig().rollout.gpu_memory_utilization) == (1, None)
+
+
+def test_engine_host_ranks_follow_the_placement() -> None:
+    from pivotrl.errors import ConfigError
+    from pivotrl.training.rank_engines import engine_host_ranks, local_world_size
+
+    assert engine_host_ranks("rank0", 16, 8) == [0]
+    assert engine_host_ranks("node", 16, 8) == [0, 8]
+    assert engine_host_ranks("ranks", 16, 8, ranks_per_engine=2) == [0, 2, 4, 6, 8, 10, 12, 14]
+    assert engine_host_ranks("ranks", 2, 2) == [0, 1] and engine_host_ranks("node", 1, 1) == [0]
+    with pytest.raises(ConfigError, match="does not divide the 8 ranks of a node"):
+        engine_host_ranks("ranks", 16, 8, ranks_per_engine=16)
+    with pytest.raises(ConfigError, match="does not divide the 6 trainer ranks"):
+        engine_host_ranks("ranks", 6, 6, ranks_per_engine=4)
+    with pytest.raises(ConfigError, match="one of rank0, node, ranks"):
+        engine_host_ranks("gpu", 2, 2)
+    assert local_world_size({"LOCAL_WORLD_SIZE": "4"}) == 4 and local_world_size({"LOCAL_SIZE": "3"}) == 3
+    assert local_world_size({}, default=8) == 8
+
+
+def test_the_engine_layout_is_checked_against_the_trainer_ranks() -> None:
+    from pivotrl.config import load_config
+    from pivotrl.errors import ConfigError
+
+    multi = str(Path(__file__).resolve().parents[2] / "configs" / "multinode-gpu.yaml")
+    cfg = load_config(multi, ["rollout.engine_placement=node"])  # 2 nodes × 8 GPUs: 2 engines
+    assert (cfg.rollout.engine_placement, cfg.rollout.num_engines) == ("node", 1)
+    assert load_config(multi, ["rollout.engine_placement=node", "rollout.num_engines=2"]).rollout.num_engines == 2
+    with pytest.raises(ConfigError, match="rollout.num_engines.*gives 2 engine"):
+        load_config(multi, ["rollout.engine_placement=node", "rollout.num_engines=3"])
+    with pytest.raises(ConfigError, match="rollout.ranks_per_engine.*must divide training.nproc_per_node = 8"):
+        load_config(multi, ["rollout.engine_placement=ranks", "rollout.ranks_per_engine=3"])
+    with pytest.raises(ConfigError, match="rollout.tensor_parallel_size.*≤ the 2 GPUs"):
+        load_config(multi, ["rollout.engine_placement=ranks", "rollout.ranks_per_engine=2",
+                            "rollout.tensor_parallel_size=4"])
+    assert load_config(multi, ["rollout.engine_placement=ranks", "rollout.ranks_per_engine=4",
+                               "rollout.tensor_parallel_size=4", "rollout.num_engines=4"]).rollout.num_engines == 4
+
+
+def test_an_engine_on_a_rank_sees_only_its_own_gpus() -> None:
+    from pivotrl.errors import ConfigError
+    from pivotrl.rollout.vllm import visible_devices
+
+    assert visible_devices([3], {}) == "3" and visible_devices([2, 3], {}) == "2,3"
+    assert visible_devices([1], {"CUDA_VISIBLE_DEVICES": "4,5,6"}) == "5"
+    with pytest.raises(ConfigError, match="sees 2 GPU"):
+        visible_devices([2], {"CUDA_VISIBLE_DEVICES": "0,1"})
