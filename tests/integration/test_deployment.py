@@ -8,8 +8,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,16 +17,12 @@ from typing import Any
 
 import pytest
 
+from servers import free_port, server, stop
+
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
 REPO = Path(__file__).resolve().parents[2]
 PREFECT = str(Path(sys.executable).parent / "prefect")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _api(url: str, body: Any | None = None, method: str | None = None) -> Any:
@@ -39,21 +33,11 @@ def _api(url: str, body: Any | None = None, method: str | None = None) -> Any:
         return json.loads(r.read() or b"null")
 
 
-def _stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-
-
 @pytest.fixture(scope="module")
 def prefect_server(tmp_path_factory):
     """``prefect server start`` on a free loopback port with its own PREFECT_HOME; yields (api url, env)."""
     home = tmp_path_factory.mktemp("prefect-home")
-    port = _free_port()
+    port = free_port()
     api = f"http://127.0.0.1:{port}/api"
     env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_API_URL": api,
            "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "DO_NOT_TRACK": "1",
@@ -63,23 +47,9 @@ def prefect_server(tmp_path_factory):
            "PIVOTRL_HOME": str(REPO)}
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(name, None)
-    log = open(home / "server.log", "w")
-    server = subprocess.Popen([PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(port)],
-                              env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        deadline = time.time() + 90
-        while True:
-            try:
-                _api(f"{api}/health")
-                break
-            except OSError:
-                if server.poll() is not None or time.time() > deadline:
-                    raise RuntimeError(f"prefect server did not start:\n{(home / 'server.log').read_text()[-3000:]}")
-                time.sleep(0.5)
+    cmd = [PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(port)]
+    with server(cmd, home / "server.log", ready=f"{api}/health", what="prefect server", timeout_s=90, env=env):
         yield api, env
-    finally:
-        _stop(server)
-        log.close()
 
 
 def _cli(env: dict[str, str], *args: str) -> str:
@@ -159,7 +129,7 @@ def test_nightly_schedule_fires_and_the_run_completes(prefect_server, tmp_path):
                 break
             time.sleep(2)
     finally:
-        _stop(worker)
+        stop(worker)
         worker_log.close()
     assert len(runs) == 1, f"expected the one scheduled run, got {[(r['name'], r['state']['type']) for r in runs]}"
     run = runs[0]

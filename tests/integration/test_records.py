@@ -14,15 +14,13 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
-import socket
 import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
+
+from servers import free_port, server
 
 from pivotrl.config import load_config
 from pivotrl.errors import ConfigError
@@ -32,44 +30,16 @@ from pivotrl.tracking import flatten_params
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def mlflow_server(tmp_path_factory):
     """``mlflow server`` (SQLite backend, artifacts proxied to a temporary folder) on 127.0.0.1."""
     work = tmp_path_factory.mktemp("mlflow")
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
-    log = open(work / "server.log", "wb")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
-         "--backend-store-uri", f"sqlite:///{work / 'mlflow.db'}", "--artifacts-destination", str(work / "artifacts")],
-        stdout=log, stderr=subprocess.STDOUT, cwd=work, start_new_session=True,
-    )
-    try:
-        deadline = time.time() + 180
-        while True:
-            try:
-                with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            if proc.poll() is not None or time.time() > deadline:
-                raise RuntimeError(f"mlflow server did not start: {(work / 'server.log').read_text()[-2000:]}")
-            time.sleep(0.5)
+    cmd = [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
+           "--backend-store-uri", f"sqlite:///{work / 'mlflow.db'}", "--artifacts-destination", str(work / "artifacts")]
+    with server(cmd, work / "server.log", ready=f"{url}/health", what="mlflow server", cwd=work):
         yield url
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-        log.close()
 
 
 @pytest.fixture(scope="module")
@@ -194,7 +164,7 @@ def test_unreachable_tracker_is_switched_off_with_a_warning(tmp_path, monkeypatc
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "2")
     cfg = load_config(str(REPO / "configs" / "smoke.yaml"),
-                      [f"run.storage_root={tmp_path}", "tracking.backend=mlflow", f"tracking.uri=http://127.0.0.1:{_free_port()}"])
+                      [f"run.storage_root={tmp_path}", "tracking.backend=mlflow", f"tracking.uri=http://127.0.0.1:{free_port()}"])
     rec = RunRecorder(cfg, ArtifactStore(str(tmp_path)))
     assert rec.start() == ""
     rec.stage("probe", {"stats": {"total": {"kept": 3}}})  # a no-op now, no error

