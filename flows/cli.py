@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 from typing import Any, Optional
 
 import typer
@@ -37,7 +38,15 @@ def _main(show_version: bool = typer.Option(False, "--version", callback=_versio
                                             help="Print the version and exit.")) -> None:
     """PivotRL post-training pipeline."""
 
-ConfigOpt = typer.Option("configs/default.yaml", "--config", "-c", help="YAML run config (path or fsspec URL).")
+def _default_config() -> str:
+    """``configs/default.yaml`` of the working directory when it has one, else the checkout's own
+    (the embedded default config, wherever the command runs)."""
+    here = Path("configs/default.yaml")
+    shipped = Path(__file__).resolve().parents[1] / "configs" / "default.yaml"
+    return str(here) if here.is_file() or not shipped.is_file() else str(shipped)
+
+
+ConfigOpt = typer.Option(_default_config(), "--config", "-c", help="YAML run config (path or fsspec URL).")
 SetOpt = typer.Option(None, "--set", "-s", help="Override a config key: --set training.beta=0.01 (repeatable).")
 
 

@@ -114,14 +114,21 @@ def read_rollouts(store: Any, prefix: str = "", *, step: int | None = None, stat
     """Every rollout record under ``prefix`` of ``store`` (probe tables, training steps, evaluation),
     filtered by ``step`` and ``state`` (a state id), sorted by step, stage, state and sample.
 
+    The store's root may be any folder of a run (``train/<key>``, ``probes/<key>``). Probe shard
+    tables (``probes/shards/...``) are read only when the root is inside ``shards``: above it, the
+    merged probe table holds the same rows.
+
     Raises StorageError when ``prefix`` holds no rollout records.
     """
     keys = store.list(prefix) if prefix else store.list("")
     frames: list[pd.DataFrame] = []
     for key in sorted(keys):
-        if key.endswith("/probes.parquet"):
+        rel = "/" + (key[len(prefix):].lstrip("/") if prefix and key.startswith(prefix) else key)
+        if "/shards/" in rel:  # a shard's table is also in its merged table: read only the merge
+            continue
+        if rel.endswith("/probes.parquet"):
             frames.append(probe_records(store.read_parquet(key)))
-        elif "/rollouts/step-" in key and key.endswith(".parquet") or key.endswith("/rollouts.parquet"):
+        elif "/rollouts/step-" in rel and rel.endswith(".parquet") or rel.endswith("/rollouts.parquet"):
             frames.append(store.read_parquet(key))
     frames = [f for f in frames if len(f)]
     if not frames:

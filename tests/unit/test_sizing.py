@@ -4,11 +4,14 @@ per machine (stable stage keys), never overriding a size the user set."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
 from pivotrl.config import config_hash, load_config
 from pivotrl.sizing import REFERENCE, apply_sizing, choose_tier, predict_minutes, sized_config
+
+REPO = Path(__file__).resolve().parents[2]
 
 AVX2_FP32 = 96.0  # best 1-thread 1024x1024 fp32 matmul under the AVX2 imitation (benchmarks/RESULTS.md)
 
@@ -93,3 +96,21 @@ def test_pivotrl_config_prints_the_sized_values_and_why(tmp_path, monkeypatch):
     body = "\n".join(line.split("  #")[0] for line in lines if not line.startswith("#"))
     (tmp_path / "shown.yaml").write_text(body)
     assert config_hash(load_config(str(tmp_path / "shown.yaml"))) == config_hash(sized)
+
+
+def test_the_default_config_is_found_from_any_directory(tmp_path):
+    """``pivotrl config`` without --config, run outside the checkout, reads the embedded default
+    config (it printed "config file not found: configs/default.yaml" before)."""
+    import subprocess
+    import sys
+
+    code = "from pivotrl.flows.cli import main; main()"
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "PIVOTRL_CACHE_DIR": str(tmp_path / "cache")}
+    out = subprocess.run([sys.executable, "-c", code, "config", "--set", f"run.cache_dir={tmp_path / 'cache'}",
+                          "--set", "run.sizing=fixed"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    shown = "\n".join(line.split("  #")[0] for line in out.stdout.splitlines() if not line.startswith("#"))
+    (tmp_path / "shown.yaml").write_text(shown)
+    want = load_config(str(REPO / "configs" / "default.yaml"), [f"run.cache_dir={tmp_path / 'cache'}", "run.sizing=fixed"])
+    assert config_hash(load_config(str(tmp_path / "shown.yaml"))) == config_hash(want)
