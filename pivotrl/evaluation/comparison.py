@@ -171,15 +171,18 @@ def comparison_markdown(stats: dict[str, Any]) -> list[str]:
     return lines
 
 
-def format_rate(rate: float | None, num: Any, den: Any, interval: tuple[float, float] | None = None) -> str:
-    """``0.175 (7/40), 95% CI 0.087–0.320`` (Wilson on num/den unless ``interval`` is given);
-    "not evaluated" for a missing rate."""
+def format_rate(rate: float | None, num: Any, den: Any, interval: tuple[float, float] | None = None,
+                over: str | None = None) -> str:
+    """``0.175 (7/40), 95% CI 0.087–0.320`` (Wilson on num/den unless ``interval`` is given; ``over``
+    names the interval's units when they are not the counted ones, e.g. ``0.250 (1/4), 95% CI over
+    2 tasks 0.000–0.750``); "not evaluated" for a missing rate."""
     if rate is None:
         return "not evaluated"
     frac = f" ({num}/{den})" if num is not None and den is not None else ""
     if interval is None and num is not None and den:
-        interval = wilson_interval(int(num), int(den))
-    ci = f", 95% CI {interval[0]:.3f}–{interval[1]:.3f}" if interval is not None else ""
+        interval, over = wilson_interval(int(num), int(den)), None
+    unit = f" over {over}" if over else ""
+    ci = f", 95% CI{unit} {interval[0]:.3f}–{interval[1]:.3f}" if interval is not None else ""
     return f"{rate:.3f}{frac}{ci}"
 
 

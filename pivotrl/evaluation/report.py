@@ -280,7 +280,9 @@ def _markdown(report: Mapping[str, Any], rows: list[dict[str, Any]], plots: Mapp
             _md_cell(r["policy"]),
             _fmt_rate(r["local_pivot_accuracy"], r["local_accepted"], r["local_samples"]),
             _fmt_rate(r["full_task_success"], r["tasks_succeeded"], r["tasks"]),
-            _fmt_rate(r["turn_pass_rate"], r["turns_passed"], r["turns_total"], turn_interval(report.get("statistics"), stats_name(r["policy"], POLICY_ALIASES))),
+            _fmt_rate(r["turn_pass_rate"], r["turns_passed"], r["turns_total"],
+                      turn_interval(report.get("statistics"), stats_name(r["policy"], POLICY_ALIASES)),
+                      over=f"{r['tasks']} task{'s' if r['tasks'] != 1 else ''}"),  # bootstrap over tasks
             "n/a" if r["format_error_rate"] is None else _fmt_rate(r["format_error_rate"], r["format_errors"], r["model_calls"]),
         ]
         if with_pivots:

@@ -135,7 +135,7 @@ def test_report_floor_note_and_reference_turn_interval(tmp_path):
                                       out_dir=tmp_path, statistics=stats)
     md = md_path.read_text()
     tp = stats["full_task"]["per_policy"]["reference"]["turn_pass"]
-    cell = f"0.167 (2/12), 95% CI {tp['low']:.3f}–{tp['high']:.3f}"
+    cell = f"0.167 (2/12), 95% CI over 6 tasks {tp['low']:.3f}–{tp['high']:.3f}"  # the interval's units: tasks
     row = next(line for line in md.splitlines() if line.startswith("| reference (SFT warm start) |"))
     assert cell in row
     assert "Full-task success is at its floor: no policy solved any of the 6 held-out tasks" in md
