@@ -1,8 +1,8 @@
 """Prefect tasks of ``pivotrl compare``: the SFT and end-to-end RL baselines and the comparison.
 
-Thin wrappers like the nightly tasks (``pivotrl.tasks.stages``): the same content-hash cache keys
-(config, inputs, files, code), the same result storage under the run root, the same retry rule,
-each stage in its own process. The shared stages (demonstrations, warm start, probing, PivotRL
+Thin wrappers like the nightly tasks (``pivotrl.tasks.stages``): cache keys that are the stages'
+own content keys (:func:`pivotrl.pipeline.keys.stage_key`), the same result storage under the run
+root, the same retry rule, each stage in its own process. The shared stages (demonstrations, warm start, probing, PivotRL
 training) are the nightly tasks themselves, so a run root that ``pivotrl run`` filled is reused.
 """
 

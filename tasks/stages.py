@@ -38,8 +38,8 @@ from pivotrl.tasks import publish
 RESULTS_DIR = ".prefect-results"
 
 
-#: The pipeline stage whose key a task uses (the sharded probe's merge is the probe stage).
-_KEYED_AS = {"probe-merge": "probe"}
+#: The pipeline stage whose key a task uses (a sharded stage's merge is that stage).
+_KEYED_AS = {"probe-merge": "probe", "eval-merge": "evaluate"}
 
 
 def _base_key(stage: str, config: Mapping[str, Any], inputs: Any) -> str:
@@ -51,8 +51,9 @@ def _base_key(stage: str, config: Mapping[str, Any], inputs: Any) -> str:
     demonstrations, reference and probe tasks. Computed in the flow process without loading a
     model (at most a manifest is read).
 
-    The comparison's stages (``pivotrl.tasks.compare``) keep a key of the whole config (without
-    ``tracking``), their inputs, the files the config points at and the package's code version."""
+    The comparison's stages (``pivotrl.tasks.compare``) are keyed the same way (their keys read
+    nothing). A task of no stage keeps a key of the whole config (without ``tracking``), its
+    inputs, the files the config points at and the package's code version."""
     from pivotrl.pipeline.keys import STAGE_INPUTS, stage_key
 
     cfg = _config_obj(config)

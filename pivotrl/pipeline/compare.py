@@ -41,7 +41,7 @@ from pivotrl.storage import ArtifactStore
 
 log = logging.getLogger("pivotrl.pipeline.compare")
 
-__all__ = ["pivotrl_ledger", "stage_e2e_baseline", "stage_sft_baseline"]
+__all__ = ["e2e_baseline_key", "pivotrl_ledger", "sft_baseline_key", "stage_e2e_baseline", "stage_sft_baseline"]
 
 _CODE = ("pivotrl.data", "pivotrl.actions", "pivotrl.prompts", "pivotrl.ledger", "pivotrl.training",
          "pivotrl.objective", "pivotrl.rollout", "pivotrl.evaluation.full_task", "pivotrl.pipeline.compare")
@@ -115,6 +115,29 @@ def _cached(store: ArtifactStore, key: str) -> dict[str, Any] | None:
     return None
 
 
+def sft_baseline_key(cfg: RunConfig, demos: dict[str, Any], ref: dict[str, Any], train: dict[str, Any]) -> str:
+    """``compare/sft/<16 hex>``: π_ref's hash, the demonstrations' key, the PivotRL run whose
+    optimiser steps the baseline matches (its train key), ``compare``, the learning rate, ``prompt``,
+    the dtype, the seed and the code. Reads nothing (the Prefect task's cache key)."""
+    return "compare/sft/" + content_hash({"ref": ref["ref_hash"], "demos": demos["key"], "train": train["train_key"],
+                                          "compare": cfg.compare.model_dump(mode="json"), "lr": cfg.training.lr,
+                                          "prompt": cfg.prompt.model_dump(mode="json"), "dtype": cfg.model.dtype,
+                                          "seed": cfg.run.seed, "code": code_digest(_CODE)})[:16]
+
+
+def e2e_baseline_key(cfg: RunConfig, demos: dict[str, Any], ref: dict[str, Any], probe: dict[str, Any],
+                     train: dict[str, Any]) -> str:
+    """``compare/e2e/<16 hex>``: π_ref's hash, the demonstrations' key, the PivotRL run whose cost is
+    the budget (its probe table and train keys), ``compare``, ``training``, ``rollout``, ``prompt``,
+    the judge, the dtype, the seed and the code. Reads nothing (the Prefect task's cache key)."""
+    return "compare/e2e/" + content_hash({"ref": ref["ref_hash"], "demos": demos["key"], "probes": probe["probes_key"],
+                                          "train": train["train_key"], "compare": cfg.compare.model_dump(mode="json"),
+                                          "training": cfg.training.model_dump(mode="json"),
+                                          "rollout": cfg.rollout.model_dump(mode="json"),
+                                          "prompt": cfg.prompt.model_dump(mode="json"), "judge": cfg.quality.judge,
+                                          "dtype": cfg.model.dtype, "seed": cfg.run.seed, "code": code_digest(_CODE)})[:16]
+
+
 def stage_sft_baseline(cfg: RunConfig, store: ArtifactStore, demos: dict[str, Any], ref: dict[str, Any],
                        train: dict[str, Any]) -> dict[str, Any]:
     """SFT of π_ref on the pivot split's demonstrations, with PivotRL's number of optimiser steps.
@@ -128,10 +151,7 @@ def stage_sft_baseline(cfg: RunConfig, store: ArtifactStore, demos: dict[str, An
 
     target = sum(int(r.get("updates", 0) or 0) for r in _metrics(store, train))
     cp = cfg.compare
-    key = "compare/sft/" + content_hash({"ref": ref["ref_hash"], "demos": demos["key"], "target": target,
-                                         "compare": cp.model_dump(mode="json"), "lr": cfg.training.lr,
-                                         "prompt": cfg.prompt.model_dump(mode="json"), "dtype": cfg.model.dtype,
-                                         "seed": cfg.run.seed, "code": code_digest(_CODE)})[:16]
+    key = sft_baseline_key(cfg, demos, ref, train)
     hit = _cached(store, key)
     if hit is not None:
         return hit
@@ -188,12 +208,7 @@ def stage_e2e_baseline(cfg: RunConfig, store: ArtifactStore, demos: dict[str, An
     pivot_led = pivotrl_ledger(cfg, store, probe, train, ref)
     by_tokens = cp.e2e_budget == "generated_tokens"
     budget: float = pivot_led.generated_tokens if by_tokens else round(pivot_led.total_wall_s, 1)
-    key = "compare/e2e/" + content_hash({"ref": ref["ref_hash"], "demos": demos["key"], "budget": budget,
-                                         "compare": cp.model_dump(mode="json"),
-                                         "training": cfg.training.model_dump(mode="json"),
-                                         "rollout": cfg.rollout.model_dump(mode="json"),
-                                         "prompt": cfg.prompt.model_dump(mode="json"), "judge": cfg.quality.judge,
-                                         "dtype": cfg.model.dtype, "seed": cfg.run.seed, "code": code_digest(_CODE)})[:16]
+    key = e2e_baseline_key(cfg, demos, ref, probe, train)
     hit = _cached(store, key)
     if hit is not None:
         return hit

@@ -32,7 +32,7 @@ from pivotrl.pipeline.demos import cache_dir, read_histories, read_trajectories
 from pivotrl.pipeline.reference import reference_dir
 from pivotrl.storage import ArtifactStore
 
-__all__ = ["claims", "cost_per_point", "run_compare_stage", "stage_compare_evaluate"]
+__all__ = ["claims", "compare_eval_key", "cost_per_point", "run_compare_stage", "stage_compare_evaluate"]
 
 METHODS = ("reference", "pivotrl", "sft", "e2e")
 
@@ -169,6 +169,19 @@ def _md(stats: dict[str, Any], ledgers: dict[str, dict[str, Any]], cpp: dict[str
     return "\n".join(lines) + "\n"
 
 
+def compare_eval_key(cfg: RunConfig, demos: dict[str, Any], ref: dict[str, Any], train: dict[str, Any],
+                     sft: dict[str, Any], e2e: dict[str, Any]) -> str:
+    """``compare/eval/<16 hex>``: the demonstrations' key, π_ref's hash, the PivotRL, SFT and E2E
+    runs' keys, ``evaluation``, ``compare.num_tasks``, ``quality``, ``rollout`` and the code. Reads
+    nothing (the Prefect task's cache key)."""
+    return "compare/eval/" + content_hash({"demos": demos["key"], "ref": ref["ref_hash"], "train": train["train_key"],
+                                           "sft": sft["key"], "e2e": e2e["key"],
+                                           "evaluation": cfg.evaluation.model_dump(mode="json"),
+                                           "num_tasks": cfg.compare.num_tasks,
+                                           "quality": cfg.quality.model_dump(mode="json"),
+                                           "rollout": cfg.rollout.model_dump(mode="json"), "code": code_digest(_CODE)})[:16]
+
+
 def stage_compare_evaluate(cfg: RunConfig, store: ArtifactStore, demos: dict[str, Any], ref: dict[str, Any],
                            probe: dict[str, Any], train: dict[str, Any], sft: dict[str, Any],
                            e2e: dict[str, Any]) -> dict[str, Any]:
@@ -184,11 +197,7 @@ def stage_compare_evaluate(cfg: RunConfig, store: ArtifactStore, demos: dict[str
     from pivotrl.pipeline.probe import select_candidates
 
     ev = cfg.evaluation
-    key = "compare/eval/" + content_hash({"demos": demos["key"], "ref": ref["ref_hash"], "train": train["train_key"],
-                                          "sft": sft["key"], "e2e": e2e["key"], "evaluation": ev.model_dump(mode="json"),
-                                          "num_tasks": cfg.compare.num_tasks,
-                                          "quality": cfg.quality.model_dump(mode="json"),
-                                          "rollout": cfg.rollout.model_dump(mode="json"), "code": code_digest(_CODE)})[:16]
+    key = compare_eval_key(cfg, demos, ref, train, sft, e2e)
     if store.exists(f"{key}/report.json"):
         return {"key": key, "report_json": store.url(f"{key}/report.json"), "report_md": store.url(f"{key}/report.md"),
                 "report": store.read_json(f"{key}/report.json")}

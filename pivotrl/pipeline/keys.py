@@ -18,6 +18,12 @@ train              :func:`pivotrl.pipeline.train.train_key` (``training``, ``rol
                    ``verifier``, the pivot set's content hash, π_ref's hash)
 evaluate           :func:`pivotrl.pipeline.evaluate.eval_key` (``evaluation``, ``rollout``,
                    ``quality``, the trained run's key)
+sft_baseline       :func:`pivotrl.pipeline.compare.sft_baseline_key` (``compare``, ``prompt``,
+                   the learning rate, π_ref's hash, the PivotRL run's key)
+e2e_baseline       :func:`pivotrl.pipeline.compare.e2e_baseline_key` (``compare``, ``training``,
+                   ``rollout``, ``prompt``, the judge, π_ref's hash, the PivotRL run's keys)
+compare_evaluate   :func:`pivotrl.pipeline.compare_eval.compare_eval_key` (``evaluation``,
+                   ``quality``, ``rollout``, the four policies' run keys)
 =================  ==========================================================================
 
 So a change to ``training`` alone leaves the demonstrations, reference and probe keys as they
@@ -41,6 +47,9 @@ STAGE_INPUTS: dict[str, tuple[str, ...]] = {
     "probe": ("demos", "reference"),
     "train": ("probe", "reference"),
     "evaluate": ("demos", "reference", "probe", "train"),
+    "sft_baseline": ("demos", "reference", "train"),
+    "e2e_baseline": ("demos", "reference", "probe", "train"),
+    "compare_evaluate": ("demos", "reference", "probe", "train", "sft", "e2e"),
 }
 
 
@@ -80,9 +89,28 @@ def stage_key(stage: str, cfg: RunConfig, store: ArtifactStore, inputs: Mapping[
         from pivotrl.pipeline.train import train_key
 
         return train_key(cfg, store, ProbeResult.of(inputs["probe"]), ReferenceResult.of(inputs["reference"]))
-    from pivotrl.pipeline.evaluate import eval_key
+    if stage == "evaluate":
+        from pivotrl.pipeline.evaluate import eval_key
 
-    return eval_key(cfg, inputs["demos"], inputs["reference"], inputs["train"])
+        return eval_key(cfg, inputs["demos"], inputs["reference"], inputs["train"])
+    demos, ref = dict(inputs["demos"]), ReferenceResult.of(inputs["reference"]).to_dict()
+    train = _as_dict(inputs["train"])
+    if stage == "sft_baseline":
+        from pivotrl.pipeline.compare import sft_baseline_key
+
+        return sft_baseline_key(cfg, demos, ref, train)
+    if stage == "e2e_baseline":
+        from pivotrl.pipeline.compare import e2e_baseline_key
+
+        return e2e_baseline_key(cfg, demos, ref, ProbeResult.of(inputs["probe"]).to_dict(), train)
+    from pivotrl.pipeline.compare_eval import compare_eval_key
+
+    return compare_eval_key(cfg, demos, ref, train, dict(inputs["sft"]), dict(inputs["e2e"]))
+
+
+def _as_dict(result: Any) -> dict[str, Any]:
+    """A stage result as the dict the flows pass (a ``pivotrl.pipeline.results`` object or a dict)."""
+    return result.to_dict() if hasattr(result, "to_dict") else dict(result)
 
 
 __all__ = ["STAGE_INPUTS", "stage_key"]

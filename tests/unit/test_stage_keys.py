@@ -220,7 +220,8 @@ def test_the_train_digest_covers_every_training_module_but_the_compare_baselines
 
 
 # ---------------------------------------------------------------- the Prefect cache key per stage
-STAGES = ("demonstrations", "reference", "probe", "train", "evaluate")
+STAGES = ("demonstrations", "reference", "probe", "train", "evaluate", "sft_baseline", "e2e_baseline", "compare_evaluate")
+COMPARE = {"sft_baseline", "e2e_baseline", "compare_evaluate"}
 
 
 def _chain(cfg, store):
@@ -249,6 +250,12 @@ def _chain(cfg, store):
     train = TrainResult(keys["train"], None, store.url(f"{keys['train']}/metrics.parquet"))
     keys["evaluate"] = stage_key("evaluate", cfg, store, {"demos": demos, "reference": ref, "probe": probe,
                                                           "train": train})
+    keys["sft_baseline"] = stage_key("sft_baseline", cfg, store, {"demos": demos, "reference": ref, "train": train})
+    keys["e2e_baseline"] = stage_key("e2e_baseline", cfg, store, {"demos": demos, "reference": ref, "probe": probe,
+                                                                  "train": train})
+    keys["compare_evaluate"] = stage_key("compare_evaluate", cfg, store, {
+        "demos": demos, "reference": ref, "probe": probe, "train": train, "sft": {"key": keys["sft_baseline"]},
+        "e2e": {"key": keys["e2e_baseline"]}})
     return keys
 
 
@@ -264,14 +271,17 @@ def smoke(tmp_path):
 
 
 @pytest.mark.parametrize("override, changed", [
-    ("training.lr=2e-5", {"train", "evaluate"}),
-    ("training.max_steps=3", {"train", "evaluate"}),
-    ("evaluation.num_tasks=3", {"evaluate"}),
+    ("training.lr=2e-5", {"train", "evaluate"} | COMPARE),
+    ("training.max_steps=3", {"train", "evaluate"} | COMPARE),
+    ("evaluation.num_tasks=3", {"evaluate", "compare_evaluate"}),
     # the same pivot set selected again (this table): training and evaluation stay cached
     ("probing.lambda_diff=0.5", {"probe"}),
-    ("warm_start.epochs=2", {"reference", "probe", "train", "evaluate"}),
-    ("data.split.seed=7", {"demonstrations", "reference", "probe", "train", "evaluate"}),
+    ("warm_start.epochs=2", {"reference", "probe", "train", "evaluate"} | COMPARE),
+    ("data.split.seed=7", set(STAGES)),
     ("tracking.backend=mlflow", set()),  # where a run is recorded changes no result
+    # the baselines' own settings re-key the baselines and the comparison only
+    ("compare.sft_lr=1e-3", COMPARE),
+    ("compare.num_tasks=3", COMPARE),
 ])
 def test_a_change_re_keys_its_stage_and_the_later_ones_only(smoke, override, changed):
     cfg, store = smoke
@@ -299,11 +309,21 @@ def test_the_prefect_cache_key_is_the_stage_key_and_misses_once_an_artifact_is_d
     store.delete(table)
     rerun = _cache_key("demonstrations")(None, {"config": config})
     assert rerun.startswith(base + "-rerun-")
-    # the comparison's stages keep a key of the whole config
+    # the comparison's stages are keyed by their own content keys too
+    from pivotrl.pipeline.keys import stage_key
     from pivotrl.tasks.stages import _base_key
 
-    assert _base_key("sft_baseline", config, {}) != _base_key("sft_baseline", changed, {})
-    assert _base_key("sft_baseline", config, {}).startswith("pivotrl-sft_baseline-")
+    demos = {"key": keys["demonstrations"]}
+    with pytest.raises(ConfigError, match="needs the results of \\['train'\\]"):
+        _base_key("sft_baseline", config, {"demos": demos, "reference": {}})
+    from pivotrl.pipeline.results import ReferenceResult
+
+    ref = ReferenceResult("/base", "b" * 64, keys["reference"], "c" * 64, None, {}).to_dict()
+    inputs = {"demos": demos, "reference": ref, "train": {"train_key": keys["train"]}}
+    assert _base_key("sft_baseline", config, inputs) == \
+        "pivotrl-sft_baseline-" + stage_key("sft_baseline", cfg(), store, inputs).replace("/", ".")
+    num_tasks = cfg("evaluation.num_tasks=3").model_dump(mode="json")
+    assert _base_key("sft_baseline", num_tasks, inputs) == _base_key("sft_baseline", config, inputs)
 
 
 def test_every_stage_result_field_is_documented_and_shown_with_its_meaning():
