@@ -126,11 +126,16 @@ def eval_shard(cfg: RunConfig, store: ArtifactStore, demos: Mapping[str, Any], r
         if not warm_engine:
             engine.close()
         close_quietly(verifier)
+    facts = {"shard": shard["index"], "part": shard["part"], "tasks": list(shard["tasks"]),
+             "policies": sorted(policies), "train_key": train.train_key}
     if states is None:
-        store.write_parquet(shard["output"], pd.concat(frames, ignore_index=True))
+        store.write_artifact(shard["output"], pd.concat(frames, ignore_index=True), kind="eval_shard_tasks",
+                             config={"evaluation": cfg.evaluation.model_dump(mode="json")}, extra=facts)
+        done = f"{len(tasks)} tasks"
     else:
-        _write_states(store, shard["key"], parts)
-    log.info("evaluation shard %d (%s): %d tasks in %.1f s", shard["index"], shard["part"], len(tasks), time.time() - t0)
+        _write_states(store, shard["key"], parts, cfg, facts)
+        done = ", ".join(f"{v} {k.replace('_', ' ')}" for k, v in parts.counts.items()) or "no states"
+    log.info("evaluation shard %d (%s): %s in %.1f s", shard["index"], shard["part"], done, time.time() - t0)
     return {**out, "evaluated": True}
 
 
@@ -139,7 +144,8 @@ def _with_json(df: pd.DataFrame, to: Any) -> pd.DataFrame:
     return df.assign(reasons=df["reasons"].map(to)) if "reasons" in df else df
 
 
-def _write_states(store: ArtifactStore, key: str, parts: StateParts) -> None:
+def _write_states(store: ArtifactStore, key: str, parts: StateParts, cfg: RunConfig, facts: dict[str, Any]) -> None:
+    """The states shard's tables, then ``states.json`` (its completion record) with a manifest."""
     store.write_parquet(f"{key}/local.parquet", _with_json(pd.concat(parts.local_frames), json.dumps))
     if parts.pivot_frames:
         store.write_parquet(f"{key}/pivots.parquet", _with_json(
@@ -148,7 +154,8 @@ def _write_states(store: ArtifactStore, key: str, parts: StateParts) -> None:
         store.write_parquet(f"{key}/reprobe.parquet", parts.reprobe)
     record = {"counts": parts.counts, "results": parts.results, "pivot_frames": len(parts.pivot_frames),
               "reprobe": parts.reprobe is not None}
-    store.write_bytes(f"{key}/states.json", json.dumps(record).encode())  # NaN rates stay NaN
+    store.write_artifact(f"{key}/states.json", json.dumps(record).encode(), kind="eval_shard_states",  # NaN stays NaN
+                         config={"evaluation": cfg.evaluation.model_dump(mode="json")}, extra=facts)
 
 
 def _read_states(store: ArtifactStore, key: str) -> StateParts:

@@ -162,6 +162,10 @@ def test_sharded_evaluation_gives_the_unsharded_report_and_reruns_only_a_missing
     assert plan["eval_key"] == ev.eval_key and not plan["done"]
     assert [(s["part"], s["tasks"]) for s in plan["shards"]] == [("tasks", [t]) for t in tasks] + [("states", [])]
     assert [eval_shard(cfg, store, *args, s)["evaluated"] for s in plan["shards"]] == [True] * len(plan["shards"])
+    for s in plan["shards"]:  # each shard's output names its shard, part and tasks in its manifest
+        m = store.read_manifest(s["output"])
+        assert (m.kind, m.extra["shard"], m.extra["part"], m.extra["tasks"]) == (
+            f"eval_shard_{s['part']}", s["index"], s["part"], s["tasks"])
     same_report(merge_eval_shards(cfg, store, *args, plan), ev, [root, Path(cfg0.run.storage_root)])
 
     gone = plan["shards"][0]
