@@ -10,8 +10,10 @@ Catch the narrowest class you can act on::
     ├── ToolExecutionError     a tool call could not be executed (crash, timeout, resource limit)
     ├── VerifierError          a verifier could not decide (crash or timeout); never a reward of 0
     ├── StorageError           an artifact could not be read or written
-    │   └── StorageAccessError the store refuses us: no credentials, permission denied, no such
-    │                          bucket (a retry cannot help)
+    │   ├── StorageAccessError the store refuses us: no credentials, permission denied, no such
+    │   │                      bucket (a retry cannot help)
+    │   └── SourceNotFoundError a demonstration source file does not exist (also a DataError:
+    │                          never retried)
     ├── ModelError             a model source cannot be resolved or a checkpoint is unreadable
     ├── TrainingError          a training invariant failed (non-finite loss, refresh mismatch)
     └── TrackingError          an experiment tracker could not record a run (the run goes on)
@@ -55,6 +57,11 @@ class StorageError(PivotRLError, OSError):
 class StorageAccessError(StorageError):
     """The store cannot be used at all: credentials missing or refused, permission denied, the
     bucket does not exist. Never retried; the message names what to set."""
+
+
+class SourceNotFoundError(StorageError, DataError):
+    """A demonstration source the config names does not exist. A data error (never retried: it
+    would fail the same way again) as well as a storage error (for callers that catch those)."""
 
 
 class ModelError(PivotRLError, RuntimeError):

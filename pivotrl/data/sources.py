@@ -28,7 +28,7 @@ import fsspec
 from pivotrl.actions import is_action_name
 from pivotrl.data.audit import audit_chat_record
 from pivotrl.data.schema import Trajectory
-from pivotrl.errors import ConfigError, DataError, StorageError
+from pivotrl.errors import ConfigError, DataError, SourceNotFoundError, StorageError
 from pivotrl.interop.nemo import is_nemo_row, row_to_record
 
 __all__ = ["load_trajectories", "save_trajectories_jsonl", "validate_trajectory"]
@@ -106,7 +106,7 @@ def _iter_jsonl(url: str) -> Iterator[tuple[str, str, Any]]:
         with fsspec.open(url, "rb", compression="infer") as f:
             data = f.read()
     except FileNotFoundError:
-        raise StorageError(f"{url}: no such file") from None
+        raise SourceNotFoundError(f"{url}: no such file") from None
     except OSError as e:
         raise StorageError(f"{url}: cannot read ({e})") from e
     for lineno, raw in enumerate(data.split(b"\n"), start=1):
@@ -142,7 +142,7 @@ def _iter_parquet(url: str) -> Iterator[tuple[str, str, Any]]:
         with fsspec.open(url, "rb") as f:
             table = pq.read_table(f)
     except FileNotFoundError:
-        raise StorageError(f"{url}: no such file") from None
+        raise SourceNotFoundError(f"{url}: no such file") from None
     except Exception as e:  # noqa: BLE001 - pyarrow raises several types for unreadable files
         raise DataError(f"{url}: not a readable Parquet file ({type(e).__name__}: {e})") from e
     missing = [c for c in ("id", "messages") if c not in table.column_names]

@@ -152,8 +152,11 @@ def test_quarantine_skips_and_describes_bad_records(tmp_path):
 def test_bad_options_and_missing_file(tmp_path):
     with pytest.raises(ConfigError, match="on_invalid='skip'"):
         load_trajectories(str(tmp_path / "x.jsonl"), on_invalid="skip")
-    with pytest.raises(StorageError, match="no such file"):
+    with pytest.raises(StorageError, match="no such file") as err:
         load_trajectories(str(tmp_path / "missing.jsonl"))
+    from pivotrl.pipeline.entry import is_permanent
+
+    assert is_permanent(err.value)  # a missing source is not retried: it would fail the same way
 
 
 def test_compressed_jsonl(tmp_path):
