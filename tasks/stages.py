@@ -242,11 +242,16 @@ def demonstrations(config: dict[str, Any], inputs: dict[str, Any] | None = None)
 def _stage_process(stage: str, config: dict[str, Any], inputs: dict[str, Any]) -> dict[str, Any]:
     from pivotrl.pipeline.entry import run_stage_process
 
-    from prefect.runtime import task_run
+    from prefect.runtime import flow_run, task_run
+
+    from pivotrl.storage.manifest import RUN_ID_ENV
 
     # A retried stage gets a fresh fault-injection stream (drills), else it would replay its failure.
     attempt = max(0, int(task_run.run_count or 1) - 1)
-    return run_stage_process(stage, config, inputs, threads=_config_obj(config).rollout.num_threads, attempt=attempt)
+    # The stage's manifests record this flow run and task run (the stage process never imports Prefect).
+    ids = {RUN_ID_ENV["flow_run_id"]: str(flow_run.id or ""), RUN_ID_ENV["task_run_id"]: str(task_run.id or "")}
+    return run_stage_process(stage, config, inputs, threads=_config_obj(config).rollout.num_threads, attempt=attempt,
+                             env=ids)
 
 
 def _run(stage: str, config: dict[str, Any], inputs: dict[str, Any]) -> tuple[dict[str, Any], bool]:

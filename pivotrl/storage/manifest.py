@@ -92,11 +92,20 @@ def package_versions() -> dict[str, str | None]:
     return out
 
 
+#: Environment variables through which a Prefect task hands its run ids to the stage process it
+#: starts (``pivotrl.tasks.stages``): that process never imports Prefect.
+RUN_ID_ENV = {"flow_run_id": "PIVOTRL_PREFECT_FLOW_RUN_ID", "task_run_id": "PIVOTRL_PREFECT_TASK_RUN_ID"}
+
+
 def _prefect_run_ids() -> dict[str, str | None] | None:
-    """Flow-run and task-run ids when called inside a Prefect run; None otherwise.
+    """Flow-run and task-run ids when called inside a Prefect run (or in a stage process a Prefect
+    task started, :data:`RUN_ID_ENV`); None otherwise.
 
     Prefect is only consulted when the process has already imported it (a run implies that).
     """
+    handed = {k: os.environ.get(v) or None for k, v in RUN_ID_ENV.items()}
+    if any(handed.values()):
+        return handed
     if "prefect" not in sys.modules:
         return None
     try:

@@ -98,6 +98,10 @@ def test_smoke_flow_is_recorded_in_a_real_mlflow_server(smoke_flow, mlflow_serve
     # A metric series with one point per training step, equal to metrics.parquet.
     metrics_key = f"{_train_key(store)}/metrics.parquet"
     m = store.read_parquet(metrics_key)
+    # The training artifacts name the flow run and the task run that wrote them (handed to the stage
+    # process, which never imports Prefect).
+    ids = store.read_manifest(metrics_key).prefect
+    assert ids["flow_run_id"] == flow_run_id and ids["task_run_id"] and ids["task_run_id"] != flow_run_id
     history = client.get_metric_history(run.info.run_id, "train/reward_mean")
     assert [p.step for p in history] == list(m["step"]) == [1, 2]
     assert [p.value for p in history] == pytest.approx(list(m["reward_mean"]))
