@@ -203,7 +203,9 @@ class RolloutSection(Section):
     kv_cache_gib: Float = Field(2.0, gt=0, description="KV cache size in GiB (vLLM on CPU: VLLM_CPU_KVCACHE_SPACE).")
     num_threads: Int = Field(2, ge=1, description=(
         "CPU threads of the engine: OMP_NUM_THREADS of its process; on vLLM's CPU build, the model "
-        "worker's threads, bound to the first num_threads CPUs (unless VLLM_CPU_OMP_THREADS_BIND is set)."))
+        "worker's threads, bound to num_threads CPUs claimed machine-wide, so that engines of other "
+        "processes (Ray workers, parallel shards) take other CPUs while free ones remain (unless "
+        "VLLM_CPU_OMP_THREADS_BIND is set)."))
     enable_prefix_caching: bool = Field(
         True, description="Reuse the KV cache of a shared prompt prefix across samples of one state."
     )

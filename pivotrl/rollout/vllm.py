@@ -45,8 +45,10 @@ class VLLMEngine:
             ignored on GPUs, where ``gpu_memory_utilization`` (in ``llm_kwargs``) applies.
         enable_prefix_caching: reuse KV blocks of shared prompt prefixes across requests.
         seed: engine seed (used when ``SamplingConfig.seed`` is None).
-        cpu_threads: CPU builds only: OpenMP threads of the model worker, bound to the first
-            ``cpu_threads`` CPUs this process may run on (None: all of them). vLLM's own default
+        cpu_threads: CPU builds only: OpenMP threads of the model worker, bound to
+            ``cpu_threads`` CPUs this process may run on (None: all of them), claimed
+            machine-wide so that engines of other processes (e.g. Ray workers of one machine)
+            bind to other CPUs while free ones remain (:func:`engine_cpu_bind`). vLLM's own default
             keeps one core per worker free for its scheduler, which on a 2-core machine halves the
             throughput (67 vs 115 generated tok/s on SmolLM2, benchmarks/RESULTS.md §3). An
             explicit ``VLLM_CPU_OMP_THREADS_BIND`` in the environment wins; ignored on GPUs and
@@ -96,10 +98,10 @@ class VLLMEngine:
         llm_kwargs.setdefault("enable_chunked_prefill", False)
         self.model_dir = str(model_dir)
         self.max_model_len = int(max_model_len)
-        bind = None
+        bind, self._cpu_claim = None, None
         on_cpu = _is_cpu_platform()
         if int(llm_kwargs.get("tensor_parallel_size", 1)) == 1 and on_cpu:
-            bind = cpu_bind_list(cpu_threads, os.environ, allowed=cpu_ids)
+            bind, self._cpu_claim = engine_cpu_bind(cpu_threads, os.environ, cpu_ids)
         self.cpu_bind = bind or os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
         start_env = {"VLLM_CPU_OMP_THREADS_BIND": bind} if bind else {}
         if device_ids is not None and not on_cpu:
@@ -118,7 +120,11 @@ class VLLMEngine:
                     **llm_kwargs,
                 )
         except (OSError, ValueError) as exc:
+            self._release_cpus()
             raise ModelError(f"vLLM cannot load model {self.model_dir}: {exc}") from exc
+        except BaseException:
+            self._release_cpus()
+            raise
         self.tokenizer = self.llm.get_tokenizer()
         self.vocab_size = int(self.llm.llm_engine.model_config.get_vocab_size())
         hf_config = self.llm.llm_engine.model_config.hf_config
@@ -242,10 +248,17 @@ class VLLMEngine:
             self.llm.apply_model(_refresh_tied_head)
         self.llm.reset_prefix_cache()
 
+    def _release_cpus(self) -> None:
+        claim = getattr(self, "_cpu_claim", None)
+        if claim is not None:
+            claim.release()
+            self._cpu_claim = None
+
     def close(self) -> None:
-        """Shut the engine processes down."""
+        """Shut the engine processes down (and free the CPUs this engine claimed)."""
         llm = getattr(self, "llm", None)
         if llm is None:
+            self._release_cpus()
             return
         core = getattr(llm.llm_engine, "engine_core", None)
         if core is not None and hasattr(core, "shutdown"):
@@ -253,6 +266,7 @@ class VLLMEngine:
         self.llm = None
         del llm
         gc.collect()
+        self._release_cpus()
 
 
 def cpu_bind_list(cpu_threads: int | None, environ: Any = None, allowed: Sequence[int] | None = None) -> str | None:
@@ -291,6 +305,26 @@ def visible_devices(device_ids: Sequence[int], environ: Any = None) -> str:
     if max(ids) >= len(seen) or min(ids) < 0:
         raise ConfigError(f"device_ids {ids}: this process sees {len(seen)} GPU(s) (CUDA_VISIBLE_DEVICES={','.join(seen)})")
     return ",".join(seen[i] for i in ids)
+
+
+def engine_cpu_bind(cpu_threads: int | None, environ: Any = None, cpu_ids: Sequence[int] | None = None,
+                    claims: str | os.PathLike[str] | None = None) -> tuple[str | None, Any]:
+    """``(VLLM_CPU_OMP_THREADS_BIND value or None, CpuClaim or None)`` for one CPU engine.
+
+    An explicit ``VLLM_CPU_OMP_THREADS_BIND`` in ``environ`` wins (None, None). Given ``cpu_ids``
+    (one of several engines of this process, already disjoint): the first ``cpu_threads`` of them,
+    unclaimed. Otherwise ``cpu_threads`` CPUs of this process's affinity are claimed machine-wide
+    (:func:`pivotrl.cpu_claims.claim_cpus`, directory ``claims``), so engines of other processes
+    bind to other CPUs while there are free ones; the caller releases the claim when the engine
+    ends. Raises ConfigError if ``cpu_threads`` < 1.
+    """
+    from pivotrl.cpu_claims import claim_cpus
+
+    environ = os.environ if environ is None else environ
+    if cpu_ids is not None or environ.get("VLLM_CPU_OMP_THREADS_BIND"):
+        return cpu_bind_list(cpu_threads, environ, allowed=cpu_ids), None
+    claim = claim_cpus(cpu_threads, directory=claims)
+    return (",".join(str(c) for c in claim.cpus) or None), claim
 
 
 def _is_cpu_platform() -> bool:
