@@ -5,6 +5,8 @@ EXTRA ?= cpu
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(EXTRA)
 CONFIG ?= configs/default.yaml
+# Extra arguments of `make run` / `make smoke`, e.g. ARGS="--set run.storage_root=runs/try2".
+ARGS ?=
 # One torch/OpenMP thread per process unless told otherwise (engine and trainer share the cores).
 export OMP_NUM_THREADS ?= 2
 export TOKENIZERS_PARALLELISM ?= false
@@ -30,13 +32,13 @@ test-fast: $(STAMP)
 
 # The nightly pipeline on the embedded default config (CPU, local artifact root).
 run: $(STAMP)
-	$(BIN)/pivotrl run --config $(CONFIG)
+	$(BIN)/pivotrl run --config $(CONFIG) $(ARGS)
 
 # Every stage end to end on a tiny random model (under a minute); creates the model once.
-SMOKE_MODEL := runs/smoke/tiny-model
+SMOKE_MODEL := runs/tiny-model
 smoke: $(STAMP)
 	test -f $(SMOKE_MODEL)/config.json || $(BIN)/python -c "from pivotrl.testing import save_tiny_checkpoint as s; s('$(SMOKE_MODEL)')"
-	$(BIN)/pivotrl run --config configs/smoke.yaml
+	$(BIN)/pivotrl run --config configs/smoke.yaml $(ARGS)
 
 # A local Prefect server and a worker serving the nightly deployment (UI on 127.0.0.1:4200).
 serve: $(STAMP)

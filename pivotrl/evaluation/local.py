@@ -42,6 +42,7 @@ def evaluate_local(
     format: str = "pythonic",
     tool_parser: str = "pythonic",
     batch_size: int = 64,
+    label: str = "local evaluation",
 ) -> tuple[pd.DataFrame, dict[str, Any]]:
     """Fraction of sampled actions the verifier accepts at each held-out state.
 
@@ -58,6 +59,7 @@ def evaluate_local(
         sampling: ``SamplingConfig``; default greedy (temperature 0), 256 max tokens.
         n: samples per state (m ≥ 1); overrides ``sampling.n`` when given.
         max_context: the engine's context window, tokens.
+        label: what the progress lines call this evaluation (e.g. which states, which policy).
         tool_style, max_tool_output_chars: passed to the renderer, as in training.
         batch_size: prompts per ``generate`` call (≥ 1).
 
@@ -111,7 +113,7 @@ def evaluate_local(
 
     from pivotrl.progress import Progress
 
-    with Progress("local evaluation", len(todo), "states") as bar:
+    with Progress(label, len(todo), "states", enabled=bool(todo)) as bar:
         for start in range(0, len(todo), batch_size):
             chunk = todo[start : start + batch_size]
             scored = sample_and_score(engine, verifier, [states[i] for i, _ in chunk], [ids for _, ids in chunk],

@@ -237,7 +237,8 @@ def stage_compare_evaluate(cfg: RunConfig, store: ArtifactStore, demos: dict[str
                     if not states:
                         continue
                     with led.stage("local"):
-                        ldf, _ = evaluate_local(engine, tok, states, verifier, sampling=samp, **lkw)
+                        ldf, _ = evaluate_local(engine, tok, states, verifier, sampling=samp, **lkw,
+                                                label=f"{name}: {kind.replace('_', ' ')}")
                     led.add(model_calls=int(ldf["n_samples"].fillna(0).sum()),
                             verifier_executions=int(ldf["n_samples"].fillna(0).sum()),
                             generated_tokens=int(ldf["tokens_generated"].fillna(0).sum()))

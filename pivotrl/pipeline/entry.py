@@ -189,6 +189,9 @@ def run_stage_process(stage: str, config: dict[str, Any], inputs: dict[str, Any]
         launcher_vars = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
         child_env = {**{k: v for k, v in os.environ.items() if k not in launcher_vars},
                      "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1", **(env or {})}
+        # Model-loading progress bars of every checkpoint load would drown the stage's own lines
+        # (HF_HUB_DISABLE_PROGRESS_BARS=0 brings them back).
+        child_env.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
         proc = subprocess.Popen([sys.executable, "-m", "pivotrl.pipeline.entry", stage, "--spec", str(spec)],
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=child_env, text=True,
                                 start_new_session=True)

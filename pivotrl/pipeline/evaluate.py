@@ -155,16 +155,19 @@ def policy_state_results(cfg: RunConfig, engine: Any, tok: Any, states: EvalStat
     text_turn = {st.state_id: not st.demo_action.tool_calls for st in states.local}
     for seed in ev.seeds:
         samp = sampling_for(cfg, n=1, temperature=ev.temperature, seed=seed)
-        ldf, lsum = evaluate_local(engine, tok, states.local, verifier, sampling=samp, **lkw)
+        ldf, lsum = evaluate_local(engine, tok, states.local, verifier, sampling=samp, **lkw, label=f"{policy}: held-out states, greedy")
         res.setdefault("local_heldout_runs", []).append(lsum)
         # Sampled success as in probing (m samples at the probe temperature), beside greedy.
         sampled = sampling_for(cfg, n=cfg.probing.num_probes, temperature=cfg.probing.temperature, seed=seed)
-        sdf, ssum = evaluate_local(engine, tok, states.local, verifier, sampling=sampled, **lkw)
+        sdf, ssum = evaluate_local(engine, tok, states.local, verifier, sampling=sampled, **lkw,
+                                    label=f"{policy}: held-out states, m samples")
         res.setdefault("local_sampled_runs", []).append(ssum)
-        stdf, stsum = (evaluate_local(engine, tok, states.stop, verifier, sampling=samp, **lkw) if states.stop
+        stdf, stsum = (evaluate_local(engine, tok, states.stop, verifier, sampling=samp, **lkw,
+                                      label=f"{policy}: stop decisions") if states.stop
                        else (ldf.iloc[:0], None))
         res.setdefault("local_stop_runs", []).append(stsum)
-        odf, osum = (evaluate_local(engine, tok, states.ood, verifier, sampling=samp, **lkw) if states.ood
+        odf, osum = (evaluate_local(engine, tok, states.ood, verifier, sampling=samp, **lkw,
+                                    label=f"{policy}: out-of-domain states") if states.ood
                      else (ldf.iloc[:0], None))
         res.setdefault("out_of_domain_runs", []).append(osum)
         for kind, frame in (("heldout_greedy", ldf), ("heldout_sampled", sdf), ("stop_decisions_greedy", stdf),
@@ -174,7 +177,8 @@ def policy_state_results(cfg: RunConfig, engine: Any, tok: Any, states: EvalStat
         res["local_by_category"] = {kind: accuracy_by_category(frame, text_turn)
                                     for kind, frame in (("greedy", ldf), ("sampled", sdf))}
         if ev.local_pivots:
-            pdf, psum = evaluate_local(engine, tok, states.pivots, verifier, sampling=samp, **lkw)
+            pdf, psum = evaluate_local(engine, tok, states.pivots, verifier, sampling=samp, **lkw,
+                                        label=f"{policy}: training pivots")
             parts.pivot_frames.append(pdf.assign(policy=policy, seed=seed))
             res.setdefault("local_pivot_runs", []).append(psum)
     parts.results[policy] = res
