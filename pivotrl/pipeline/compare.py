@@ -101,11 +101,17 @@ def pivotrl_ledger(cfg: RunConfig, store: ArtifactStore, probe: dict[str, Any], 
 
 
 def _write(store: ArtifactStore, key: str, summary: dict[str, Any], ledger: CostLedger, kind: str,
-           inputs: dict[str, str], cfg: RunConfig) -> None:
+           demos: dict[str, Any], ref: dict[str, Any], train: dict[str, Any], cfg: RunConfig) -> None:
+    """The baseline's ledger and summary; the summary's manifest describes its policy directory
+    (``extra.checkpoint``) and names what it came from: the trajectories, π_ref and the PivotRL run
+    whose budget it matched, so ``pivotrl lineage`` follows a baseline policy back to them."""
     conf = {"compare": cfg.compare.model_dump(mode="json"), "training": cfg.training.model_dump(mode="json")}
+    inputs = {"trajectories": demos["trajectories"],
+              "reference": store.url(ref["ref_key"]) if ref.get("ref_key") else ref["base_dir"],
+              "pivotrl_run": store.url(f"{train['train_key']}/summary.json")}
     store.write_artifact(f"{key}/ledger.json", ledger.to_dict(), kind="cost_ledger", inputs=inputs, config=conf)
     store.write_artifact(f"{key}/summary.json", summary, kind=kind, inputs=inputs, config=conf,
-                         extra={"seed": cfg.run.seed})
+                         extra={"seed": cfg.run.seed, "checkpoint": store.url(f"{key}/policy")})
 
 
 def _cached(store: ArtifactStore, key: str) -> dict[str, Any] | None:
@@ -187,7 +193,7 @@ def stage_sft_baseline(cfg: RunConfig, store: ArtifactStore, demos: dict[str, An
             store.put_dir(str(ckpt), f"{key}/policy")
         led.add(optimizer_steps=int(m["steps"]), trainer_tokens=int(m["tokens"]), trainer_tokens_naive=int(m["tokens"]))
         summary.update(steps=int(m["steps"]), first_loss=m["first_loss"], final_loss=m["final_loss"])
-    _write(store, key, summary, led, "sft_baseline", {"trajectories": demos["trajectories"]}, cfg)
+    _write(store, key, summary, led, "sft_baseline", demos, ref, train, cfg)
     return {"key": key, "policy_key": f"{key}/policy", "summary": summary, "ledger": led.to_dict()}
 
 
@@ -249,5 +255,5 @@ def stage_e2e_baseline(cfg: RunConfig, store: ArtifactStore, demos: dict[str, An
                        budget_reached=(led.generated_tokens if by_tokens else wall) >= budget)
         if not math.isfinite(sum(summary["reward_per_step"])):
             log.warning("end-to-end RL rewards contain non-finite values")
-    _write(store, key, summary, led, "e2e_baseline", {"trajectories": demos["trajectories"]}, cfg)
+    _write(store, key, summary, led, "e2e_baseline", demos, ref, train, cfg)
     return {"key": key, "policy_key": f"{key}/policy", "summary": summary, "ledger": led.to_dict()}

@@ -282,6 +282,8 @@ def stage_compare_evaluate(cfg: RunConfig, store: ArtifactStore, demos: dict[str
     store.write_text(f"{key}/report.md", _md(stats, ledgers, cpp, sentences, meta))
     store.write_artifact(f"{key}/report.json", report, kind="comparison_report",
                          inputs={"sft": store.url(sft["policy_key"]), "e2e": store.url(e2e["policy_key"]),
+                                 "pivotrl": store.url(train["policy_key"]) if train.get("policy_key")
+                                 else store.url(f"{train['train_key']}/summary.json"),
                                  "trajectories": demos["trajectories"]},
                          config={"evaluation": ev.model_dump(mode="json"), "compare": cfg.compare.model_dump(mode="json")})
     return {"key": key, "report_json": store.url(f"{key}/report.json"), "report_md": store.url(f"{key}/report.md"),

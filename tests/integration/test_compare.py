@@ -106,3 +106,22 @@ def test_compare_flow_runs_and_a_second_run_is_all_cached(tmp_path, tiny_model):
     assert log.count("Finished in state Cached") == 7, log[-3000:]  # 4 shared stages + 3 comparison stages
     report = first.stdout.split("report: ")[-1].split()[0]
     assert report == second.stdout.split("report: ")[-1].split()[0]
+
+
+def test_the_comparison_report_traces_every_policy_back_to_the_reference(compared):
+    """``pivotrl lineage`` of the comparison report: the SFT and E2E policies are described by their
+    summaries (not bare sources), and each leads to π_ref and the PivotRL run; the PivotRL policy
+    is named too."""
+    from pivotrl.lineage import lineage_tree
+
+    cfg, store, demos, ref, probe, train, sft, e2e, ev = compared
+    tree = lineage_tree(store, ev["report_json"][len(store.root_url) + 1:])
+    assert set(tree["inputs"]) == {"sft", "e2e", "pivotrl", "trajectories"}
+    for name, kind in (("sft", "sft_baseline"), ("e2e", "e2e_baseline")):
+        node = tree["inputs"][name]
+        assert node["kind"] == kind and not node.get("source") and len(node["sha256"]) == 64, node
+        assert node["inputs"]["pivotrl_run"]["kind"] == "policy_checkpoint"
+        assert node["inputs"]["reference"]["uri"] == (store.url(ref.ref_key) if ref.ref_key else ref.base_dir)
+    # (this root is a copy of the session's smoke run, whose manifests name the original root: the
+    # PivotRL policy is named here, and described by its summary in an uncopied run)
+    assert tree["inputs"]["pivotrl"]["uri"] == store.url(train.policy_key)
