@@ -33,7 +33,7 @@ from pivotrl.evaluation.stats import (
     wilson_interval,
 )
 
-__all__ = ["compare_policies", "comparison_markdown", "floor_note", "format_rate", "rate_with_interval", "stats_name",
+__all__ = ["compare_policies", "comparison_markdown", "floor_note", "format_meta_value", "format_rate", "rate_with_interval", "stats_name",
            "turn_interval"]
 
 
@@ -213,3 +213,18 @@ def floor_note(rows: Sequence[Mapping[str, Any]]) -> list[str]:
             "this small model (and its few CPU-sized training steps) does not reach; turns passed and local "
             "accuracy carry the signal at this scale. A larger model (see the README's model list and "
             "configs/) is the way to a non-zero full-task number."]
+
+
+def format_meta_value(v: Any) -> str:
+    """A run-table value, short: a mapping as ``key=value`` pairs of its scalars (nested lists and
+    mappings are left to report.json and counted), floats to 4 significant digits."""
+    def short(x: Any) -> str:
+        return f"{x:.4g}" if isinstance(x, float) else str(x)
+
+    if isinstance(v, Mapping):
+        flat = [f"{k}={short(x)}" for k, x in v.items() if not isinstance(x, (Mapping, list, tuple))]
+        nested = len(v) - len(flat)
+        return ", ".join(flat) + (f" (+{nested} more in report.json)" if nested else "") if flat or nested else "{}"
+    if isinstance(v, (list, tuple)) and len(v) > 8:
+        return f"{len(v)} values (in report.json)"
+    return short(v)

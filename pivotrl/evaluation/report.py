@@ -17,7 +17,9 @@ from typing import Any, Callable, Mapping, Sequence
 import pandas as pd
 
 from pivotrl.errors import ConfigError, StorageError
-from pivotrl.evaluation.comparison import comparison_markdown, floor_note, format_rate, stats_name, turn_interval
+from pivotrl.evaluation.comparison import (
+    comparison_markdown, floor_note, format_meta_value, format_rate, stats_name, turn_interval,
+)
 from pivotrl.storage.files import atomic_file
 
 __all__ = ["KNOWN_LIMITS", "POLICIES", "POLICY_ALIASES", "build_report"]
@@ -251,13 +253,14 @@ def _md_cell(x: Any) -> str:
     return str(x).replace("|", "\\|").replace("\n", " ")
 
 
+
 def _markdown(report: Mapping[str, Any], rows: list[dict[str, Any]], plots: Mapping[str, str],
               sections: Sequence[str] = ()) -> str:
     lines = ["# PivotRL evaluation report", ""]
     meta = report["meta"]
     if meta:
         lines += ["## Run", "", "| key | value |", "|---|---|"]
-        lines += [f"| {_md_cell(k)} | {_md_cell(v)} |" for k, v in meta.items()]
+        lines += [f"| {_md_cell(k)} | {_md_cell(format_meta_value(v))} |" for k, v in meta.items()]
         lines.append("")
     lines += [
         "## Results per policy",

@@ -144,3 +144,12 @@ def test_report_floor_note_and_reference_turn_interval(tmp_path):
     results["pivotrl"]["full_task"] = _full(1, 6, 3, 12)
     _, md_path = build_report(results, metrics_df=None, probe_df=None, pivot_stats=None, meta={}, out_dir=tmp_path / "b")
     assert "at its floor" not in md_path.read_text()
+
+
+def test_the_run_table_shows_nested_values_short():
+    from pivotrl.evaluation.comparison import format_meta_value
+
+    sft = {"examples": 3, "final_loss": 7.33390315886, "metrics": {"losses": [7.3, 6.1]}, "epochs": 4}
+    assert format_meta_value(sft) == "examples=3, final_loss=7.334, epochs=4 (+1 more in report.json)"
+    assert format_meta_value(list(range(20))) == "20 values (in report.json)"
+    assert format_meta_value([1, 2]) == "[1, 2]" and format_meta_value("smoke") == "smoke"
