@@ -241,8 +241,9 @@ _BASIS = {
 
 
 def changes_markdown(changes: pd.DataFrame, uri: str, n: int = 3) -> str:
-    """A report section naming the ``n`` pivots that improved most and least, with the command that
-    prints their records."""
+    """A report section naming the ``n`` pivots whose mean reward rose most and the ``n`` it rose
+    least (or fell), each marked improved / worsened / unchanged, with the command that prints their
+    records."""
     if not len(changes):
         return ""
     lines = ["", "## Pivots that changed most", "",
@@ -255,7 +256,9 @@ def changes_markdown(changes: pd.DataFrame, uri: str, n: int = 3) -> str:
         picks.append(("least", changes.tail(min(n, len(changes) - n)).iloc[::-1]))
     for label, part in picks:
         for r in part.itertuples(index=False):
-            lines.append(f"| improved {label} | `{r.state_id}` | {r.reference:.2f} | {r.final:.2f} | "
+            # by the sign of the change: the top rows are the largest changes, the bottom rows the smallest
+            what = "unchanged" if abs(r.change) < 5e-3 else "improved" if r.change > 0 else "worsened"
+            lines.append(f"| {what} | `{r.state_id}` | {r.reference:.2f} | {r.final:.2f} | "
                          f"{r.change:+.2f} | {r.n_reference}/{r.n_final} | {r.trained_at_steps or '-'} |")
     return "\n".join(lines) + "\n"
 

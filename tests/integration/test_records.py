@@ -441,8 +441,10 @@ def test_pivot_changes_rank_pivots_by_reward_change_and_the_report_names_them():
     assert list(ch["change"]) == [1.0, -0.75, -1.0]  # c has no evaluation: probes vs its last training group
     assert list(ch["trained_at_steps"]) == ["1", "2", ""]
     md = changes_markdown(ch, "runs/x", n=1)
-    assert "| improved most | `a#0` | 0.00 | 1.00 | +1.00 |" in md
-    assert "| improved least | `b#1` | 1.00 | 0.00 | -1.00 |" in md and "pivotrl rollouts runs/x --state" in md
+    assert "| improved | `a#0` | 0.00 | 1.00 | +1.00 |" in md
+    assert "| worsened | `b#1` | 1.00 | 0.00 | -1.00 |" in md and "pivotrl rollouts runs/x --state" in md
+    flat = ch.assign(final=ch["reference"], change=0.0)  # no pivot moved: none is called improved
+    assert "improved" not in changes_markdown(flat, "runs/x", n=1) and "| unchanged | `a#0` |" in changes_markdown(flat, "runs/x", n=1)
 
 
 def test_pivot_changes_prefer_the_m_sample_reprobe_over_one_greedy_action():
@@ -469,4 +471,4 @@ def test_pivot_changes_prefer_the_m_sample_reprobe_over_one_greedy_action():
     assert (row.reference, row.final, row.n_reference, row.n_final) == (0.25, 0.75, 4, 4)
     assert row.basis == "probes vs re-probe"
     md = changes_markdown(pivot_changes(recs, ["a#0"]), "runs/x")
-    assert "| improved most | `a#0` | 0.25 | 0.75 | +0.50 | 4/4 |" in md and "re-probed" in md
+    assert "| improved | `a#0` | 0.25 | 0.75 | +0.50 | 4/4 |" in md and "re-probed" in md
