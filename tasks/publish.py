@@ -74,6 +74,15 @@ def probe(out: Mapping[str, Any]) -> None:
                           description="Pivot filter counts")
 
 
+def _engines_note(row: Mapping[str, Any]) -> str:
+    """``, engines verified 2/2 (states per engine 1/1)`` for a step with several rollout engines."""
+    n = row.get("engines")
+    if not isinstance(n, (int, float)) or n != n or n < 2:  # one engine (or NaN: a row without the column)
+        return ""
+    per = "/".join(str(int(row[f"rollout_states_e{j}"])) for j in range(int(n)) if f"rollout_states_e{j}" in row)
+    return f", engines verified {int(row.get('refresh_verified_engines', 0))}/{int(n)} (states per engine {per})"
+
+
 def train(out: Mapping[str, Any], metrics: "Any") -> None:
     """``metrics``: the training metrics DataFrame (one row per step)."""
     from pivotrl.pipeline.results import TrainResult
@@ -83,7 +92,8 @@ def train(out: Mapping[str, Any], metrics: "Any") -> None:
     rows = metrics.to_dict("records") if metrics is not None else []
     cols = [c for c in STEP_COLUMNS if rows and c in rows[0]]
     for r in rows:
-        logger.info("train step %d: %s", int(r["step"]), ", ".join(f"{c}={_fmt(r[c])}" for c in cols if c != "step"))
+        logger.info("train step %d: %s%s", int(r["step"]), ", ".join(f"{c}={_fmt(r[c])}" for c in cols if c != "step"),
+                    _engines_note(r))
     s = out["summary"] or {}
     logger.info("train: %s steps on %s pivots, final reward %s, policy %s", s.get("steps"), s.get("pivots"),
                 _fmt(s.get("final_reward_mean")), s.get("policy"))

@@ -282,3 +282,11 @@ def test_an_engine_on_a_rank_sees_only_its_own_gpus() -> None:
     assert visible_devices([1], {"CUDA_VISIBLE_DEVICES": "4,5,6"}) == "5"
     with pytest.raises(ConfigError, match="sees 2 GPU"):
         visible_devices([2], {"CUDA_VISIBLE_DEVICES": "0,1"})
+
+
+def test_the_step_log_line_says_how_many_engines_were_verified() -> None:
+    from pivotrl.tasks.publish import _engines_note
+
+    row = {"engines": 2.0, "refresh_verified_engines": 1.0, "rollout_states_e0": 2.0, "rollout_states_e1": 3.0}
+    assert _engines_note(row) == ", engines verified 1/2 (states per engine 2/3)"
+    assert _engines_note({"engines": float("nan")}) == _engines_note({}) == ""  # one engine: nothing added
