@@ -7,13 +7,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from prefect import flow, unmapped
+from prefect import flow, get_run_logger, unmapped
 
 
 def _sharded(t: Any, config: dict[str, Any], inputs: dict[str, Any], what: str) -> dict[str, Any]:
     from pivotrl.tasks.shards import shard_resources, wait_for_shards
 
     plan = t.plan(config, inputs)
+    if plan.get("done"):  # the stage's result exists (an unsharded run, or an earlier merge): no shard runs
+        get_run_logger().info("%s: the merged result exists already; no shard runs", what)
+        return t.merge(config, {**inputs, "plan": plan, "shards": []})
     with shard_resources(config):
         futures = t.shard.map(unmapped(config), unmapped(inputs), plan["shards"])
     results = wait_for_shards(list(futures), plan, what)

@@ -133,6 +133,31 @@ def test_failed_shard_is_failed_then_retried_alone(expert_model, clean_run, tmp_
     assert out["stats"] == clean_probe.stats
 
 
+def test_a_sharded_run_reuses_the_unsharded_probe_table_without_shard_runs(expert_model, clean_run, tmp_path,
+                                                                            monkeypatch):
+    """The unsharded run's probe table is the merged table of a sharded run of the same settings
+    (one content key): the sharded flow on that root runs no shard task and gives the same pivots."""
+    import shutil
+
+    from prefect.testing.utilities import prefect_test_harness
+
+    from pivotrl.flows.nightly import probe_only
+
+    clean_store, clean_probe = clean_run
+    root = tmp_path / "root"
+    shutil.copytree(clean_store.root_url.removeprefix("file://"), root)
+    monkeypatch.setenv("PREFECT_HOME", str(tmp_path / "prefect"))
+    with prefect_test_harness(server_startup_timeout=120):
+        out = probe_only(config_path=str(REPO / "configs" / "smoke.yaml"),
+                         overrides=_overrides(root, expert_model, "scale_out.probe_shard_size=4"))
+        runs = asyncio.run(_shard_runs())
+    assert [len(shard_runs) for shard_runs in runs.values()] == [0]  # the sharded subflow ran, no shard in it
+    probes, pivots = _tables(ArtifactStore(str(root)), out)
+    clean_probes, clean_pivots = _tables(clean_store, clean_probe)
+    pd.testing.assert_frame_equal(probes, clean_probes)
+    pd.testing.assert_frame_equal(pivots, clean_pivots)
+
+
 def _results(root: Path, pattern: str) -> list[dict[str, Any]]:
     """The persisted results of the shard task runs under ``root`` whose cache key matches ``pattern``."""
     return [json.loads(json.loads(p.read_text())["result"]) for p in (root / ".prefect-results").glob(pattern)]
