@@ -4,6 +4,7 @@ agreement with vLLM's parser classes of the same name on a corpus of model outpu
 from __future__ import annotations
 
 import json
+import keyword
 
 import pytest
 from hypothesis import HealthCheck, assume, given, settings
@@ -16,6 +17,8 @@ from pivotrl.tool_parsers import TOOL_PARSERS, get_tool_parser
 PARSERS = ["hermes", "llama3_json", "pythonic"]
 
 _ident = st.from_regex(r"[A-Za-z_][A-Za-z0-9_]{0,11}", fullmatch=True).filter(lambda s: s not in {"None", "True", "False"})
+#: Tool-name parts: identifiers that are not Python keywords (``A.as(...)`` cannot be written as an action).
+_name_part = _ident.filter(lambda s: not keyword.iskeyword(s))
 _json_scalar = st.none() | st.booleans() | st.integers(-10**12, 10**12) | st.floats(allow_nan=False, allow_infinity=False) \
     | st.text(max_size=20)
 _json_value = st.recursive(_json_scalar, lambda inner: st.lists(inner, max_size=3)
@@ -24,9 +27,9 @@ _json_value = st.recursive(_json_scalar, lambda inner: st.lists(inner, max_size=
 
 @st.composite
 def _call(draw, dotted: bool) -> ToolCall:
-    name = draw(_ident)
+    name = draw(_name_part)
     if dotted and draw(st.booleans()):
-        name = f"{name}.{draw(_ident)}"
+        name = f"{name}.{draw(_name_part)}"
     keys = st.text(min_size=1, max_size=10) if draw(st.booleans()) else _ident
     args = draw(st.dictionaries(keys, _json_value, max_size=4))
     return ToolCall(name=name, arguments=args)
