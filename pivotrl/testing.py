@@ -265,3 +265,29 @@ __all__ = [
     "tiny_llama_config",
     "tiny_tokenizer",
 ]
+
+
+def vllm_worker_cpus(pid: int) -> list[str]:
+    """``Cpus_allowed_list`` of every vLLM model-worker process (``VLLM::Worker``) descended from
+    ``pid`` (Linux ``/proc``); [] when none is found. It is the process's main thread's list: on the
+    CPU build that is OpenMP's thread 0, pinned to the first CPU of the engine's bind list (``["0"]``
+    for binds "0" and "0,1"), while an unbound worker shows every CPU it may use (``["0-1"]``)."""
+    parent: dict[int, int] = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                parent[int(d.name)] = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                pass
+    todo, found = [pid], []
+    while todo:
+        p = todo.pop()
+        for child in [c for c, pp in parent.items() if pp == p]:
+            todo.append(child)
+            try:
+                if Path(f"/proc/{child}/comm").read_text().strip() == "VLLM::Worker":
+                    status = Path(f"/proc/{child}/status").read_text()
+                    found += [ln.split()[1] for ln in status.splitlines() if ln.startswith("Cpus_allowed_list")]
+            except OSError:
+                pass
+    return found

@@ -250,9 +250,14 @@ def test_cpu_bind_list_takes_the_first_allowed_cpus_and_respects_an_explicit_bin
 def test_vllm_worker_is_bound_to_every_allowed_cpu(vllm_setup) -> None:
     import os
 
+    from pivotrl.testing import vllm_worker_cpus
+
     eng = vllm_setup[0]
     assert eng.cpu_bind == ",".join(str(c) for c in sorted(os.sched_getaffinity(0)))
     assert "VLLM_CPU_OMP_THREADS_BIND" not in os.environ  # scoped to the engine's construction
+    # the model worker's main thread is OpenMP's thread 0, pinned to the bind list's first CPU (an
+    # unbound worker would show every allowed CPU)
+    assert vllm_worker_cpus(os.getpid()) == [eng.cpu_bind.split(",")[0]]
 
 
 @pytest.mark.vllm

@@ -240,3 +240,42 @@ def test_ray_task_runner_gives_the_in_process_probe_table_and_report(ray_cluster
         per_pid.setdefault(s["worker"]["pid"], []).append(s["engine_reused"])
     assert sum(not r for rs in per_pid.values() for r in rs) == len(per_pid)  # one engine built per process
     assert sum(r for rs in per_pid.values() for r in rs) == 4 - len(per_pid) >= 1
+
+
+def test_engines_of_two_ray_workers_bind_to_different_cpus(ray_cluster, tmp_path):
+    """Ray does not restrict a worker process's CPU affinity (a Ray CPU is a count), so each engine
+    used to bind its one OpenMP thread (``rollout.num_threads=1``) to the first CPU it may run on:
+    both on CPU 0 (benchmarks/RESULTS.md §7b). Engines claim their CPUs machine-wide
+    (``pivotrl.cpu_claims``) through ``pivotrl.rollout.vllm.engine_cpu_bind``, called here in two
+    concurrent tasks on the cluster's two worker nodes as ``VLLMEngine`` calls it before its engine
+    starts (test_rollout.py checks that a vLLM model worker runs on its bind list's CPUs)."""
+    import os
+
+    import ray
+
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs two CPUs")
+    ready = tmp_path / "ready"
+    ready.mkdir()
+    env = {"env_vars": {"PIVOTRL_CPU_CLAIMS_DIR": str(tmp_path / "claims")}}
+    ray.init(address=ray_cluster.address, logging_level="ERROR", ignore_reinit_error=True)
+    try:
+        @ray.remote(num_cpus=1, runtime_env=env)
+        def bind(ready_dir: str) -> dict:
+            from pivotrl.rollout.vllm import engine_cpu_bind
+
+            cpus, claim = engine_cpu_bind(1, {})
+            Path(ready_dir, f"ready-{os.getpid()}").touch()  # both hold their claim together, as warm engines do
+            deadline = time.time() + 120
+            while len(list(Path(ready_dir).glob("ready-*"))) < 2 and time.time() < deadline:
+                time.sleep(0.2)
+            claim.release()
+            return {"bind": cpus, "pid": os.getpid(), "affinity": sorted(os.sched_getaffinity(0))}
+
+        out = ray.get([bind.remote(str(ready)), bind.remote(str(ready))], timeout=300)
+    finally:
+        ray.shutdown()
+    allowed = sorted(os.sched_getaffinity(0))
+    assert out[0]["pid"] != out[1]["pid"]  # two worker processes
+    assert all(o["affinity"] == allowed for o in out)  # Ray left each worker the whole machine
+    assert sorted(o["bind"] for o in out) == [str(c) for c in allowed[:2]]  # one CPU each, different ones
