@@ -46,36 +46,11 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _children(pids: list[int]) -> list[int]:
-    """Every descendant of ``pids`` (from /proc)."""
-    parent: dict[int, int] = {}
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                parent[int(d.name)] = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, ValueError, IndexError):
-                continue
-    out, todo = [], list(pids)
-    while todo:
-        p = todo.pop()
-        kids = [c for c, pp in parent.items() if pp == p]
-        out += kids
-        todo += kids
-    return out
-
-
 def engine_cpus(root_pids: list[int]) -> dict[int, str]:
     """``{pid: Cpus_allowed_list}`` of each vLLM model-worker process under ``root_pids``."""
-    found = {}
-    for pid in _children(root_pids):
-        try:
-            if Path(f"/proc/{pid}/comm").read_text().strip() != "VLLM::Worker":
-                continue
-            status = Path(f"/proc/{pid}/status").read_text()
-        except OSError:
-            continue
-        found.update({pid: line.split()[1] for line in status.splitlines() if line.startswith("Cpus_allowed_list")})
-    return found
+    from pivotrl.testing import vllm_worker_cpus
+
+    return vllm_worker_cpus(root_pids)
 
 
 class EngineWatch:

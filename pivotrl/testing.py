@@ -267,27 +267,36 @@ __all__ = [
 ]
 
 
-def vllm_worker_cpus(pid: int) -> list[str]:
-    """``Cpus_allowed_list`` of every vLLM model-worker process (``VLLM::Worker``) descended from
-    ``pid`` (Linux ``/proc``); [] when none is found. It is the process's main thread's list: on the
-    CPU build that is OpenMP's thread 0, pinned to the first CPU of the engine's bind list (``["0"]``
-    for binds "0" and "0,1"), while an unbound worker shows every CPU it may use (``["0-1"]``)."""
+def descendants(pids: list[int]) -> list[int]:
+    """Every descendant process of ``pids`` (Linux ``/proc``)."""
     parent: dict[int, int] = {}
     for d in Path("/proc").iterdir():
         if d.name.isdigit():
             try:
                 parent[int(d.name)] = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
             except (OSError, ValueError, IndexError):
-                pass
-    todo, found = [pid], []
+                continue
+    out, todo = [], list(pids)
     while todo:
         p = todo.pop()
-        for child in [c for c, pp in parent.items() if pp == p]:
-            todo.append(child)
-            try:
-                if Path(f"/proc/{child}/comm").read_text().strip() == "VLLM::Worker":
-                    status = Path(f"/proc/{child}/status").read_text()
-                    found += [ln.split()[1] for ln in status.splitlines() if ln.startswith("Cpus_allowed_list")]
-            except OSError:
-                pass
+        kids = [c for c, pp in parent.items() if pp == p]
+        out += kids
+        todo += kids
+    return out
+
+
+def vllm_worker_cpus(pids: list[int]) -> dict[int, str]:
+    """``{pid: Cpus_allowed_list}`` of every vLLM model-worker process (``VLLM::Worker``) descended
+    from ``pids``; {} when none is found. It is the process's main thread's list: on the CPU build
+    that is OpenMP's thread 0, pinned to the first CPU of the engine's bind list (``"0"`` for binds
+    "0" and "0,1"), while an unbound worker shows every CPU it may use (``"0-1"``)."""
+    found: dict[int, str] = {}
+    for pid in descendants(pids):
+        try:
+            if Path(f"/proc/{pid}/comm").read_text().strip() != "VLLM::Worker":
+                continue
+            status = Path(f"/proc/{pid}/status").read_text()
+        except OSError:
+            continue
+        found.update({pid: ln.split()[1] for ln in status.splitlines() if ln.startswith("Cpus_allowed_list")})
     return found

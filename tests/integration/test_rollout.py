@@ -257,7 +257,7 @@ def test_vllm_worker_is_bound_to_every_allowed_cpu(vllm_setup) -> None:
     assert "VLLM_CPU_OMP_THREADS_BIND" not in os.environ  # scoped to the engine's construction
     # the model worker's main thread is OpenMP's thread 0, pinned to the bind list's first CPU (an
     # unbound worker would show every allowed CPU)
-    assert vllm_worker_cpus(os.getpid()) == [eng.cpu_bind.split(",")[0]]
+    assert list(vllm_worker_cpus([os.getpid()]).values()) == [eng.cpu_bind.split(",")[0]]
 
 
 @pytest.mark.vllm
