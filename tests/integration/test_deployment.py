@@ -52,6 +52,20 @@ def prefect_server(tmp_path_factory):
         yield api, env
 
 
+def _wait_for_children_to_exit(pid: int, timeout_s: float) -> None:
+    """Wait until process ``pid`` has no child processes left (or ``timeout_s`` passes)."""
+    import psutil
+
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        try:
+            if all(c.status() == psutil.STATUS_ZOMBIE for c in psutil.Process(pid).children(recursive=True)):
+                return
+        except psutil.NoSuchProcess:
+            return
+        time.sleep(0.5)
+
+
 def _cli(env: dict[str, str], *args: str) -> str:
     out = subprocess.run([PREFECT, *args], env=env, cwd=REPO, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, f"prefect {' '.join(args)} failed:\n{out.stdout}\n{out.stderr}"
@@ -128,6 +142,9 @@ def test_nightly_schedule_fires_and_the_run_completes(prefect_server, tmp_path):
             if runs and runs[0]["state"]["type"] in ("COMPLETED", "FAILED", "CRASHED", "CANCELLED"):
                 break
             time.sleep(2)
+        # The flow-run process reports its final state, then sends its last batch of logs as it
+        # exits: stopping the worker's process group before that exit loses those logs.
+        _wait_for_children_to_exit(worker.pid, timeout_s=60)
     finally:
         stop(worker)
         worker_log.close()
