@@ -82,17 +82,30 @@ class RayCluster:
                     pids.append(int(d.name))
         return pids
 
-    def stop(self) -> None:
+    def stop(self, grace_s: float = 3.0) -> None:
+        """Stop the worker nodes (SIGTERM to each node's session), then the head: its GCS and
+        raylet take about 30 s to exit on SIGTERM, so after ``grace_s`` the head's session is
+        killed (a test cluster keeps no state worth a graceful exit). Then any process of this
+        cluster still alive is killed and its temporary directory removed."""
         import signal
 
-        for p in reversed(self.procs):  # workers first, the head last
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGTERM)
-        for p in self.procs:
+        def _signal(p: subprocess.Popen, sig: int) -> None:
             try:
-                p.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(p.pid, signal.SIGKILL)
+                os.killpg(p.pid, sig)
+            except ProcessLookupError:
+                pass
+
+        workers, head = self.procs[1:], self.procs[:1]
+        for group, wait_s in ((workers, 30.0), (head, grace_s)):
+            for p in group:
+                if p.poll() is None:
+                    _signal(p, signal.SIGTERM)
+            for p in group:
+                try:
+                    p.wait(timeout=wait_s)
+                except subprocess.TimeoutExpired:
+                    _signal(p, signal.SIGKILL)
+                    p.wait()
         for pid in self.leftovers():  # processes the nodes spawned, if any outlived them
             try:
                 os.kill(pid, signal.SIGKILL)
