@@ -286,9 +286,26 @@ def test_judges_agree_on_gold_variants_first_tasks(tasks, tok, bfcl_root):
     assert disagreements == [], disagreements
 
 
+def _agreement_half(half: int) -> tuple[dict[str, Counter], list[dict[str, Any]]]:
+    tasks, tok, bfcl_root = _FORKED
+    return agreement(tasks[half::2], tok, bfcl_root)
+
+
+#: What the forked workers of the 200-task check read (set before they fork).
+_FORKED: tuple[Any, ...] = ()
+
+
 @pytest.mark.slow
 def test_judge_agreement_on_all_200_tasks(tasks, tok, bfcl_root):
-    table, disagreements = agreement(tasks, tok, bfcl_root)
+    # Two forked processes judge every other task each (the two cores), then the counts are summed.
+    import multiprocessing
+
+    global _FORKED
+    _FORKED = (tasks, tok, bfcl_root)
+    with multiprocessing.get_context("fork").Pool(2) as pool:
+        halves = pool.map(_agreement_half, [0, 1])
+    table = {name: halves[0][0][name] + halves[1][0][name] for name in VARIANTS}
+    disagreements = halves[0][1] + halves[1][1]
     out = os.environ.get("PIVOTRL_JUDGE_AGREEMENT_OUT")
     if out:
         with open(out, "w") as f:
