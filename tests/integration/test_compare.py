@@ -91,9 +91,14 @@ def test_report_puts_the_methods_side_by_side_with_their_ledgers(compared):
                                   e2e)["key"] == ev["key"]
 
 
-def test_compare_flow_runs_and_a_second_run_is_all_cached(tmp_path, tiny_model):
-    """The Prefect flow through the CLI, as a user runs it; the second run re-runs no stage."""
+def test_compare_flow_runs_and_a_second_run_is_all_cached(tmp_path, tiny_model, smoke_run):
+    """The Prefect flow through the CLI, as a user runs it after a nightly run (a copy of the
+    session's smoke run: the shared stages are found published and reused, the comparison's are
+    computed); the second run re-runs no stage."""
+    import shutil
+
     model = tiny_model
+    shutil.copytree(Path(smoke_run.cfg.run.storage_root), tmp_path / "root")
     cmd = [sys.executable, "-m", "pivotrl.flows.cli", "compare", "--config", str(REPO / "configs" / "smoke.yaml"),
            "--set", f"run.storage_root={tmp_path / 'root'}", "--set", f"model.source={model}"]
     env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect"), "OMP_NUM_THREADS": "1"}

