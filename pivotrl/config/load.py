@@ -15,7 +15,32 @@ from pivotrl.data.schema import canonical_json
 from pivotrl.errors import ConfigError
 
 
-def _read_yaml(path_or_url: str) -> Any:
+def key_lines(text: str) -> dict[tuple[Any, ...], int]:
+    """Key path (mapping keys and list indexes, as in the parsed data) → the 1-based line of that
+    key (or list item) in YAML ``text``; {} for text that does not compose (aliases included)."""
+    try:
+        root = yaml.compose(text, Loader=yaml.SafeLoader)
+    except yaml.YAMLError:
+        return {}
+    out: dict[tuple[Any, ...], int] = {}
+
+    def walk(node: Any, path: tuple[Any, ...]) -> None:
+        if isinstance(node, yaml.MappingNode):
+            for key, value in node.value:
+                if isinstance(key, yaml.ScalarNode):
+                    here = (*path, key.value)
+                    out.setdefault(here, key.start_mark.line + 1)
+                    walk(value, here)
+        elif isinstance(node, yaml.SequenceNode):
+            for i, item in enumerate(node.value):
+                out.setdefault((*path, i), item.start_mark.line + 1)
+                walk(item, (*path, i))
+
+    walk(root, ())
+    return out
+
+
+def _read_text(path_or_url: str) -> str:
     import fsspec  # local import: only needed when a file is read
 
     try:
@@ -25,6 +50,10 @@ def _read_yaml(path_or_url: str) -> Any:
         raise ConfigError(f"config file not found: {path_or_url}") from None
     except OSError as e:
         raise ConfigError(f"cannot read config {path_or_url}: {e}") from None
+    return text
+
+
+def _parse_yaml(text: str, path_or_url: str) -> Any:
     try:
         return yaml.safe_load(text)
     except yaml.YAMLError as e:
@@ -106,7 +135,8 @@ def load_config(path_or_url: str | None, overrides: Sequence[str] = ()) -> RunCo
     applied in order. Raises ConfigError for an unreadable file, invalid YAML, an unknown override key
     (naming it and the valid keys) or any invalid value (every problem listed).
     """
-    data = _read_yaml(path_or_url) if path_or_url is not None else {}
+    text = _read_text(path_or_url) if path_or_url is not None else ""
+    data = _parse_yaml(text, path_or_url) if path_or_url is not None else {}
     if data is None:
         data = {}
     if not isinstance(data, Mapping):
@@ -118,7 +148,11 @@ def load_config(path_or_url: str | None, overrides: Sequence[str] = ()) -> RunCo
     # Name the overridden keys, never their values (a value could be a secret pasted by mistake).
     keys = ", ".join(o.split("=", 1)[0].strip() for o in overrides)
     source = path_or_url if not overrides else f"{path_or_url or '(defaults)'} with overrides of {keys}"
-    return parse_config(data, source)
+    # Lines of the file's keys, except where an override replaced the value (its line is not the cause).
+    changed = [tuple(int(k) if k.isdigit() else k for k in o.split("=", 1)[0].strip().split(".")) for o in overrides]
+    lines = {p: n for p, n in key_lines(text).items()
+             if not any(p[:len(c)] == c or c[:len(p)] == p and len(c) > len(p) for c in changed)}
+    return parse_config(data, source, lines)
 
 
 # ---------------------------------------------------------------------------------- hashing

@@ -135,11 +135,45 @@ def _describe(err: Mapping[str, Any]) -> str:
     return f"{path or '(top level)'} = {_fmt(value)}: {rule}"
 
 
-def _config_error(exc: ValidationError, source: str | None) -> ConfigError:
-    lines = [_describe(e) for e in exc.errors()]
+def _file_path(loc: Sequence[Any], data: Any) -> tuple[Any, ...]:
+    """The keys and indexes of ``loc`` that ``data`` holds, in order: pydantic's union tags and a
+    missing key are skipped (so a missing key locates at its section)."""
+    path: list[Any] = []
+    node = data
+    for el in loc:
+        if isinstance(node, Mapping) and el in node:
+            node = node[el]
+        elif isinstance(node, list) and isinstance(el, int) and 0 <= el < len(node):
+            node = node[el]
+        elif isinstance(node, Mapping) and isinstance(el, str):
+            continue
+        else:
+            break
+        path.append(el)
+    return tuple(path)
+
+
+def _line_of(err: Mapping[str, Any], data: Any, lines: Mapping[tuple[Any, ...], int]) -> int | None:
+    """The file line of an error: the deepest key of its location that the file holds."""
+    path = _file_path(err["loc"], data)
+    if err["type"] == "pivotrl_rule":
+        path = _file_path([*err["loc"], err["ctx"]["key"]], data)
+    while path:
+        if path in lines:
+            return lines[path]
+        path = path[:-1]
+    return None
+
+
+def _config_error(exc: ValidationError, source: str | None, data: Any = None,
+                  lines: Mapping[tuple[Any, ...], int] | None = None) -> ConfigError:
+    problems = []
+    for e in exc.errors():
+        line = _line_of(e, data, lines) if lines else None
+        problems.append((f"line {line}: " if line else "") + _describe(e))
     where = f" {source}" if source else ""
-    head = f"invalid config{where}: {len(lines)} problem{'s' if len(lines) != 1 else ''}"
-    return ConfigError(head + "\n  - " + "\n  - ".join(lines))
+    head = f"invalid config{where}: {len(problems)} problem{'s' if len(problems) != 1 else ''}"
+    return ConfigError(head + "\n  - " + "\n  - ".join(problems))
 
 
 # --------------------------------------------------------------------------------- loading
@@ -158,12 +192,14 @@ def _remember(key: str, cfg: RunConfig) -> None:
     _VALIDATED[key] = cfg
 
 
-def parse_config(data: Mapping[str, Any] | None, source: str | None = None) -> RunConfig:
+def parse_config(data: Mapping[str, Any] | None, source: str | None = None,
+                 lines: Mapping[tuple[Any, ...], int] | None = None) -> RunConfig:
     """Validate a config mapping (as read from YAML) into a :class:`RunConfig`.
 
     The same mapping (by canonical JSON) is validated once per process; later calls return the
     same frozen RunConfig. Raises ConfigError listing every problem (key path, value, rule);
-    ``source`` names the file.
+    ``source`` names the file, ``lines`` (key path → 1-based line, from
+    :func:`pivotrl.config.load.key_lines`) puts the file's line before each problem it locates.
     """
     if data is None:
         data = {}
@@ -181,7 +217,7 @@ def parse_config(data: Mapping[str, Any] | None, source: str | None = None) -> R
     try:
         cfg = RunConfig.model_validate(data)
     except ValidationError as exc:
-        raise _config_error(exc, source) from None
+        raise _config_error(exc, source, data, lines) from None
     if key is not None:
         _remember(key, cfg)
         _remember(canonical_json(cfg.model_dump(mode="json")), cfg)

@@ -31,7 +31,8 @@ CONFIGS = ["default", "smoke", "multinode-gpu"]
 
 
 def _problems(exc: ConfigError) -> list[str]:
-    return [line[4:] for line in str(exc).splitlines() if line.startswith("  - ")]
+    """The problems of a config error, without the file line each may start with."""
+    return [re.sub(r"^line \d+: ", "", line[4:]) for line in str(exc).splitlines() if line.startswith("  - ")]
 
 
 def _all_models(cls: type[BaseModel], seen: set[type] | None = None) -> set[type[BaseModel]]:
@@ -145,6 +146,37 @@ def test_every_problem_is_listed_at_once(tmp_path):
     assert "training.epsilon = 1.5: must be < 1 (the spec requires 0 < ε < 1)" in problems
     unknown = next(p for p in problems if p.startswith("probing.num_probs"))
     assert "valid keys of probing: num_probes, lambda_diff," in unknown and "did you mean 'num_probes'?" in unknown
+
+
+def test_each_problem_names_its_line_in_the_file_unless_an_override_set_it(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text(
+        "# a comment\n"
+        "training:\n  lr: fast\n  beta: 0.01\n  bogus_key: 3\n"   # lines 2-5
+        "data:\n  sources:\n    - kind: chat\n      url: a.jsonl\n      nonsense: 1\n"  # lines 6-10
+        "probing:\n  num_probes: 8\n  lambda_diff: 0\n",  # lines 11-13
+        encoding="utf-8",
+    )
+    with pytest.raises(ConfigError) as e:
+        load_config(str(path))
+    got = [line[4:] for line in str(e.value).splitlines() if line.startswith("  - ")]
+    assert sorted(got) == sorted([
+        "line 3: training.lr = 'fast': must be a number",
+        next(g for g in got if g.startswith("line 5: training.bogus_key = 3: unknown key")),
+        next(g for g in got if g.startswith("line 10: data.sources[0].nonsense = 1: unknown key")),
+        "line 13: probing.lambda_diff = 0: must be > 0 (μ̂ < lambda_diff keeps nothing when lambda_diff ≤ 0)",
+    ])
+    # An overridden value's problem is not the file's: no line; the file's other problems keep theirs.
+    with pytest.raises(ConfigError) as e:
+        load_config(str(path), ["training.lr=slow", "probing.lambda_diff=-1"])
+    got = [line[4:] for line in str(e.value).splitlines() if line.startswith("  - ")]
+    assert "training.lr = 'slow': must be a number" in got
+    assert any(g.startswith("probing.lambda_diff = -1: must be > 0") for g in got)
+    assert any(g.startswith("line 5: training.bogus_key = 3") for g in got)
+    # A missing key is located at its section's entry (the list item here).
+    path.write_text("data:\n  sources:\n    - kind: chat\n", encoding="utf-8")
+    with pytest.raises(ConfigError, match=r"line 3: data\.sources\[0\]\.url: required key is missing"):
+        load_config(str(path))
 
 
 @pytest.mark.parametrize(
