@@ -61,10 +61,11 @@ def _load(config: str, overrides: Optional[list[str]]):
         raise typer.Exit(2)
 
 
-def _preflight(cfg) -> None:
-    """Checks that need no stage to run: the model source exists (a local one), the storage root's
-    credentials, endpoint and bucket work — before Prefect starts."""
-    from pivotrl.errors import ModelError, StorageError
+def _preflight(cfg, storage: bool = True) -> None:
+    """Checks that need no stage to run: the model source and the local demonstration files exist,
+    and (``storage``) the storage root's credentials, endpoint and bucket work — before Prefect starts."""
+    from pivotrl.data.sources import check_sources_exist
+    from pivotrl.errors import ModelError, SourceNotFoundError, StorageError
     from pivotrl.models import check_model_source
     from pivotrl.storage_check import check_storage
 
@@ -73,6 +74,13 @@ def _preflight(cfg) -> None:
     except ModelError as e:
         typer.echo(f"model error: {e}\n(the smoke config's tiny model is created by `make smoke`)", err=True)
         raise typer.Exit(2)
+    try:
+        check_sources_exist(cfg.data.sources)
+    except SourceNotFoundError as e:
+        typer.echo(f"data error: {e}", err=True)
+        raise typer.Exit(2)
+    if not storage:
+        return
     try:
         check_storage(cfg.run.storage_root, cfg.run.storage_options)
     except StorageError as e:
@@ -175,7 +183,8 @@ def _state_lengths(cfg: Any, store: Any, key: str) -> dict[str, Any]:
 
 @app.command("config")
 def show_config(config: str = ConfigOpt, overrides: Optional[list[str]] = SetOpt) -> None:
-    """Validate a config and print the values a run on this machine would use (with its hash):
+    """Validate a config, check that its model source and local demonstration files exist, and
+    print the values a run on this machine would use (with its hash):
     sized by ``run.sizing`` (the calibration kept in <cache_dir>/calibration.json, or measured in
     about a second), each scaled size marked with what the config said and why."""
     from pivotrl.config import config_hash, dump_config
@@ -183,6 +192,7 @@ def show_config(config: str = ConfigOpt, overrides: Optional[list[str]] = SetOpt
     from pivotrl.sizing import annotate_dump, apply_sizing
 
     cfg = _load(config, overrides)
+    _preflight(cfg, storage=False)  # the model and local data files exist (the storage root is not touched)
     sized, sizing = apply_sizing(cfg, [o.split("=", 1)[0] for o in overrides or []])
     typer.echo(annotate_dump(dump_config(sized), sizing))
     typer.echo(f"# {sizing.line()}")

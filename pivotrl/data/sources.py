@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 from typing import Any, Iterable, Iterator, Literal
 
@@ -31,7 +32,7 @@ from pivotrl.data.schema import Trajectory
 from pivotrl.errors import ConfigError, DataError, SourceNotFoundError, StorageError
 from pivotrl.interop.nemo import is_nemo_row, row_to_record
 
-__all__ = ["load_trajectories", "save_trajectories_jsonl", "validate_trajectory"]
+__all__ = ["check_sources_exist", "load_trajectories", "save_trajectories_jsonl", "validate_trajectory"]
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +46,27 @@ _JSON_COLUMNS = ("messages", "tools", "env", "meta")
 #: a bigger record is a DataError naming the file and record, read no further.
 MAX_RECORD_BYTES = 256 << 20
 _LEADING_ID = re.compile(rb'\A\s*\{\s*"id"\s*:\s*(?:"((?:[^"\\]|\\.){0,200})"|(\d{1,40}))')
+
+
+def check_sources_exist(sources: Iterable[Any]) -> None:
+    """Cheap check of the ``data.sources`` of a config before a run starts: every ``chat`` source
+    on the local file system (a path or a ``file://`` URL) must be an existing file. Remote URLs
+    (``s3://`` …) and BFCL sources pass; they are read, and checked, by the demonstrations stage.
+
+    Raises:
+        SourceNotFoundError: naming the source (``data.sources[i]``) and its URL.
+    """
+    for i, src in enumerate(sources):
+        url = getattr(src, "url", None)
+        if getattr(src, "kind", None) != "chat" or not url:
+            continue
+        protocol, path = fsspec.core.split_protocol(url)
+        if protocol not in (None, "file", "local"):
+            continue
+        local = os.path.expanduser(path if protocol is None else fsspec.core.strip_protocol(url))
+        if not os.path.isfile(local):
+            what = "is a directory, not a file" if os.path.isdir(local) else "no such file"
+            raise SourceNotFoundError(f"data.sources[{i}] (chat): {url}: {what}")
 
 
 def _too_big(url: str, loc: str, size: int, rid: str = "") -> DataError:

@@ -114,3 +114,24 @@ def test_the_default_config_is_found_from_any_directory(tmp_path):
     (tmp_path / "shown.yaml").write_text(shown)
     want = load_config(str(REPO / "configs" / "default.yaml"), [f"run.cache_dir={tmp_path / 'cache'}", "run.sizing=fixed"])
     assert config_hash(load_config(str(tmp_path / "shown.yaml"))) == config_hash(want)
+
+
+def test_pivotrl_config_stops_on_a_missing_model_or_demonstration_file(tmp_path):
+    """``pivotrl config`` checks what ``pivotrl run`` checks before Prefect starts (the storage root
+    apart): a local model and every local chat source must exist; exit 2 with a one-line reason."""
+    from typer.testing import CliRunner
+
+    from pivotrl.flows.cli import app
+
+    base = ["config", "--set", f"run.cache_dir={tmp_path / 'cache'}", "--set", "run.sizing=fixed"]
+    demos = tmp_path / "demos.jsonl"
+    out = CliRunner().invoke(app, [*base, "--set", f"data.sources=[{{kind: bfcl, categories: [multi_turn_base]}}, {{kind: chat, url: {demos}}}]"])
+    assert out.exit_code == 2 and f"data error: data.sources[1] (chat): {demos}: no such file" in out.output
+    out = CliRunner().invoke(app, [*base, "--set", f"data.sources=[{{kind: chat, url: 'file://{tmp_path}'}}]"])
+    assert out.exit_code == 2 and "is a directory, not a file" in out.output
+    out = CliRunner().invoke(app, [*base, "--set", f"model.source={tmp_path / 'no-model'}"])
+    assert out.exit_code == 2 and "model error: model source" in out.output
+    demos.write_text("")
+    out = CliRunner().invoke(app, [*base, "--set", f"data.sources=[{{kind: chat, url: {demos}}}, "
+                                                   "{kind: chat, url: 's3://bucket/demos.jsonl'}]"])
+    assert out.exit_code == 0, out.output  # a remote source is checked when the demonstrations stage reads it
