@@ -54,11 +54,10 @@ def _boot(values: Sequence[float], weights: Sequence[float] | None, seed: int) -
 
 def _paired(r: PairedResult) -> dict[str, Any]:
     out = {"n": r.n, "difference": r.difference, "p_value": r.p_value, "test": r.test,
-           "significant": r.significant, "verdict": r.verdict}
+           "significant": r.significant, "verdict": r.verdict,
+           "low": None if r.low != r.low else r.low, "high": None if r.high != r.high else r.high}
     if r.b is not None:
         out.update({"only_a": r.b, "only_b": r.c})
-    else:
-        out.update({"low": r.low, "high": r.high})
     return out
 
 
@@ -138,8 +137,15 @@ def _ci(r: dict[str, Any]) -> str:
     return f"{r['rate']:.3f} ({frac}95% CI {r['low']:.3f}–{r['high']:.3f})"
 
 
+def difference_ci(d: Mapping[str, Any]) -> str:
+    """``95% CI −0.120–+0.340`` for a paired comparison's A − B ("no interval" without one)."""
+    if d.get("low") is None or d.get("high") is None:
+        return "no interval"
+    return f"95% CI {d['low']:+.3f}–{d['high']:+.3f}"
+
+
 def _pair_line(label: str, d: dict[str, Any]) -> str:
-    extra = f"only A {d['only_a']}, only B {d['only_b']}" if "only_a" in d else f"95% CI {d['low']:+.3f}–{d['high']:+.3f}"
+    extra = difference_ci(d) + (f"; only A {d['only_a']}, only B {d['only_b']}" if "only_a" in d else "")
     return (f"| {label} | {d['n']} | {d['difference']:+.3f} | {extra} | {d['test']} | {d['p_value']:.3g} | "
             f"{d['verdict']} |")
 
@@ -154,7 +160,7 @@ def comparison_markdown(stats: dict[str, Any]) -> list[str]:
         lines += [f"### Full task (seeds: {full['seeds']})", "", "| policy | task success | turns passed / turns |", "|---|---|---|"]
         for p, r in full["per_policy"].items():
             lines.append(f"| {p} | {_ci(r['task_success'])} | {_ci(r['turn_pass'])} |")
-        lines += ["", "| A vs B (measure) | n | A − B | discordant / interval | test | p | verdict |", "|---|---|---|---|---|---|---|"]
+        lines += ["", "| A vs B (measure) | n | A − B | interval; discordant | test | p | verdict |", "|---|---|---|---|---|---|---|"]
         for pair in full["pairs"]:
             lines.append(_pair_line(f"{pair['a']} vs {pair['b']} (task success)", pair["task_success"]))
             lines.append(_pair_line(f"{pair['a']} vs {pair['b']} (turn fraction)", pair["turn_fraction"]))
@@ -165,7 +171,7 @@ def comparison_markdown(stats: dict[str, Any]) -> list[str]:
             continue
         lines += [f"### Local accuracy: {kind}", "", "| policy | accuracy |", "|---|---|"]
         lines += [f"| {p} | {_ci(r)} |" for p, r in block["per_policy"].items()]
-        lines += ["", "| A vs B | n | A − B | discordant / interval | test | p | verdict |", "|---|---|---|---|---|---|---|"]
+        lines += ["", "| A vs B | n | A − B | interval; discordant | test | p | verdict |", "|---|---|---|---|---|---|---|"]
         lines += [_pair_line(f"{pair['a']} vs {pair['b']}", pair) for pair in block["pairs"]]
         lines.append("")
     return lines

@@ -7,6 +7,10 @@
 * :func:`mcnemar_exact` - exact (binomial) McNemar test on paired binary outcomes: with b = pairs
   where only A succeeds and c = pairs where only B does, p = min(1, 2·P[X ≤ min(b, c)]),
   X ~ Binomial(b + c, 1/2); p = 1 when b + c = 0.
+* :func:`paired_difference_interval` - Newcombe's hybrid score interval for the difference of two
+  paired proportions (Newcombe 1998, "Improved confidence intervals for the difference between
+  binomial proportions based on paired data", method 10): Wilson intervals of both rates combined
+  with the phi correlation of the paired 2×2 table. Reported beside every exact McNemar test.
 * :func:`paired_bootstrap` - paired bootstrap of the mean difference of per-unit values, with a
   two-sided p-value 2·min(P*[Δ ≤ 0], P*[Δ ≥ 0]) (capped at 1).
 
@@ -27,8 +31,9 @@ __all__ = [
     "PairedResult",
     "bootstrap_mean_interval",
     "mcnemar_exact",
-    "paired_bootstrap",
     "paired_binary",
+    "paired_bootstrap",
+    "paired_difference_interval",
     "wilson_interval",
 ]
 
@@ -121,7 +126,8 @@ def mcnemar_exact(b: int, c: int) -> float:
 class PairedResult:
     """A paired comparison of policy A against policy B on the same n units.
 
-    ``difference`` = mean(A) - mean(B); ``low``/``high`` its interval (NaN for McNemar);
+    ``difference`` = mean(A) - mean(B); ``low``/``high`` its interval (Newcombe's for McNemar,
+    the paired bootstrap's otherwise);
     ``b``/``c`` = units where only A / only B succeeded (McNemar only); ``p_value`` two-sided;
     ``test`` = "exact McNemar" or "paired bootstrap"; ``significant`` = p < 1 - confidence.
     """
@@ -144,16 +150,49 @@ class PairedResult:
         return "A better" if self.difference > 0 else "B better"
 
 
+def paired_difference_interval(both: int, only_a: int, only_b: int, neither: int,
+                               confidence: float = 0.95) -> tuple[float, float]:
+    """Newcombe's interval ``(low, high)`` for p_A − p_B from a paired 2×2 table of counts (units
+    where both, only A, only B, neither succeeded); ``(nan, nan)`` for no units.
+
+    With p_A = (both + only_a)/n, p_B = (both + only_b)/n, (l_A, u_A), (l_B, u_B) their Wilson
+    intervals and φ = C / sqrt(product of the four margins) (0 when a margin is empty), where
+    C = both·neither − only_a·only_b, less n/2 when it exceeds n/2, 0 when between 0 and n/2:
+    low = Δ − sqrt((p_A − l_A)² − 2φ(p_A − l_A)(u_B − p_B) + (u_B − p_B)²),
+    high = Δ + sqrt((u_A − p_A)² − 2φ(u_A − p_A)(p_B − l_B) + (p_B − l_B)²), clipped to [−1, 1].
+    """
+    counts = (both, only_a, only_b, neither)
+    if any(not isinstance(x, int) or x < 0 for x in counts):
+        raise ConfigError(f"paired_difference_interval: counts must be integers >= 0, got {counts}")
+    n = sum(counts)
+    if n == 0:
+        return float("nan"), float("nan")
+    pa, pb = (both + only_a) / n, (both + only_b) / n
+    la, ua = wilson_interval(both + only_a, n, confidence)
+    lb, ub = wilson_interval(both + only_b, n, confidence)
+    margins = (both + only_a) * (only_b + neither) * (both + only_b) * (only_a + neither)
+    cross = both * neither - only_a * only_b  # Newcombe's φ: a positive cross term less n/2, not below 0
+    cross = cross - n / 2 if cross > n / 2 else min(cross, 0)
+    phi = cross / math.sqrt(margins) if margins else 0.0
+    d = pa - pb
+    low = d - math.sqrt(max(0.0, (pa - la) ** 2 - 2 * phi * (pa - la) * (ub - pb) + (ub - pb) ** 2))
+    high = d + math.sqrt(max(0.0, (ua - pa) ** 2 - 2 * phi * (ua - pa) * (pb - lb) + (pb - lb) ** 2))
+    return max(-1.0, low), min(1.0, high)
+
+
 def paired_binary(a: Sequence[bool], b: Sequence[bool], confidence: float = 0.95) -> PairedResult:
-    """Exact McNemar test on paired 0/1 outcomes (``a[i]``, ``b[i]`` on the same unit i)."""
+    """Exact McNemar test on paired 0/1 outcomes (``a[i]``, ``b[i]`` on the same unit i), with
+    Newcombe's interval on the difference (:func:`paired_difference_interval`)."""
     if len(a) != len(b):
         raise ConfigError(f"paired_binary: {len(a)} outcomes for A but {len(b)} for B (must be paired)")
     only_a = sum(1 for x, y in zip(a, b) if x and not y)
     only_b = sum(1 for x, y in zip(a, b) if y and not x)
+    both = sum(1 for x, y in zip(a, b) if x and y)
     n = len(a)
     p = mcnemar_exact(only_a, only_b)
     diff = (only_a - only_b) / n if n else float("nan")
-    return PairedResult(n, diff, p, "exact McNemar", p < 1 - confidence, b=only_a, c=only_b)
+    low, high = paired_difference_interval(both, only_a, only_b, n - both - only_a - only_b, confidence)
+    return PairedResult(n, diff, p, "exact McNemar", p < 1 - confidence, low=low, high=high, b=only_a, c=only_b)
 
 
 def paired_bootstrap(

@@ -12,6 +12,7 @@ from pivotrl.evaluation.stats import (
     mcnemar_exact,
     paired_binary,
     paired_bootstrap,
+    paired_difference_interval,
     wilson_interval,
 )
 
@@ -48,6 +49,7 @@ def test_paired_binary_counts_discordant_pairs_only():
     b = [False, False, False, False, True, True, False, False]
     r = paired_binary(a, b)
     assert (r.n, r.b, r.c) == (8, 5, 1)
+    assert (r.low, r.high) == paired_difference_interval(1, 5, 1, 1)  # both, only A, only B, neither
     assert r.p_value == pytest.approx(2 * (1 + 6) / 64)  # 0.21875
     assert r.difference == pytest.approx(4 / 8) and not r.significant
     assert r.verdict == "no significant difference"
@@ -55,6 +57,41 @@ def test_paired_binary_counts_discordant_pairs_only():
     assert strong.significant and strong.verdict == "A better"
     with pytest.raises(ConfigError, match="paired"):
         paired_binary([True], [True, False])
+
+
+def test_newcombe_paired_difference_interval():
+    # Published value: airway hyper-responsiveness before/after stem cell transplantation (Bentur et
+    # al. 2009; both 1, before only 1, after only 7, neither 12): −0.507 to −0.026 for the Newcombe
+    # square-and-add interval (Fagerland, Lydersen & Laake, "Statistical Analysis of Contingency
+    # Tables", ch. 8).
+    lo, hi = paired_difference_interval(1, 1, 7, 12)
+    assert (round(lo, 3), round(hi, 3)) == (-0.507, -0.026)
+    # Swapping A and B negates the interval.
+    assert paired_difference_interval(1, 7, 1, 12) == pytest.approx((-hi, -lo))
+    # No discordant pair, every unit a success: symmetric about 0, as wide as Wilson's 10/10 gap.
+    w_lo, _ = wilson_interval(10, 10)
+    assert paired_difference_interval(10, 0, 0, 0) == pytest.approx((-(1 - w_lo), 1 - w_lo))
+    # A always, B never: Δ = 1 and the upper end at 1.
+    lo, hi = paired_difference_interval(0, 10, 0, 0)
+    assert hi == 1.0 and lo == pytest.approx(1 - ((1 - w_lo) ** 2 + wilson_interval(0, 10)[1] ** 2) ** 0.5)
+    assert all(math.isnan(x) for x in paired_difference_interval(0, 0, 0, 0))
+    with pytest.raises(ConfigError, match="counts"):
+        paired_difference_interval(1, -1, 0, 0)
+
+
+def test_newcombe_interval_covers_the_true_difference_about_95_percent_of_the_time():
+    import random
+
+    rng = random.Random(0)
+    probs, n, reps = (0.3, 0.2, 0.1, 0.4), 30, 2000  # both, only A, only B, neither; Δ = 0.1
+    covered = 0
+    for _ in range(reps):
+        counts = [0, 0, 0, 0]
+        for k in rng.choices(range(4), weights=probs, k=n):
+            counts[k] += 1
+        lo, hi = paired_difference_interval(*counts)
+        covered += lo <= 0.1 <= hi
+    assert 0.93 <= covered / reps <= 0.98, covered / reps
 
 
 def test_bootstrap_interval_is_seeded_and_covers_the_estimate():
