@@ -177,6 +177,45 @@ def comparison_markdown(stats: dict[str, Any]) -> list[str]:
     return lines
 
 
+#: Measures the verdict reads, in order: (block path, pair field, label, unit of n).
+_VERDICT_MEASURES = ((("full_task",), "task_success", "full-task success", "tasks"),
+                     (("full_task",), "turn_fraction", "turns passed per task", "tasks"),
+                     (("local", "heldout_greedy"), None, "local accuracy, held-out states (greedy)", "states"),
+                     (("local", "out_of_domain_greedy"), None, "local accuracy, out-of-domain states (greedy)", "states"))
+
+
+def verdict_lines(stats: Mapping[str, Any] | None, a: str = "pivotrl", b: str = "reference",
+                  names: Mapping[str, str] | None = None) -> list[str]:
+    """Markdown lines of a report's opening verdict: policy ``a`` against ``b`` on each measure
+    both were evaluated on, as rate vs rate, A − B with its 95% interval, the test, p and n, and
+    the decision ("no significant difference" unless p < 0.05). [] without such a pair."""
+    names = names or {}
+    shown = {p: names.get(p, p) for p in (a, b)}
+    out: list[str] = []
+    for path, field, label, unit in _VERDICT_MEASURES:
+        block: Any = stats or {}
+        for key in path:
+            block = (block or {}).get(key) or {}
+        pair = next((q for q in block.get("pairs", []) if {q["a"], q["b"]} == {a, b}), None)
+        if pair is None:
+            continue
+        d = dict(pair[field] if field else pair)
+        if pair["a"] != a:  # the stored pair is b − a
+            d.update(difference=-d["difference"], low=None if d.get("high") is None else -d["high"],
+                     high=None if d.get("low") is None else -d["low"])
+        rates = []
+        for p in (a, b):
+            r = (block.get("per_policy") or {}).get(p) or {}
+            r = r.get({"task_success": "task_success", "turn_fraction": "turn_pass"}[field]) if field else r
+            rates.append("n/a" if not r or r.get("rate") is None else f"{r['rate']:.3f}")
+        decision = d["verdict"] if not d["significant"] else f"{shown[a] if d['difference'] > 0 else shown[b]} better"
+        out.append(f"- {label}: {rates[0]} vs {rates[1]}, {d['difference']:+.3f} ({difference_ci(d)}; {d['test']} "
+                   f"p = {d['p_value']:.3g}; n = {d['n']} {unit}): **{decision}**")
+    if not out:
+        return []
+    return ["## Verdict", "", f"{shown[a]} against {shown[b]} on the same held-out items (A − B):", "", *out, ""]
+
+
 def format_rate(rate: float | None, num: Any, den: Any, interval: tuple[float, float] | None = None,
                 over: str | None = None) -> str:
     """``0.175 (7/40), 95% CI 0.087–0.320`` (Wilson on num/den unless ``interval`` is given; ``over``

@@ -18,7 +18,7 @@ import pandas as pd
 
 from pivotrl.errors import ConfigError, StorageError
 from pivotrl.evaluation.comparison import (
-    comparison_markdown, floor_note, format_meta_value, format_rate, stats_name, turn_interval,
+    comparison_markdown, floor_note, format_meta_value, format_rate, stats_name, turn_interval, verdict_lines,
 )
 from pivotrl.storage.files import atomic_file
 
@@ -256,7 +256,7 @@ def _md_cell(x: Any) -> str:
 
 def _markdown(report: Mapping[str, Any], rows: list[dict[str, Any]], plots: Mapping[str, str],
               sections: Sequence[str] = ()) -> str:
-    lines = ["# PivotRL evaluation report", ""]
+    lines = ["# PivotRL evaluation report", "", *verdict_lines(report.get("statistics"), names=POLICY_ALIASES)]
     meta = report["meta"]
     if meta:
         lines += ["## Run", "", "| key | value |", "|---|---|"]
