@@ -269,7 +269,8 @@ def _markdown(report: Mapping[str, Any], rows: list[dict[str, Any]], plots: Mapp
         "held-out trajectories (the demonstration history is given; states longer than the context are skipped "
         "and counted). Local accuracy on the training pivots: the same on the pivot set trained on. Full-task "
         "success: fraction of held-out tasks solved from scratch (BFCL multi-turn rules: state and "
-        "execution-result checks after every user turn).",
+        "execution-result checks after every user turn). Format error rate: model calls of those full-task "
+        "runs whose output the action parser rejected (a malformed tool call), over all their model calls.",
         "",
     ]
     with_pivots = any(r["local_pivot_set_accuracy"] is not None for r in rows)
