@@ -223,6 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     from pivotrl.pipeline.processes import watch_parent
 
     watch_parent()  # no stage outlives the process that started it
+    _name_cpu_accelerator()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     spec = json.loads(Path(a.spec).read_text())
     try:
@@ -234,6 +235,18 @@ def main(argv: list[str] | None = None) -> int:
         raise
     write_result(spec["output"], result)
     return 0
+
+
+def _name_cpu_accelerator() -> None:
+    """Without CUDA, tell DeepSpeed (here and in the stage's torchrun ranks, by environment) that
+    its accelerator is the CPU: detecting it, DeepSpeed warns in every process that it was "unable
+    to detect" a GPU. A ``DS_ACCELERATOR`` already set is kept."""
+    if "DS_ACCELERATOR" in os.environ:
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ["DS_ACCELERATOR"] = "cpu"
 
 
 def write_result(path: str, result: dict[str, Any]) -> None:

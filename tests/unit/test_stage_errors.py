@@ -71,3 +71,29 @@ def test_prefect_console_keeps_the_message_and_drops_the_traceback():
     text = stream.getvalue()
     assert "Task run failed with exception\n" in text and text.count("Traceback") == 2
     assert "a bug" in text and "StageError: elsewhere" in text  # other loggers keep their tracebacks
+
+
+def test_stage_processes_name_the_cpu_accelerator_so_deepspeed_does_not_warn():
+    """Without CUDA a stage process sets DS_ACCELERATOR=cpu (inherited by its torchrun ranks), so
+    DeepSpeed's "unable to detect" accelerator warning is not printed in every stage; a value the
+    user set is kept."""
+    import os
+    import subprocess
+    import sys
+
+    import torch
+
+    code = ("from pivotrl.pipeline.entry import _name_cpu_accelerator as f; f(); import os; "
+            "from deepspeed.accelerator import get_accelerator; get_accelerator(); "
+            "print(os.environ.get('DS_ACCELERATOR'))")
+    env = {k: v for k, v in os.environ.items() if k != "DS_ACCELERATOR"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    if torch.cuda.is_available():  # pragma: no cover - GPU machines: DeepSpeed detects CUDA itself
+        assert out.stdout.strip().splitlines()[-1] == "None"
+    else:
+        assert out.stdout.strip().splitlines()[-1] == "cpu"
+        assert "unable to detect" not in out.stdout + out.stderr
+    kept = subprocess.run([sys.executable, "-c", code.replace("get_accelerator(); ", "")],
+                          env={**env, "DS_ACCELERATOR": "cuda"}, capture_output=True, text=True, timeout=120)
+    assert kept.stdout.strip().splitlines()[-1] == "cuda"
