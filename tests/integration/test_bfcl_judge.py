@@ -287,22 +287,20 @@ def test_judges_agree_on_gold_variants_first_tasks(tasks, tok, bfcl_root):
 
 
 def _agreement_half(half: int) -> tuple[dict[str, Counter], list[dict[str, Any]]]:
-    tasks, tok, bfcl_root = _FORKED
-    return agreement(tasks[half::2], tok, bfcl_root)
-
-
-#: What the forked workers of the 200-task check read (set before they fork).
-_FORKED: tuple[Any, ...] = ()
+    """The agreement check on every other task (``half`` = 0 or 1), in a fresh process."""
+    root = ensure_bfcl(os.environ["PIVOTRL_CACHE_DIR"])
+    tasks = load_bfcl(["multi_turn_base"], os.environ["PIVOTRL_CACHE_DIR"])
+    return agreement(tasks[half::2], tiny_tokenizer(), root)
 
 
 @pytest.mark.slow
-def test_judge_agreement_on_all_200_tasks(tasks, tok, bfcl_root):
-    # Two forked processes judge every other task each (the two cores), then the counts are summed.
+def test_judge_agreement_on_all_200_tasks(tasks, bfcl_root):
+    # Two fresh processes (spawned: this one runs threads a fork would copy mid-lock) judge every
+    # other task each, on the two cores; the counts are summed.
     import multiprocessing
 
-    global _FORKED
-    _FORKED = (tasks, tok, bfcl_root)
-    with multiprocessing.get_context("fork").Pool(2) as pool:
+    assert len(tasks) == 200
+    with multiprocessing.get_context("spawn").Pool(2) as pool:
         halves = pool.map(_agreement_half, [0, 1])
     table = {name: halves[0][0][name] + halves[1][0][name] for name in VARIANTS}
     disagreements = halves[0][1] + halves[1][1]
