@@ -9,6 +9,7 @@ rollout engine and the verifier, resumes from the latest complete checkpoint und
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -45,6 +46,34 @@ def train_key(cfg: RunConfig, store: ArtifactStore, probe: ProbeResult, ref: Ref
                                     "seed": cfg.run.seed, "code": stage_code_digest("train")})[:16]
 
 
+def _launch_ranks(cfg: RunConfig, probe: ProbeResult, ref: ReferenceResult, threads: int) -> TrainResult:
+    """Run the train stage as ``training.nproc_per_node`` ranks of this machine under
+    ``training.launcher`` (torchrun or the DeepSpeed launcher; :mod:`pivotrl.training.launch`,
+    entry ``rl_stage``), their output on this process's; rank 0's result is returned. Each rank
+    gets ``threads // nproc_per_node`` (≥ 1) OpenMP threads.
+
+    Raises ConfigError for ``training.nnodes > 1``: the other nodes' ranks are started on those
+    nodes (``infra/multinode/launch_train.py``), and a later run finds the trained policy.
+    Raises TrainingError when the ranks fail.
+    """
+    from pivotrl.training.launch import LaunchConfig, launch
+
+    tr = cfg.training
+    if tr.nnodes > 1:
+        raise ConfigError(
+            f"training.nnodes = {tr.nnodes}: the train stage runs on every node, started there "
+            "(infra/multinode/launch_train.py prepare, then node on each; see infra/README.md); a run "
+            "after that finds the trained policy. This run starts the ranks of one machine only.")
+    lc = LaunchConfig.of(tr, omp_num_threads=max(1, threads // tr.nproc_per_node))
+    log.info("train: starting %d ranks with %s", tr.nproc_per_node, tr.launcher)
+    with tempfile.TemporaryDirectory(prefix="pivotrl-ranks-", dir=cache_dir(cfg)) as tmp:
+        out = Path(tmp) / "result.json"
+        spec = {"config": cfg.model_dump(mode="json"), "output": str(out),
+                "inputs": {"probe": probe.to_dict(), "reference": ref.to_dict()}}
+        launch(lc, entry="rl_stage", spec=spec, workdir=tmp, stream=True)
+        return TrainResult.of(json.loads(out.read_text()))
+
+
 def stage_train(cfg: RunConfig, store: ArtifactStore, probe: ProbeResult | Mapping[str, Any],
                 ref: ReferenceResult | Mapping[str, Any]) -> TrainResult:
     """Local GRPO on the pivot set (PivotRL §3 stage 2), with π_old refreshed in the rollout engine
@@ -54,6 +83,7 @@ def stage_train(cfg: RunConfig, store: ArtifactStore, probe: ProbeResult | Mappi
     same pivot order as an uninterrupted run. A storage failure while looking for that checkpoint
     raises (StorageError), never restarts from step 0.
     """
+    configured = cfg
     cfg = with_resolved_dtype(cfg)  # model.dtype: auto → bf16 | fp32 on this hardware
     probe, ref = ProbeResult.of(probe), ReferenceResult.of(ref)
     from pivotrl.data.bfcl import ensure_bfcl
@@ -75,6 +105,8 @@ def stage_train(cfg: RunConfig, store: ArtifactStore, probe: ProbeResult | Mappi
         summary = store.read_json(f"{tkey}/summary.json")
         return TrainResult(tkey, final_key if summary["steps"] else None, metrics_uri, summary)
 
+    if tr.launcher != "inprocess" and "RANK" not in os.environ:  # this process starts the ranks
+        return _launch_ranks(configured, probe, ref, threads=int(os.environ.get("OMP_NUM_THREADS", "1")))
     cache = cache_dir(cfg)
     pivots = frame_to_states(store.read_parquet(f"{probe.pivots_key}/pivots.parquet"))
     rdir = reference_dir(cfg, store, ref)

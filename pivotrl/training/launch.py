@@ -167,12 +167,14 @@ def launch(
     spec: Mapping[str, Any],
     workdir: str | os.PathLike[str],
     timeout_s: float | None = None,
+    stream: bool = False,
 ) -> int:
     """Write ``spec`` to ``<workdir>/<entry>-spec.json`` and run the entry under the configured launcher.
 
     ``"inprocess"`` calls ``pivotrl.training.<entry>.main`` here; the others run the rendered
-    command as a subprocess (its output goes to ``<workdir>/<entry>-launch.log``). Returns 0.
-    Raises TrainingError (naming the log file) if the run fails or exceeds ``timeout_s``.
+    command as a subprocess, whose output goes to ``<workdir>/<entry>-launch.log`` (``stream``:
+    to this process's stdout instead). Returns 0. Raises TrainingError (naming the log file, or
+    saying the output is above) if the run fails or exceeds ``timeout_s``.
     """
     wd = Path(workdir)
     wd.mkdir(parents=True, exist_ok=True)
@@ -184,13 +186,15 @@ def launch(
         return int(mod.main(["--spec", str(spec_path)]))
     cmd = render_launch_command(lc, entry=entry, spec_path=spec_path)
     log_path = wd / f"{entry}-launch.log"
-    with open(log_path, "w") as log:
+    where = "its output is above" if stream else f"see {log_path}"
+    with open(os.devnull if stream else log_path, "w") as log:
         try:
-            proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=launch_env(lc), timeout=timeout_s)
+            proc = subprocess.run(cmd, stdout=None if stream else log, stderr=subprocess.STDOUT,
+                                  env=launch_env(lc), timeout=timeout_s)
         except subprocess.TimeoutExpired:
-            raise TrainingError(f"{entry} launch exceeded {timeout_s} s; see {log_path}") from None
+            raise TrainingError(f"{entry} launch exceeded {timeout_s} s; {where}") from None
     if proc.returncode != 0:
-        raise TrainingError(f"{entry} launch exited with {proc.returncode}; see {log_path}")
+        raise TrainingError(f"{entry} launch exited with {proc.returncode}; {where}")
     return 0
 
 

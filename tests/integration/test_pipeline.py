@@ -183,7 +183,9 @@ def test_training_stage_two_ranks_matches_one_rank(smoke_run, tmp_path, placemen
     policy as the 1-rank run: with rank 0's engine (it samples and broadcasts the batch), and with
     an engine and a verifier on each rank (``rollout.engine_placement: ranks``: each rank samples
     its half of the batch, both engines are refreshed and verified every step); gradients are
-    averaged."""
+    averaged. The ``ranks`` case runs as ``pivotrl run`` does: the stage process of a config with
+    ``training.launcher: torchrun`` and ``nproc_per_node: 2`` starts the two ranks itself."""
+    from pivotrl.pipeline.entry import run_stage_process
     from pivotrl.training.launch import LaunchConfig, launch
 
     cfg, store, demos, ref, probe, train, _ = smoke_run
@@ -193,15 +195,23 @@ def test_training_stage_two_ranks_matches_one_rank(smoke_run, tmp_path, placemen
     import shutil
 
     shutil.rmtree(root2 / "train")
-    tr = LaunchConfig(launcher="torchrun", nnodes=1, nproc_per_node=2,
-                      master_port=29500 + (hash(str(tmp_path)) % 1000), omp_num_threads=1)
+    port = 29500 + (hash(str(tmp_path)) % 1000)
+    tr = LaunchConfig(launcher="torchrun", nnodes=1, nproc_per_node=2, master_port=port, omp_num_threads=1)
     cfg2 = cfg.model_copy(update={"run": cfg.run.model_copy(update={"storage_root": str(root2)}),
                                   "rollout": cfg.rollout.model_copy(update={"engine_placement": placement})})
-    out = tmp_path / "result.json"
-    spec = {"config": cfg2.model_dump(mode="json"), "inputs": {"probe": probe.to_dict(), "reference": ref.to_dict()},
-            "output": str(out)}
-    launch(tr, entry="rl_stage", spec=spec, workdir=tmp_path, timeout_s=600)
-    res = json.loads(out.read_text())
+    inputs = {"probe": probe.to_dict(), "reference": ref.to_dict()}
+    if placement == "rank0":  # the launcher entry, as infra/multinode/launch_train.py runs it
+        out = tmp_path / "result.json"
+        spec = {"config": cfg2.model_dump(mode="json"), "inputs": inputs, "output": str(out)}
+        launch(tr, entry="rl_stage", spec=spec, workdir=tmp_path, timeout_s=600)
+        res = json.loads(out.read_text())
+    else:
+        config = cfg2.model_dump(mode="json")
+        config["training"].update(launcher="torchrun", nproc_per_node=2, world_size=2, master_port=port)
+        res = run_stage_process("train", config, inputs, threads=2)
+        text = "\n".join(p.read_text() for p in (root2 / "logs").glob("*-train-*.log"))
+        assert "train: starting 2 ranks with torchrun" in text, text[-3000:]
+        assert "rollout engine 0 of 2 on rank 0" in text and "rollout engine 1 of 2 on rank 1" in text
     assert (res["train_key"] == train.train_key) == (placement == "rank0")  # the placement is in the key
     m1 = store.read_parquet(f"{train.train_key}/metrics.parquet")
     m2 = pd.read_parquet(root2 / res["train_key"] / "metrics.parquet")

@@ -290,3 +290,24 @@ def test_the_step_log_line_says_how_many_engines_were_verified() -> None:
     row = {"engines": 2.0, "refresh_verified_engines": 1.0, "rollout_states_e0": 2.0, "rollout_states_e1": 3.0}
     assert _engines_note(row) == ", engines verified 1/2 (states per engine 2/3)"
     assert _engines_note({"engines": float("nan")}) == _engines_note({}) == ""  # one engine: nothing added
+
+
+def test_a_train_stage_over_several_nodes_is_not_run_as_one_machines_ranks(tmp_path):
+    """``training.nnodes > 1``: the train stage of ``pivotrl run`` does not start one machine's
+    ranks as if they were all (it ran one process for any launcher before); it names the per-node
+    launch."""
+    from pivotrl.config import load_config
+    from pivotrl.errors import ConfigError
+    from pivotrl.pipeline.results import ProbeResult, ReferenceResult
+    from pivotrl.pipeline.train import _launch_ranks
+
+    REPO = Path(__file__).resolve().parents[2]
+
+    cfg = load_config(str(REPO / "configs" / "smoke.yaml"),
+                      [f"run.storage_root={tmp_path / 'root'}", f"run.cache_dir={tmp_path / 'cache'}",
+                       "training.launcher=torchrun", "training.nnodes=2", "training.nproc_per_node=1",
+                       "training.world_size=2"])
+    probe = ProbeResult(probes_key="probes/x", probes="", pivots_key="pivots/x", pivots="", stats={}, summary_md="")
+    ref = ReferenceResult(base_dir=str(tmp_path), base_hash="h", ref_key=None, ref_hash="h")
+    with pytest.raises(ConfigError, match=r"training.nnodes = 2: .*infra/multinode/launch_train.py"):
+        _launch_ranks(cfg, probe, ref, threads=2)
