@@ -8,12 +8,13 @@ and seed: ``task_id``, ``success``, ``turns_passed``, ``n_turns``, ``policy``, `
 
 * full-task success: with one seed, k/n over tasks with a Wilson interval, and exact McNemar between
   two policies on the same tasks; with several seeds, each task's mean success over seeds, a
-  bootstrap interval over tasks and a paired bootstrap between policies;
+  bootstrap interval over tasks and the paired sign-flip test (with a bootstrap interval) between
+  policies;
 * turns passed / turns (per-turn measure: consecutive turns passed from the start, as BFCL's checker
-  stops at the first failing turn): ratio of sums with a bootstrap interval over tasks; paired
-  bootstrap of each task's fraction between policies;
+  stops at the first failing turn): ratio of sums with a bootstrap interval over tasks; the paired
+  sign-flip test of each task's fraction between policies;
 * local accuracy: greedy (one sample per state) Wilson + exact McNemar on the same states; sampled
-  (m per state) bootstrap over states + paired bootstrap of per-state accuracy.
+  (m per state) bootstrap over states + the paired sign-flip test of per-state accuracy.
 
 Pairs are formed on units both policies have (inner join), so a comparison is always paired.
 """
@@ -141,12 +142,17 @@ def difference_ci(d: Mapping[str, Any]) -> str:
     """``95% CI −0.120–+0.340`` for a paired comparison's A − B ("no interval" without one)."""
     if d.get("low") is None or d.get("high") is None:
         return "no interval"
-    return f"95% CI {d['low']:+.3f}–{d['high']:+.3f}"
+    return f"95% CI {signed(d['low'])}–{signed(d['high'])}"
+
+
+def signed(x: float) -> str:
+    """``+0.120`` / ``-0.034``; a value that rounds to zero is ``+0.000`` (never ``-0.000``)."""
+    return f"{round(x, 3) + 0.0:+.3f}"
 
 
 def _pair_line(label: str, d: dict[str, Any]) -> str:
     extra = difference_ci(d) + (f"; only A {d['only_a']}, only B {d['only_b']}" if "only_a" in d else "")
-    return (f"| {label} | {d['n']} | {d['difference']:+.3f} | {extra} | {d['test']} | {d['p_value']:.3g} | "
+    return (f"| {label} | {d['n']} | {signed(d['difference'])} | {extra} | {d['test']} | {d['p_value']:.3g} | "
             f"{d['verdict']} |")
 
 
@@ -209,8 +215,9 @@ def verdict_lines(stats: Mapping[str, Any] | None, a: str = "pivotrl", b: str = 
             r = r.get({"task_success": "task_success", "turn_fraction": "turn_pass"}[field]) if field else r
             rates.append("n/a" if not r or r.get("rate") is None else f"{r['rate']:.3f}")
         decision = d["verdict"] if not d["significant"] else f"{shown[a] if d['difference'] > 0 else shown[b]} better"
-        out.append(f"- {label}: {rates[0]} vs {rates[1]}, {d['difference']:+.3f} ({difference_ci(d)}; {d['test']} "
-                   f"p = {d['p_value']:.3g}; n = {d['n']} {unit}): **{decision}**")
+        unit_n = unit if d["n"] != 1 else unit[:-1]
+        out.append(f"- {label}: {rates[0]} vs {rates[1]}, {signed(d['difference'])} ({difference_ci(d)}; {d['test']} "
+                   f"p = {d['p_value']:.3g}; n = {d['n']} {unit_n}): **{decision}**")
     if not out:
         return []
     return ["## Verdict", "", f"{shown[a]} against {shown[b]} on the same held-out items (A − B):", "", *out, ""]

@@ -11,8 +11,8 @@
   paired proportions (Newcombe 1998, "Improved confidence intervals for the difference between
   binomial proportions based on paired data", method 10): Wilson intervals of both rates combined
   with the phi correlation of the paired 2×2 table. Reported beside every exact McNemar test.
-* :func:`paired_bootstrap` - paired bootstrap of the mean difference of per-unit values, with a
-  two-sided p-value 2·min(P*[Δ ≤ 0], P*[Δ ≥ 0]) (capped at 1).
+* :func:`paired_bootstrap` - the mean difference of per-unit values with a paired bootstrap
+  interval and the two-sided p of the paired sign-flip (permutation) test, :func:`sign_flip_p`.
 
 All intervals are two-sided at ``confidence`` (default 0.95). Empty inputs give NaN bounds.
 """
@@ -28,12 +28,14 @@ from typing import Sequence
 from pivotrl.errors import ConfigError
 
 __all__ = [
+    "PAIRED_TEST",
     "PairedResult",
     "bootstrap_mean_interval",
     "mcnemar_exact",
     "paired_binary",
     "paired_bootstrap",
     "paired_difference_interval",
+    "sign_flip_p",
     "wilson_interval",
 ]
 
@@ -129,7 +131,7 @@ class PairedResult:
     ``difference`` = mean(A) - mean(B); ``low``/``high`` its interval (Newcombe's for McNemar,
     the paired bootstrap's otherwise);
     ``b``/``c`` = units where only A / only B succeeded (McNemar only); ``p_value`` two-sided;
-    ``test`` = "exact McNemar" or "paired bootstrap"; ``significant`` = p < 1 - confidence.
+    ``test`` = "exact McNemar" or :data:`PAIRED_TEST`; ``significant`` = p < 1 - confidence.
     """
 
     n: int
@@ -195,21 +197,50 @@ def paired_binary(a: Sequence[bool], b: Sequence[bool], confidence: float = 0.95
     return PairedResult(n, diff, p, "exact McNemar", p < 1 - confidence, low=low, high=high, b=only_a, c=only_b)
 
 
+def sign_flip_p(d: Sequence[float], *, n_draws: int = 2000, seed: int = 0) -> float:
+    """Two-sided p-value of the paired sign-flip (permutation) test of mean(d) = 0: the share of
+    sign assignments of the differences whose |mean| reaches the observed |mean(d)|. Exact over
+    all 2^k assignments of the k non-zero differences when k ≤ 12, else (hits + 1)/(n_draws + 1)
+    over ``n_draws`` random assignments from ``random.Random(seed)``. 1 when every d is 0; with
+    one unit it is 1 (the two assignments tie)."""
+    nz = [float(x) for x in d if x != 0]
+    if not nz:
+        return 1.0
+    obs = abs(sum(nz)) - 1e-12 * max(1.0, sum(abs(x) for x in nz))
+    k = len(nz)
+    if k <= 12:
+        hits = 0
+        for mask in range(1 << k):
+            total = sum(-x if mask >> i & 1 else x for i, x in enumerate(nz))
+            hits += abs(total) >= obs
+        return hits / (1 << k)
+    rng = random.Random(seed)
+    hits = sum(abs(sum(x if rng.random() < 0.5 else -x for x in nz)) >= obs for _ in range(n_draws))
+    return (hits + 1) / (n_draws + 1)
+
+
 def paired_bootstrap(
     a: Sequence[float], b: Sequence[float], *, n_boot: int = 2000, seed: int = 0, confidence: float = 0.95
 ) -> PairedResult:
-    """Paired bootstrap of mean(a - b) over units; interval and two-sided p (module docstring)."""
+    """mean(a − b) over paired units: its percentile-bootstrap interval (``n_boot`` resamples of
+    the units) and the sign-flip test's two-sided p (:func:`sign_flip_p`).
+
+    No interval (NaN bounds) with fewer than two units or when every unit has the same difference:
+    the bootstrap would return that one value as a zero-width interval, a certainty it does not
+    have. (A bootstrap p-value was used before: it was 0 whenever every difference had the same
+    sign, even for one unit.)"""
     if len(a) != len(b):
         raise ConfigError(f"paired_bootstrap: {len(a)} values for A but {len(b)} for B (must be paired)")
     d = [float(x) - float(y) for x, y in zip(a, b)]
     n = len(d)
     if n == 0:
-        return PairedResult(0, float("nan"), 1.0, "paired bootstrap", False)
+        return PairedResult(0, float("nan"), 1.0, PAIRED_TEST, False)
     est, lo, hi = bootstrap_mean_interval(d, n_boot=n_boot, seed=seed, confidence=confidence)
-    if all(x == 0 for x in d):
-        p = 1.0
-    else:
-        rng = random.Random(seed + 1)
-        means = [sum(d[rng.randrange(n)] for _ in range(n)) / n for _ in range(n_boot)]
-        p = min(1.0, 2 * min(sum(m <= 0 for m in means), sum(m >= 0 for m in means)) / n_boot)
-    return PairedResult(n, est, p, "paired bootstrap", p < 1 - confidence, low=lo, high=hi)
+    if n < 2 or all(x == d[0] for x in d):
+        lo = hi = float("nan")
+    p = sign_flip_p(d, n_draws=n_boot, seed=seed + 1)
+    return PairedResult(n, est, p, PAIRED_TEST, p < 1 - confidence, low=lo, high=hi)
+
+
+#: The name of :func:`paired_bootstrap`'s test in reports.
+PAIRED_TEST = "paired sign-flip test (bootstrap interval)"

@@ -25,7 +25,7 @@ import pandas as pd
 from pivotrl.code_digest import code_digest
 from pivotrl.config import RunConfig
 from pivotrl.data.schema import content_hash
-from pivotrl.evaluation.comparison import difference_ci
+from pivotrl.evaluation.comparison import difference_ci, signed
 from pivotrl.ledger import CostLedger
 from pivotrl.pipeline.common import local_checkpoint, make_rollout_engine, make_verifier, prompt_kwargs, sampling_for
 from pivotrl.pipeline.compare import _CODE, pivotrl_ledger
@@ -85,7 +85,7 @@ def cost_per_point(ledgers: Mapping[str, CostLedger], stats: Mapping[str, Any]) 
 def _verdict(d: dict[str, Any] | None, label: str) -> str:
     if d is None:
         return f"{label}: not evaluated"
-    return (f"{label} {d['difference']:+.3f} (n = {d['n']}, {difference_ci(d)}, {d['test']}, p = {d['p_value']:.3g}, "
+    return (f"{label} {signed(d['difference'])} (n = {d['n']}, {difference_ci(d)}, {d['test']}, p = {d['p_value']:.3g}, "
             f"{d['verdict']})")
 
 

@@ -263,7 +263,9 @@ def write_report(cfg: RunConfig, store: ArtifactStore, ekey: str, demos: Mapping
             "out_of_domain_states": counts["out_of_domain_states"], "sft": ref.sft, "training": train.summary}
     per_task_df = pd.concat([f for frames in task_frames.values() for f in frames])
     local_df = pd.concat(parts.local_frames)
-    statistics = compare_policies(per_task_df, local_df, list(task_frames), seed=cfg.run.seed)
+    # PivotRL first: every pair in the report reads pivotrl − reference, as its verdict does.
+    statistics = compare_policies(per_task_df, local_df, sorted(task_frames, key=lambda p: p != "pivotrl"),
+                                  seed=cfg.run.seed)
     sections = trust_sections(cfg, demos.get("counts") or {}, heldout, bfcl_total=200)
     drift = None if parts.reprobe is None else drift_table(parts.reprobe, cfg.probing.lambda_diff)
     pivot_mus = [float(x) for x in store.read_parquet(f"{probe.pivots_key}/pivots.parquet").get("mu", [])]

@@ -8,11 +8,13 @@ import pytest
 
 from pivotrl.errors import ConfigError
 from pivotrl.evaluation.stats import (
+    PAIRED_TEST,
     bootstrap_mean_interval,
     mcnemar_exact,
     paired_binary,
     paired_bootstrap,
     paired_difference_interval,
+    sign_flip_p,
     wilson_interval,
 )
 
@@ -105,6 +107,27 @@ def test_bootstrap_interval_is_seeded_and_covers_the_estimate():
     assert all(math.isnan(x) for x in bootstrap_mean_interval([]))
 
 
+def test_sign_flip_p_values_are_exact_for_few_units():
+    assert sign_flip_p([0.5]) == 1.0  # one unit: both signs tie, nothing can be concluded
+    assert sign_flip_p([0.0, 0.0]) == 1.0
+    assert sign_flip_p([1, 2, 3, 4]) == pytest.approx(2 / 16)  # only all-plus and all-minus reach |10|
+    assert sign_flip_p([1, -1, 2]) == pytest.approx(6 / 8)  # |±1 ±1 ±2| ≥ 2 but for the two sums of 0
+    assert sign_flip_p([1.0] * 6) == pytest.approx(2 / 64)
+    # Many units: Monte Carlo, (hits + 1) / (draws + 1), seeded.
+    many = [1.0] * 20
+    assert sign_flip_p(many, n_draws=500, seed=3) == pytest.approx(1 / 501) == sign_flip_p(many, n_draws=500, seed=3)
+
+
+def test_paired_bootstrap_with_one_unit_or_one_difference_claims_nothing():
+    """A paired bootstrap p-value was 0 ("significant") for one unit with any non-zero difference,
+    and its interval had zero width; now p = 1 and there is no interval."""
+    one = paired_bootstrap([0.5], [0.0])
+    assert (one.difference, one.p_value, one.significant) == (0.5, 1.0, False)
+    assert math.isnan(one.low) and math.isnan(one.high)
+    flat = paired_bootstrap([0.25, 0.25, 0.25], [0.0, 0.0, 0.0])
+    assert flat.p_value == pytest.approx(2 / 8) and math.isnan(flat.low) and flat.test == PAIRED_TEST
+
+
 def test_paired_bootstrap_identical_and_shifted():
     same = paired_bootstrap([0.1, 0.5, 0.9], [0.1, 0.5, 0.9])
     assert same.p_value == 1.0 and same.difference == 0.0 and not same.significant
@@ -140,7 +163,7 @@ def test_compare_policies_pairs_on_the_same_tasks_and_states():
     assert (pair["task_success"]["only_a"], pair["task_success"]["only_b"]) == (4, 0)
     assert pair["task_success"]["p_value"] == pytest.approx(0.125)
     assert pair["task_success"]["verdict"] == "no significant difference"
-    assert pair["turn_fraction"]["test"] == "paired bootstrap" and pair["turn_fraction"]["difference"] == pytest.approx(0.2)
+    assert pair["turn_fraction"]["test"] == PAIRED_TEST and pair["turn_fraction"]["difference"] == pytest.approx(0.2)
     (lp,) = stats["local"]["heldout_greedy"]["pairs"]
     assert (lp["only_a"], lp["only_b"], lp["p_value"], lp["verdict"]) == (0, 0, 1.0, "no significant difference")
     md = "\n".join(comparison_markdown(stats))
@@ -166,14 +189,14 @@ def test_bootstrap_of_all_zero_or_all_one_units_is_not_zero_width():
     assert (est, lo) == (0.0, 0.0) and hi == pytest.approx(wilson_interval(0, 12)[1]) and hi > 0.2
     est, lo, hi = bootstrap_mean_interval([1.0] * 10, proportion=True)
     assert (est, hi) == (1.0, 1.0) and lo == pytest.approx(wilson_interval(10, 10)[0]) and lo < 0.75
-    # a constant rate that is not 0 or 1, a mean that is not a rate, and a paired difference of 0
-    # everywhere keep their (zero-width) bootstrap
+    # a constant rate that is not 0 or 1 and a mean that is not a rate keep their (zero-width)
+    # bootstrap; a paired difference of 0 everywhere gets no interval (paired_bootstrap)
     assert bootstrap_mean_interval([0.25] * 5, proportion=True) == (0.25, 0.25, 0.25)
     assert bootstrap_mean_interval([0.0] * 12) == (0.0, 0.0, 0.0)
     from pivotrl.evaluation.stats import paired_bootstrap
 
     same = paired_bootstrap([0.5, 0.0, 0.25], [0.5, 0.0, 0.25])
-    assert (same.difference, same.low, same.high, same.p_value) == (0.0, 0.0, 0.0, 1.0)
+    assert (same.difference, same.p_value) == (0.0, 1.0) and math.isnan(same.low) and math.isnan(same.high)
 
 
 def test_turn_pass_of_a_policy_that_passed_nothing_says_which_interval():
