@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -76,15 +77,52 @@ def _node(args: argparse.Namespace) -> int:
     # deepspeed: every node starts its own ranks; no ssh between nodes
     settings = LaunchConfig.of(training, node_rank=int(rank) if rank is not None else 0,
                                no_ssh=launcher == "deepspeed", **overrides)
+    own = args.workdir is None  # a folder of our own is removed at the end, whatever the outcome
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="pivotrl-launch-"))
-    workdir.mkdir(parents=True, exist_ok=True)
-    local_spec = workdir / "rl_stage-spec.json"
-    local_spec.write_text(json.dumps({**spec, "output": str(workdir / "rl_stage-result.json")}))
-    cmd = render_launch_command(settings, entry="rl_stage", spec_path=local_spec, python=args.python)
-    print(" ".join(cmd), flush=True)
-    if args.dry_run:
-        return 0
-    return subprocess.run(cmd, env=launch_env(settings)).returncode
+    try:
+        workdir.mkdir(parents=True, exist_ok=True)
+        local_spec = workdir / "rl_stage-spec.json"
+        local_spec.write_text(json.dumps({**spec, "output": str(workdir / "rl_stage-result.json")}))
+        cmd = render_launch_command(settings, entry="rl_stage", spec_path=local_spec, python=args.python)
+        print(" ".join(cmd), flush=True)
+        if args.dry_run:
+            return 0
+        return _supervise(cmd, launch_env(settings), settings.node_rank)
+    finally:
+        if own:
+            shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _supervise(cmd: list[str], env: dict[str, str], node_rank: int) -> int:
+    """Run the launcher in its own session; SIGINT/SIGTERM to this process stops the launcher and
+    every rank it started (a stop of this process alone orphaned the ranks before) and exits 130."""
+    import signal
+    import time
+
+    from pivotrl.pipeline.processes import descendants, stop_tree
+
+    t0 = time.time()
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+    stopping: list[int] = []
+
+    def stop(signum: int, _frame: Any) -> None:
+        stopping.append(signum)
+        tree = [p for p in descendants() if p.pid == proc.pid] + descendants(proc.pid)
+        stop_tree(tree, grace_s=10.0)
+
+    old = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        rc = proc.wait()
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+    if stopping:
+        print(f"node {node_rank}: stopped by {signal.Signals(stopping[0]).name}; the launcher and its ranks are "
+              "stopped (a restart with the same spec resumes from the latest checkpoint)", file=sys.stderr, flush=True)
+        return 130
+    print(f"node {node_rank}: training {'finished' if rc == 0 else f'failed (exit code {rc})'} after "
+          f"{time.time() - t0:.0f} s", flush=True)
+    return rc
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -259,3 +259,34 @@ def test_multinode_launch_spec_goes_through_storage(tmp_path):
     assert cmd == ["python3", "-m", "deepspeed.launcher.runner", "--hostfile=configs/hostfile", "--num_nodes=2",
                    "--no_ssh", "--node_rank=0", "--num_gpus=8", "--master_addr=node-0", "--master_port=29500",
                    "--module", "pivotrl.training.rl_stage", "--spec", str(tmp_path / "node0" / "rl_stage-spec.json")]
+
+
+def test_a_node_launcher_stopped_alone_stops_every_rank_it_started(tmp_path):
+    """SIGINT to ``launch_train.py node`` itself (a supervisor, not the terminal's process group)
+    stops the launcher and every rank under it; before, the ranks were orphaned and trained on. A
+    stand-in launcher that starts two long-running "ranks" takes torchrun's place."""
+    import signal
+
+    import psutil
+
+    pids = tmp_path / "ranks.txt"
+    standin = ("import subprocess, sys, time; ranks = [subprocess.Popen(['sleep', '300']) for _ in range(2)]; "
+               f"open({str(pids)!r}, 'w').write(' '.join(str(r.pid) for r in ranks)); [r.wait() for r in ranks]")
+    supervisor = ("import os, sys; sys.path.insert(0, sys.argv[1]); import launch_train; "
+                  f"sys.exit(launch_train._supervise([sys.executable, '-c', {standin!r}], dict(os.environ), 1))")
+    proc = subprocess.Popen([sys.executable, "-c", supervisor, str(REPO / "infra" / "multinode")],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 60
+    while not (pids.exists() and pids.read_text().strip()) and time.time() < deadline:
+        time.sleep(0.2)
+    ranks = [int(p) for p in pids.read_text().split()]
+    assert len(ranks) == 2 and all(psutil.pid_exists(p) for p in ranks)
+    os.kill(proc.pid, signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, (out, err)
+    assert "node 1: stopped by SIGINT; the launcher and its ranks are stopped" in err
+    gone = time.time() + 10
+    while any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in ranks) \
+            and time.time() < gone:
+        time.sleep(0.2)
+    assert not [p for p in ranks if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
