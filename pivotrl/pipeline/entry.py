@@ -75,6 +75,12 @@ def run_stage(stage: str, config: dict[str, Any], inputs: dict[str, Any], *, att
     logging.getLogger("pivotrl.pipeline").info("%s stage, %s, %d torch threads", stage, precision.line(),
                                                torch.get_num_threads())
     cfg = with_resolved_dtype(cfg)
+    from pivotrl.pipeline.demos import cache_dir
+    from pivotrl.pipeline.processes import remove_stale_tempdirs
+
+    if cache_dir(cfg).is_dir():  # work folders of stages killed before they removed them
+        for path in remove_stale_tempdirs(cache_dir(cfg)):
+            logging.getLogger("pivotrl.pipeline").info("removed the work folder of a stopped stage: %s", path)
     store = make_store(cfg, attempt=attempt)
     store.manifest_extra = {"precision": precision.record()}
     if stage in ("reference", "probe", "train", "evaluate"):

@@ -100,11 +100,12 @@ _TEMP_DIRS: set[str] = set()
 _TEMP_NAME = re.compile(r"^pivotrl-[A-Za-z0-9_]+-p(\d+)-")
 
 
-def remove_stale_tempdirs() -> list[str]:
-    """Remove the :func:`stage_tempdir` directories (in the system temporary folder, of this user)
-    whose creating process no longer runs; returns their paths."""
+def remove_stale_tempdirs(root: str | os.PathLike[str] | None = None) -> list[str]:
+    """Remove the ``pivotrl-<what>-p<pid>-*`` directories in ``root`` (default: the system
+    temporary folder; :func:`stage_tempdir`'s, or a stage's work folders in the cache directory)
+    of this user whose creating process no longer runs (a stage killed mid-run); returns their paths."""
     removed = []
-    root = Path(tempfile.gettempdir())
+    root = Path(root) if root is not None else Path(tempfile.gettempdir())
     for d in root.glob("pivotrl-*-p*-*"):
         m = _TEMP_NAME.match(d.name)
         if not m or not d.is_dir() or int(m.group(1)) == os.getpid():

@@ -66,7 +66,7 @@ def _launch_ranks(cfg: RunConfig, probe: ProbeResult, ref: ReferenceResult, thre
             "after that finds the trained policy. This run starts the ranks of one machine only.")
     lc = LaunchConfig.of(tr, omp_num_threads=max(1, threads // tr.nproc_per_node))
     log.info("train: starting %d ranks with %s", tr.nproc_per_node, tr.launcher)
-    with tempfile.TemporaryDirectory(prefix="pivotrl-ranks-", dir=cache_dir(cfg)) as tmp:
+    with tempfile.TemporaryDirectory(prefix=f"pivotrl-ranks-p{os.getpid()}-", dir=cache_dir(cfg)) as tmp:
         out = Path(tmp) / "result.json"
         spec = {"config": cfg.model_dump(mode="json"), "output": str(out),
                 "inputs": {"probe": probe.to_dict(), "reference": ref.to_dict()}}
@@ -116,7 +116,9 @@ def stage_train(cfg: RunConfig, store: ArtifactStore, probe: ProbeResult | Mappi
     prompts = [encode_state(s, tok, max_len=cfg.model.max_context - cfg.rollout.max_tokens, **prompt_kwargs(cfg))
                for s in pivots]
     schedule = pivot_schedule(len(pivots), tr.pivots_per_batch, tr.epochs, cfg.run.seed, tr.max_steps)
-    work = Path(tempfile.mkdtemp(prefix="pivotrl-train-", dir=cache))
+    # Named by this process (pivotrl.pipeline.processes.remove_stale_tempdirs: a later stage removes
+    # it if this one is killed before it does).
+    work = Path(tempfile.mkdtemp(prefix=f"pivotrl-train-p{os.getpid()}-", dir=cache))
     trainer = PivotRLTrainer.for_run(cfg, str(rdir))
     # Data parallel: every rank trains; the host ranks (rank 0 alone by default) own the rollout
     # engines and the verifiers (rollout.engine_placement, pivotrl.training.rank_engines).

@@ -136,3 +136,22 @@ def test_a_directory_left_by_a_killed_run_is_removed_by_the_next(tmp_path):
     out = subprocess.run([sys.executable, "-c", code, str(tmp)], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert _stage_dirs(tmp) == []  # the stale one swept, the new one removed at its end
+
+
+def test_work_folders_of_killed_stages_in_the_cache_are_removed_and_live_ones_kept(tmp_path):
+    """A train stage killed mid-run left its work folder (policy exports) in the cache directory;
+    the next stage removes the folders whose creating process is gone, never a live one's."""
+    import os
+
+    from pivotrl.pipeline.processes import remove_stale_tempdirs
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    dead = tmp_path / f"pivotrl-train-p{gone.pid}-abc"
+    mine = tmp_path / f"pivotrl-train-p{os.getpid()}-def"
+    parent = tmp_path / f"pivotrl-ranks-p{os.getppid()}-ghi"
+    other = tmp_path / "pivotrl-train-xyz"  # not named by a process: left alone
+    for d in (dead, mine, parent, other):
+        (d / "hf").mkdir(parents=True)
+    assert remove_stale_tempdirs(tmp_path) == [str(dead)]
+    assert not dead.exists() and mine.exists() and parent.exists() and other.exists()
