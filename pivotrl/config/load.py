@@ -15,9 +15,11 @@ from pivotrl.data.schema import canonical_json
 from pivotrl.errors import ConfigError
 
 
-def key_lines(text: str) -> dict[tuple[Any, ...], int]:
+def key_lines(text: str, duplicates: list[str] | None = None) -> dict[tuple[Any, ...], int]:
     """Key path (mapping keys and list indexes, as in the parsed data) → the 1-based line of that
-    key (or list item) in YAML ``text``; {} for text that does not compose (aliases included)."""
+    key (or list item) in YAML ``text``; {} for text that does not compose (aliases included).
+    ``duplicates`` (when given) receives ``"line 7: training.lr (also at line 3)"`` for every key
+    written twice in one mapping (YAML keeps the last silently)."""
     try:
         root = yaml.compose(text, Loader=yaml.SafeLoader)
     except yaml.YAMLError:
@@ -29,6 +31,9 @@ def key_lines(text: str) -> dict[tuple[Any, ...], int]:
             for key, value in node.value:
                 if isinstance(key, yaml.ScalarNode):
                     here = (*path, key.value)
+                    if here in out and duplicates is not None:
+                        name = ".".join(str(k) for k in here)
+                        duplicates.append(f"line {key.start_mark.line + 1}: {name} (also at line {out[here]})")
                     out.setdefault(here, key.start_mark.line + 1)
                     walk(value, here)
         elif isinstance(node, yaml.SequenceNode):
@@ -137,6 +142,11 @@ def load_config(path_or_url: str | None, overrides: Sequence[str] = ()) -> RunCo
     """
     text = _read_text(path_or_url) if path_or_url is not None else ""
     data = _parse_yaml(text, path_or_url) if path_or_url is not None else {}
+    duplicates: list[str] = []
+    file_lines = key_lines(text, duplicates)
+    if duplicates:
+        raise ConfigError(f"config {path_or_url}: {len(duplicates)} key(s) written twice (YAML would keep the "
+                          "last one silently; remove the other)\n  - " + "\n  - ".join(duplicates))
     if data is None:
         data = {}
     if not isinstance(data, Mapping):
@@ -150,7 +160,7 @@ def load_config(path_or_url: str | None, overrides: Sequence[str] = ()) -> RunCo
     source = path_or_url if not overrides else f"{path_or_url or '(defaults)'} with overrides of {keys}"
     # Lines of the file's keys, except where an override replaced the value (its line is not the cause).
     changed = [tuple(int(k) if k.isdigit() else k for k in o.split("=", 1)[0].strip().split(".")) for o in overrides]
-    lines = {p: n for p, n in key_lines(text).items()
+    lines = {p: n for p, n in file_lines.items()
              if not any(p[:len(c)] == c or c[:len(p)] == p and len(c) > len(p) for c in changed)}
     return parse_config(data, source, lines)
 

@@ -148,6 +148,17 @@ def test_every_problem_is_listed_at_once(tmp_path):
     assert "valid keys of probing: num_probes, lambda_diff," in unknown and "did you mean 'num_probes'?" in unknown
 
 
+def test_a_key_written_twice_is_an_error_naming_both_lines(tmp_path):
+    path = tmp_path / "dup.yaml"
+    path.write_text("training:\n  lr: 1.0e-5\n  beta: 0.1\n  lr: 2.0e-5\nprobing:\n  num_probes: 4\n"
+                    "training:\n  epochs: 1\n", encoding="utf-8")
+    with pytest.raises(ConfigError) as e:
+        load_config(str(path))
+    lines = str(e.value).splitlines()
+    assert lines[0] == f"config {path}: 2 key(s) written twice (YAML would keep the last one silently; remove the other)"
+    assert lines[1:] == ["  - line 4: training.lr (also at line 2)", "  - line 7: training (also at line 1)"]
+
+
 def test_each_problem_names_its_line_in_the_file_unless_an_override_set_it(tmp_path):
     path = tmp_path / "bad.yaml"
     path.write_text(
