@@ -69,15 +69,19 @@ def _preflight(cfg, storage: bool = True) -> None:
     from pivotrl.models import check_model_source
     from pivotrl.storage_check import check_storage
 
+    problems = []
     try:
         check_model_source(cfg.model.source)
     except ModelError as e:
-        typer.echo(f"model error: {e}\n(the smoke config's tiny model is created by `make smoke`)", err=True)
-        raise typer.Exit(2)
+        smoke = Path(cfg.model.source).as_posix().rstrip("/").endswith("runs/models/tiny")
+        problems.append(f"model error: {e}" + ("\n(the smoke config's tiny model is created by `make smoke`)"
+                                               if smoke else ""))
     try:
         check_sources_exist(cfg.data.sources)
     except SourceNotFoundError as e:
-        typer.echo(f"data error: {e}", err=True)
+        problems += [f"data error: {line}" for line in str(e).splitlines()]
+    if problems:  # every missing input at once
+        typer.echo("\n".join(problems), err=True)
         raise typer.Exit(2)
     if not storage:
         return

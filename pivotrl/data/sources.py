@@ -54,8 +54,9 @@ def check_sources_exist(sources: Iterable[Any]) -> None:
     (``s3://`` …) and BFCL sources pass; they are read, and checked, by the demonstrations stage.
 
     Raises:
-        SourceNotFoundError: naming the source (``data.sources[i]``) and its URL.
+        SourceNotFoundError: naming every missing source (``data.sources[i]``) and its URL, one a line.
     """
+    missing = []
     for i, src in enumerate(sources):
         url = getattr(src, "url", None)
         if getattr(src, "kind", None) != "chat" or not url:
@@ -66,7 +67,9 @@ def check_sources_exist(sources: Iterable[Any]) -> None:
         local = os.path.expanduser(path if protocol is None else fsspec.core.strip_protocol(url))
         if not os.path.isfile(local):
             what = "is a directory, not a file" if os.path.isdir(local) else "no such file"
-            raise SourceNotFoundError(f"data.sources[{i}] (chat): {url}: {what}")
+            missing.append(f"data.sources[{i}] (chat): {url}: {what}")
+    if missing:
+        raise SourceNotFoundError("\n".join(missing))
 
 
 def _too_big(url: str, loc: str, size: int, rid: str = "") -> DataError:

@@ -56,7 +56,7 @@ def test_run_stops_before_the_flow_on_a_missing_model(tmp_path) -> None:
 
     proc = subprocess.run(
         [sys.executable, "-m", "pivotrl.flows.cli", "run", "--config", "configs/smoke.yaml",
-         "--set", f"run.storage_root={tmp_path / 'root'}", "--set", f"model.source={tmp_path / 'tiny-model'}"],
+         "--set", f"run.storage_root={tmp_path / 'root'}", "--set", f"model.source={tmp_path / 'runs' / 'models' / 'tiny'}"],
         capture_output=True, text=True, timeout=120, cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
     )
     assert proc.returncode == 2

@@ -130,7 +130,15 @@ def test_pivotrl_config_stops_on_a_missing_model_or_demonstration_file(tmp_path)
     out = CliRunner().invoke(app, [*base, "--set", f"data.sources=[{{kind: chat, url: 'file://{tmp_path}'}}]"])
     assert out.exit_code == 2 and "is a directory, not a file" in out.output
     out = CliRunner().invoke(app, [*base, "--set", f"model.source={tmp_path / 'no-model'}"])
-    assert out.exit_code == 2 and "model error: model source" in out.output
+    assert out.exit_code == 2 and "model error: model source" in out.output and "make smoke" not in out.output
+    # every missing input at once: the model and each missing chat file, one a line
+    out = CliRunner().invoke(app, [*base, "--set", f"model.source={tmp_path / 'runs/models/tiny'}", "--set",
+                                   f"data.sources=[{{kind: chat, url: {tmp_path / 'a.jsonl'}}}, "
+                                   f"{{kind: chat, url: {tmp_path / 'b.jsonl'}}}]"])
+    assert out.exit_code == 2
+    assert "model error: model source" in out.output and "created by `make smoke`" in out.output
+    assert f"data error: data.sources[0] (chat): {tmp_path / 'a.jsonl'}: no such file" in out.output
+    assert f"data error: data.sources[1] (chat): {tmp_path / 'b.jsonl'}: no such file" in out.output
     demos.write_text("")
     out = CliRunner().invoke(app, [*base, "--set", f"data.sources=[{{kind: chat, url: {demos}}}, "
                                                    "{kind: chat, url: 's3://bucket/demos.jsonl'}]"])
