@@ -64,11 +64,16 @@ class RunSection(Section):
 
 
 # ---------------------------------------------------------------------------------------- data
+#: The BFCL categories the loader converts (pivotrl.data.bfcl: SINGLE_TURN_CATEGORIES + MULTI_TURN_CATEGORIES).
+BFCLCategory = Literal["multi_turn_base", "simple_python", "multiple", "parallel", "parallel_multiple"]
+
+
 class BFCLSource(Section):
     kind: Literal["bfcl"] = Field("bfcl", description="Source type: BFCL categories from the pinned bfcl-eval wheel.")
-    categories: list[Annotated[str, Field(pattern=r"^[a-z0-9_]+$")]] = Field(
+    categories: list[BFCLCategory] = Field(
         min_length=1,
-        description="BFCL category names, e.g. multi_turn_base, simple_python, multiple.",
+        description="BFCL category names: multi_turn_base (multi-turn, executed in BFCL's simulators), "
+                    "simple_python, multiple, parallel, parallel_multiple.",
     )
     limit_per_category: Int | None = Field(
         None, ge=1, description="Keep only the first N records of each category (null = all)."

@@ -355,6 +355,10 @@ def test_config_choices_match_the_registries():
         return sorted(typing.get_args(fields[name].annotation))
 
     assert choices("advantage_estimator") == objective.ADVANTAGE_ESTIMATORS.names()
+    from pivotrl.config.sections import BFCLCategory
+    from pivotrl.data.bfcl import MULTI_TURN_CATEGORIES, SINGLE_TURN_CATEGORIES
+
+    assert sorted(typing.get_args(BFCLCategory)) == sorted(SINGLE_TURN_CATEGORIES + MULTI_TURN_CATEGORIES)
     assert choices("kl_estimator") == KL_ESTIMATORS.names()
     assert choices("ratio_type") == RATIO_TYPES.names()
 
