@@ -87,7 +87,7 @@ class RunConfig(Section):
         if ro.num_engines not in (1, engines):
             raise _rule("rollout.num_engines", ro.num_engines,
                         f"with engine_placement {ro.engine_placement} the layout gives {engines} engine(s) "
-                        f"(one every {span} of the {tr.world_size} ranks): leave 1 or give {engines}")
+                        f"(one every {span} of the {tr.world_size} ranks): set it to 1 (the layout's count) or {engines}")
         if ro.engine != "vllm" or ro.tensor_parallel_size <= span:
             return
         raise _rule("rollout.tensor_parallel_size", ro.tensor_parallel_size,

@@ -93,9 +93,13 @@ def _full_task(per_task: pd.DataFrame, policies: Sequence[str], seed: int) -> di
 
 
 def _local(local: pd.DataFrame, kind: str, policies: Sequence[str], seed: int) -> dict[str, Any]:
-    df = local[(local["kind"] == kind) & (local["status"] == "ok") & local["policy"].isin(policies)]
+    mine = local[(local["kind"] == kind) & local["policy"].isin(policies)]
+    df = mine[mine["status"] == "ok"]
     unit = ["state_id", "seed"]
-    out: dict[str, Any] = {"per_policy": {}, "pairs": []}
+    # states of this kind left out, by reason (one row per state, policy and seed: count states)
+    left = mine[mine["status"] != "ok"].drop_duplicates(["state_id", "status"])
+    out: dict[str, Any] = {"per_policy": {}, "pairs": [],
+                           "not_evaluated": {str(k): int(v) for k, v in left["status"].value_counts().items()}}
     greedy = len(df) > 0 and bool((df["n_samples"] == 1).all())
     for p in policies:
         g = df[df["policy"] == p]
@@ -173,7 +177,9 @@ def comparison_markdown(stats: dict[str, Any]) -> list[str]:
         lines.append("")
     for kind, block in (stats.get("local") or {}).items():
         if not block["per_policy"]:
-            lines += [f"### Local accuracy: {kind}", "", "No state evaluated (none, or all too long).", ""]
+            why = ", ".join(f"{n} {status.replace('_', ' ')}" for status, n in (block.get("not_evaluated") or {}).items())
+            lines += [f"### Local accuracy: {kind}", "",
+                      f"No state evaluated ({why})." if why else "No state of this kind.", ""]
             continue
         lines += [f"### Local accuracy: {kind}", "", "| policy | accuracy |", "|---|---|"]
         lines += [f"| {p} | {_ci(r)} |" for p, r in block["per_policy"].items()]
@@ -190,14 +196,12 @@ _VERDICT_MEASURES = ((("full_task",), "task_success", "full-task success", "task
                      (("local", "out_of_domain_greedy"), None, "local accuracy, out-of-domain states (greedy)", "states"))
 
 
-def verdict_lines(stats: Mapping[str, Any] | None, a: str = "pivotrl", b: str = "reference",
-                  names: Mapping[str, str] | None = None) -> list[str]:
-    """Markdown lines of a report's opening verdict: policy ``a`` against ``b`` on each measure
-    both were evaluated on, as rate vs rate, A − B with its 95% interval, the test, p and n, and
-    the decision ("no significant difference" unless p < 0.05). [] without such a pair."""
-    names = names or {}
-    shown = {p: names.get(p, p) for p in (a, b)}
-    out: list[str] = []
+def verdict(stats: Mapping[str, Any] | None, a: str = "pivotrl", b: str = "reference") -> list[dict[str, Any]]:
+    """Policy ``a`` against ``b`` on each measure both were evaluated on, as JSON-able rows:
+    measure, unit, a, b, rate_a, rate_b, difference (a − b), low, high (its 95% interval, None
+    without one), test, p_value, n, significant, decision ("a better" / "b better" / "no
+    significant difference"). [] without such a pair."""
+    out: list[dict[str, Any]] = []
     for path, field, label, unit in _VERDICT_MEASURES:
         block: Any = stats or {}
         for key in path:
@@ -213,13 +217,30 @@ def verdict_lines(stats: Mapping[str, Any] | None, a: str = "pivotrl", b: str = 
         for p in (a, b):
             r = (block.get("per_policy") or {}).get(p) or {}
             r = r.get({"task_success": "task_success", "turn_fraction": "turn_pass"}[field]) if field else r
-            rates.append("n/a" if not r or r.get("rate") is None else f"{r['rate']:.3f}")
-        decision = d["verdict"] if not d["significant"] else f"{shown[a] if d['difference'] > 0 else shown[b]} better"
-        unit_n = unit if d["n"] != 1 else unit[:-1]
-        out.append(f"- {label}: {rates[0]} vs {rates[1]}, {signed(d['difference'])} ({difference_ci(d)}; {d['test']} "
-                   f"p = {d['p_value']:.3g}; n = {d['n']} {unit_n}): **{decision}**")
-    if not out:
+            rates.append(None if not r else r.get("rate"))
+        better = None if not d["significant"] else a if d["difference"] > 0 else b
+        out.append({"measure": label, "unit": unit, "a": a, "b": b, "rate_a": rates[0], "rate_b": rates[1],
+                    "difference": d["difference"], "low": d.get("low"), "high": d.get("high"), "test": d["test"],
+                    "p_value": d["p_value"], "n": d["n"], "significant": d["significant"], "better": better,
+                    "decision": f"{better} better" if better else "no significant difference"})
+    return out
+
+
+def verdict_lines(stats: Mapping[str, Any] | None, a: str = "pivotrl", b: str = "reference",
+                  names: Mapping[str, str] | None = None) -> list[str]:
+    """Markdown lines of a report's opening :func:`verdict`: per measure rate vs rate, A − B with
+    its 95% interval, the test, p and n, and the decision (policies shown by ``names``)."""
+    rows = verdict(stats, a, b)
+    if not rows:
         return []
+    shown = {p: (names or {}).get(p, p) for p in (a, b)}
+    out = []
+    for v in rows:
+        rates = ["n/a" if r is None else f"{r:.3f}" for r in (v["rate_a"], v["rate_b"])]
+        decision = f"{shown[v['better']]} better" if v["better"] else v["decision"]
+        unit = v["unit"] if v["n"] != 1 else v["unit"][:-1]
+        out.append(f"- {v['measure']}: {rates[0]} vs {rates[1]}, {signed(v['difference'])} ({difference_ci(v)}; "
+                   f"{v['test']} p = {v['p_value']:.3g}; n = {v['n']} {unit}): **{decision}**")
     return ["## Verdict", "", f"{shown[a]} against {shown[b]} on the same held-out items (A − B):", "", *out, ""]
 
 

@@ -18,7 +18,7 @@ import pandas as pd
 
 from pivotrl.errors import ConfigError, StorageError
 from pivotrl.evaluation.comparison import (
-    comparison_markdown, floor_note, format_meta_value, format_rate, stats_name, turn_interval, verdict_lines,
+    comparison_markdown, floor_note, format_meta_value, format_rate, stats_name, turn_interval, verdict, verdict_lines,
 )
 from pivotrl.storage.files import atomic_file
 
@@ -141,6 +141,7 @@ def build_report(
         },
         "plots": plots,
         "statistics": None if statistics is None else dict(statistics),
+        "verdict": verdict(statistics),  # PivotRL against π_ref, per measure (the markdown's opening)
         "known_limits": list(KNOWN_LIMITS) + floor_note(rows),
     }
     json_path = out / "report.json"

@@ -30,7 +30,7 @@ def full_task_metric(judge: str, max_steps_per_turn: int, n_tasks: int, n_catego
     if max_steps_per_turn != BFCL_STEP_LIMIT:
         diffs.append(f"step limit: {max_steps_per_turn} per turn, BFCL's is {BFCL_STEP_LIMIT}")
     if n_tasks != n_category:
-        diffs.append(f"subset: {n_tasks} held-out tasks of the {n_category}")
+        diffs.append(f"subset: {n_tasks} held-out task{'s' if n_tasks != 1 else ''} of the {n_category}")
     if not same_prompt_and_decoder:
         diffs.extend(_ALWAYS_DIFFERENT)
     return (BFCL_METRIC if not diffs else "full-task success (BFCL's checker)" if judge == "bfcl"

@@ -140,7 +140,7 @@ def test_paired_bootstrap_identical_and_shifted():
 def test_compare_policies_pairs_on_the_same_tasks_and_states():
     import pandas as pd
 
-    from pivotrl.evaluation.comparison import compare_policies, comparison_markdown, verdict_lines
+    from pivotrl.evaluation.comparison import compare_policies, comparison_markdown, verdict, verdict_lines
 
     a = [1, 1, 1, 1, 1, 0, 0, 0, 0, 0]  # pivotrl: 5/10
     b = [1, 0, 0, 0, 0, 0, 0, 0, 0, 0]  # reference: 1/10; only-a 4, only-b 0 → p = 2/16
@@ -170,17 +170,22 @@ def test_compare_policies_pairs_on_the_same_tasks_and_states():
     assert "| pivotrl | 0.500 (5/10, 95% CI 0.237–0.763) |" in md and "no significant difference" in md
     # The report's opening verdict: PivotRL against the reference, each measure with Δ, interval, test, p, n.
     lo, hi = paired_difference_interval(1, 4, 0, 5)
-    verdict = verdict_lines(stats, names={"reference": "π_ref"})
-    assert verdict[:3] == ["## Verdict", "", "pivotrl against π_ref on the same held-out items (A − B):"]
-    assert verdict[4] == (f"- full-task success: 0.500 vs 0.100, +0.400 (95% CI {lo:+.3f}–{hi:+.3f}; exact McNemar "
+    opening = verdict_lines(stats, names={"reference": "π_ref"})
+    assert opening[:3] == ["## Verdict", "", "pivotrl against π_ref on the same held-out items (A − B):"]
+    assert opening[4] == (f"- full-task success: 0.500 vs 0.100, +0.400 (95% CI {lo:+.3f}–{hi:+.3f}; exact McNemar "
                           "p = 0.125; n = 10 tasks): **no significant difference**")
-    assert verdict[5].startswith("- turns passed per task: 0.250 vs 0.050, +0.200 (95% CI ")
-    assert verdict[6].startswith("- local accuracy, held-out states (greedy): 0.500 vs 0.500, +0.000 (95% CI ")
-    assert verdict[6].endswith("exact McNemar p = 1; n = 6 states): **no significant difference**")
+    assert opening[5].startswith("- turns passed per task: 0.250 vs 0.050, +0.200 (95% CI ")
+    assert opening[6].startswith("- local accuracy, held-out states (greedy): 0.500 vs 0.500, +0.000 (95% CI ")
+    assert opening[6].endswith("exact McNemar p = 1; n = 6 states): **no significant difference**")
     # Asked the other way round, every difference and interval flips.
     flipped = verdict_lines(stats, a="reference", b="pivotrl")
     assert f"-0.400 (95% CI {-hi:+.3f}–{-lo:+.3f}; exact McNemar p = 0.125; n = 10 tasks)" in flipped[4]
     assert verdict_lines(stats, a="pivotrl", b="e2e") == []
+    (first, *_) = verdict(stats)  # the same rows, as report.json holds them
+    assert {k: first[k] for k in ("measure", "a", "b", "rate_a", "rate_b", "n", "test", "better", "decision")} == {
+        "measure": "full-task success", "a": "pivotrl", "b": "reference", "rate_a": 0.5, "rate_b": 0.1, "n": 10,
+        "test": "exact McNemar", "better": None, "decision": "no significant difference"}
+    assert (first["difference"], first["low"], first["high"]) == (pytest.approx(0.4), lo, hi)
 
 
 def test_bootstrap_of_all_zero_or_all_one_units_is_not_zero_width():
