@@ -32,6 +32,12 @@ else
 fi
 "$VENV/bin/python" - <<'PY'
 import importlib
+import os
+
+import torch
+
+if not torch.cuda.is_available():  # DeepSpeed would warn that it found no GPU
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
 for name in ("torch", "transformers", "prefect", "deepspeed", "vllm", "pivotrl"):
     importlib.import_module(name)
 print("environment ready")
