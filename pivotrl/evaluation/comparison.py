@@ -189,11 +189,26 @@ def comparison_markdown(stats: dict[str, Any]) -> list[str]:
     return lines
 
 
-#: Measures the verdict reads, in order: (block path, pair field, label, unit of n).
-_VERDICT_MEASURES = ((("full_task",), "task_success", "full-task success", "tasks"),
-                     (("full_task",), "turn_fraction", "turns passed per task", "tasks"),
-                     (("local", "heldout_greedy"), None, "local accuracy, held-out states (greedy)", "states"),
-                     (("local", "out_of_domain_greedy"), None, "local accuracy, out-of-domain states (greedy)", "states"))
+#: Measures the verdict reads, in order: (block path, pair field, per-policy field, label, unit of n).
+_VERDICT_MEASURES = ((("full_task",), "task_success", "task_success", "full-task success", "tasks"),
+                     (("full_task",), "turn_fraction", "turn_pass", "turns passed per task", "tasks"),
+                     (("local", "heldout_greedy"), None, None, "local accuracy, held-out states (greedy)", "states"),
+                     (("local", "out_of_domain_greedy"), None, None, "local accuracy, out-of-domain states (greedy)",
+                      "states"))
+
+
+def oriented_pair(block: Mapping[str, Any] | None, a: str, b: str, field: str | None = None) -> dict[str, Any] | None:
+    """The paired comparison of ``a`` and ``b`` in a statistics block (its ``field``, e.g.
+    ``task_success``, or the pair itself), as a − b whichever order it was stored in: the
+    difference and its interval flipped for a pair stored as b − a. None without such a pair."""
+    pair = next((q for q in (block or {}).get("pairs", []) if {q["a"], q["b"]} == {a, b}), None)
+    if pair is None:
+        return None
+    d = dict(pair[field] if field else pair)
+    if pair["a"] != a:
+        d.update(difference=-d["difference"], low=None if d.get("high") is None else -d["high"],
+                 high=None if d.get("low") is None else -d["low"])
+    return d
 
 
 def verdict(stats: Mapping[str, Any] | None, a: str = "pivotrl", b: str = "reference") -> list[dict[str, Any]]:
@@ -202,21 +217,17 @@ def verdict(stats: Mapping[str, Any] | None, a: str = "pivotrl", b: str = "refer
     without one), test, p_value, n, significant, decision ("a better" / "b better" / "no
     significant difference"). [] without such a pair."""
     out: list[dict[str, Any]] = []
-    for path, field, label, unit in _VERDICT_MEASURES:
+    for path, field, rate_field, label, unit in _VERDICT_MEASURES:
         block: Any = stats or {}
         for key in path:
             block = (block or {}).get(key) or {}
-        pair = next((q for q in block.get("pairs", []) if {q["a"], q["b"]} == {a, b}), None)
-        if pair is None:
+        d = oriented_pair(block, a, b, field)
+        if d is None:
             continue
-        d = dict(pair[field] if field else pair)
-        if pair["a"] != a:  # the stored pair is b − a
-            d.update(difference=-d["difference"], low=None if d.get("high") is None else -d["high"],
-                     high=None if d.get("low") is None else -d["low"])
         rates = []
         for p in (a, b):
             r = (block.get("per_policy") or {}).get(p) or {}
-            r = r.get({"task_success": "task_success", "turn_fraction": "turn_pass"}[field]) if field else r
+            r = r.get(rate_field) if rate_field else r
             rates.append(None if not r else r.get("rate"))
         better = None if not d["significant"] else a if d["difference"] > 0 else b
         out.append({"measure": label, "unit": unit, "a": a, "b": b, "rate_a": rates[0], "rate_b": rates[1],

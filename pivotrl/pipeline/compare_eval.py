@@ -25,7 +25,7 @@ import pandas as pd
 from pivotrl.code_digest import code_digest
 from pivotrl.config import RunConfig
 from pivotrl.data.schema import content_hash
-from pivotrl.evaluation.comparison import difference_ci, signed
+from pivotrl.evaluation.comparison import difference_ci, oriented_pair, signed
 from pivotrl.ledger import CostLedger
 from pivotrl.pipeline.common import local_checkpoint, make_rollout_engine, make_verifier, prompt_kwargs, sampling_for
 from pivotrl.pipeline.compare import _CODE, pivotrl_ledger
@@ -43,16 +43,6 @@ def _rate(stats: Mapping[str, Any], *path: str) -> float | None:
     for p in path:
         node = (node or {}).get(p)
     return None if node is None else node.get("rate")
-
-
-def _pair(block: Mapping[str, Any] | None, a: str, b: str, field: str | None = None) -> dict[str, Any] | None:
-    for pair in (block or {}).get("pairs", []):
-        if {pair["a"], pair["b"]} == {a, b}:
-            d = dict(pair[field] if field else pair)
-            if pair["a"] != a:  # difference is a − b
-                d["difference"] = -d["difference"]
-            return d
-    return None
 
 
 def _success(stats: Mapping[str, Any], p: str) -> float | None:
@@ -93,9 +83,9 @@ def claims(stats: Mapping[str, Any], ledgers: Mapping[str, CostLedger]) -> list[
     """One sentence per claim of the paper, decided at this run's scale by the paired tests."""
     local = stats.get("local") or {}
     full = stats.get("full_task")
-    ind = _pair(local.get("heldout_greedy"), "pivotrl", "sft")
-    ood = _pair(local.get("out_of_domain_greedy"), "pivotrl", "sft")
-    e2e = _pair(full, "pivotrl", "e2e", "task_success")
+    ind = oriented_pair(local.get("heldout_greedy"), "pivotrl", "sft")
+    ood = oriented_pair(local.get("out_of_domain_greedy"), "pivotrl", "sft")
+    e2e = oriented_pair(full, "pivotrl", "e2e", "task_success")
 
     def holds(d: dict[str, Any] | None) -> str:
         if d is None:
