@@ -12,17 +12,11 @@ from prefect import flow, get_run_logger
 
 
 def _checked_config(config_path: str, overrides: list[str] | None) -> dict[str, Any]:
-    """The validated config as JSON, sized to this machine (``run.sizing``, pivotrl.sizing), after
-    checking its storage root (credentials, endpoint, bucket) so that a root that cannot work fails
-    before any stage runs (StorageAccessError, not retried)."""
-    from pivotrl.config import load_config
-    from pivotrl.storage_check import check_storage
+    """The prepared config (:func:`pivotrl.pipeline.prepare.prepared_config`) as JSON, the form
+    the tasks take."""
+    from pivotrl.pipeline.prepare import prepared_config
 
-    from pivotrl.sizing import sized_config
-
-    cfg = load_config(config_path, overrides or [])
-    check_storage(cfg.run.storage_root, cfg.run.storage_options)
-    return sized_config(cfg, overrides or [], echo=print).model_dump(mode="json")  # run.sizing
+    return prepared_config(config_path, overrides).model_dump(mode="json")
 
 
 @flow(name="pivotrl-nightly", log_prints=True)

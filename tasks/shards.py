@@ -3,7 +3,7 @@ and the pieces sharded evaluation (:mod:`pivotrl.tasks.eval_shards`) shares with
 cache key, :func:`run_shard`, the task runner, the resources and :func:`wait_for_shards`.
 
 Each shard is its own task run with its own cache key (the shard's content address, see
-:mod:`pivotrl.pipeline.shards`) and ``scale_out.shard_retries`` retries, so a rerun of the flow
+:mod:`pivotrl.pipeline.probe_stage`) and ``scale_out.shard_retries`` retries, so a rerun of the flow
 finds the finished shards in the cache and runs only the missing or failed ones; a shard whose
 tool executions kept failing ends Failed with a message naming the states it could not decide.
 
@@ -74,7 +74,7 @@ def run_shard(stage: str, config: dict[str, Any], inputs: dict[str, Any], shard:
 @task(name="probe-plan", persist_result=False)
 def probe_plan(config: dict[str, Any], inputs: dict[str, Any]) -> dict[str, Any]:
     """The shards of this run's probing (see ``plan_probe_shards``)."""
-    from pivotrl.pipeline.shards import plan_probe_shards
+    from pivotrl.pipeline.probe_stage import plan_probe_shards
 
     return plan_probe_shards(_config_obj(config), _store(config), inputs["demos"], inputs["reference"])
 
@@ -85,7 +85,7 @@ def probe_plan(config: dict[str, Any], inputs: dict[str, Any]) -> dict[str, Any]
 def probe_shard(config: dict[str, Any], inputs: dict[str, Any], shard: dict[str, Any]) -> dict[str, Any]:
     """Probe one shard: in this process with a warm engine on Ray, else in a child process."""
     from pivotrl.pipeline.entry import StageError
-    from pivotrl.pipeline.shards import probe_shard as run_probe_shard, shard_failure
+    from pivotrl.pipeline.probe_stage import probe_shard as run_probe_shard, shard_failure
 
     store = _store(config)
     if store.exists(f"{shard['key']}/failed.json"):
@@ -104,11 +104,11 @@ def probe_shard(config: dict[str, Any], inputs: dict[str, Any], shard: dict[str,
       persist_result=True, result_serializer="json")
 def probe_merge(config: dict[str, Any], inputs: dict[str, Any]) -> dict[str, Any]:
     """Merge the shard tables into the run's probe table and select the pivot set."""
-    from pivotrl.pipeline.shards import merge_probe_shards
+    from pivotrl.pipeline.probe_stage import merge_probe_shards
 
     out, computed = _once("probe-merge", config, {k: inputs[k] for k in ("demos", "reference")},
                           lambda: merge_probe_shards(_config_obj(config), _store(config), inputs["demos"],
-                                                     inputs["reference"], inputs["plan"], inputs["shards"]))
+                                                     inputs["reference"], inputs["plan"]).to_dict())
     publish.probe(out)
     if computed:
         publish.emit_assets(_store(config), [out["probes"], out["pivots"]])

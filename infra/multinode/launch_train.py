@@ -35,14 +35,15 @@ from typing import Any
 
 
 def _prepare(args: argparse.Namespace) -> int:
-    from pivotrl.config import load_config
     from pivotrl.data.schema import content_hash
     from pivotrl.pipeline import stages
+    from pivotrl.pipeline.common import make_store
     from pivotrl.pipeline.demos import build_demonstrations
-    from pivotrl.storage import ArtifactStore
+    from pivotrl.pipeline.prepare import prepared_config
 
-    cfg = load_config(args.config, args.overrides or [])
-    store = ArtifactStore(cfg.run.storage_root, cfg.run.storage_options or None)
+    # The nightly flow's config (validated, storage checked, sized) and stages: the same keys and tables.
+    cfg = prepared_config(args.config, args.overrides or [])
+    store = make_store(cfg)
     demos = build_demonstrations(cfg, store)
     ref = stages.stage_reference(cfg, store, demos)
     probe = stages.stage_probe(cfg, store, demos, ref)

@@ -191,24 +191,31 @@ def prompt_format(cfg: RunConfig, tokenizer: Any) -> Any:
     return resolve_format(tokenizer, cfg.prompt.format, cfg.prompt.tool_parser)
 
 
-def make_verifier(cfg: RunConfig, bfcl_root: Path | str, *, backoff_s: float | None = None,
-                  pool: Any = None, tokenizer: Any = None) -> Any:
-    """The configured verifier (``verifier.name``) with the run's time limit (``verifier.timeout_s``),
-    retry policy (``verifier.retries``; ``backoff_s`` overrides the verifier's default first wait)
-    and tool-fault injection (``faults.tool_failure_rate``/``tool_latency_s``, seeded by ``run.seed``).
+def make_verifier(cfg: RunConfig, bfcl_root: Path | str, tokenizer: Any, *, backoff_s: float | None = None,
+                  pool: Any = None, fail_tools: bool = False) -> Any:
+    """The one verifier of a stage (probing, training, evaluation, every shard of them): the
+    configured verifier (``verifier.name``) reading sampled actions with the run's tool-call parser
+    (``prompt.tool_parser`` resolved for ``tokenizer``), with the run's time limit
+    (``verifier.timeout_s``), retry policy (``verifier.retries``; ``backoff_s`` overrides the
+    verifier's default first wait) and tool-fault injection (``faults.tool_failure_rate``/
+    ``tool_latency_s``, seeded by ``run.seed``).
 
-    ``pool``: a SandboxPool to execute in (its own faults apply); default: the verifier starts one.
+    ``tokenizer``: the policy's tokenizer; required, because a verifier without it would read every
+    hermes or JSON tool call as text (the pythonic parser). ``pool``: a SandboxPool to execute in
+    (its own faults apply); default: the verifier starts one. ``fail_tools``: every tool execution
+    fails (the ``faults.tool_failure_trajectories`` drill; a real worker death per request).
     Its ``stats`` (RetryStats) count sandbox requests, retries and final failures.
     """
     from pivotrl.verifiers import get_verifier
 
     opts: dict[str, Any] = {"timeout_s": cfg.verifier.timeout_s, "retries": cfg.verifier.retries,
-                            "bfcl_root": str(bfcl_root)}
-    faults = FaultInjector.from_config(cfg)
+                            "bfcl_root": str(bfcl_root), "tool_parser": prompt_format(cfg, tokenizer).tool_parser}
+    faults = (FaultInjector(1.0, 0.0, fault_seed(cfg.run.seed, "tools-drill")) if fail_tools
+              else FaultInjector.from_config(cfg))
     if faults is not None:
         opts["faults"] = faults
-    if tokenizer is not None:  # the run's tool-call parser (prompt.tool_parser, resolved for this tokenizer)
-        opts["tool_parser"] = prompt_format(cfg, tokenizer).tool_parser
+    if fail_tools and backoff_s is None:
+        backoff_s = 0.05
     if backoff_s is not None:
         opts["backoff_s"] = backoff_s
     if pool is not None:

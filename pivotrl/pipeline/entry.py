@@ -86,7 +86,7 @@ def run_stage(stage: str, config: dict[str, Any], inputs: dict[str, Any], *, att
     if stage in ("reference", "probe", "train", "evaluate"):
         return _stage_result(stage, cfg, store, inputs).to_dict()
     if stage == "probe_shard":
-        from pivotrl.pipeline.shards import probe_shard
+        from pivotrl.pipeline.probe_stage import probe_shard
 
         return probe_shard(cfg, store, inputs["demos"], inputs["reference"], inputs["shard"])
     if stage == "eval_shard":
@@ -110,7 +110,7 @@ def _stage_result(stage: str, cfg: Any, store: Any, inputs: dict[str, Any]) -> A
         return stage_reference(cfg, store, inputs["demos"])
     ref = ReferenceResult.of(inputs["reference"])
     if stage == "probe":
-        from pivotrl.pipeline.probe import stage_probe
+        from pivotrl.pipeline.probe_stage import stage_probe
 
         return stage_probe(cfg, store, inputs["demos"], ref)
     if stage == "train":

@@ -90,7 +90,7 @@ def eval_shard(cfg: RunConfig, store: ArtifactStore, demos: Mapping[str, Any], r
     from pivotrl.models import load_tokenizer
     from pivotrl.pipeline.common import close_quietly, make_verifier
     from pivotrl.pipeline.demos import cache_dir
-    from pivotrl.pipeline.shards import shard_engine
+    from pivotrl.pipeline.warm_engine import shard_engine
 
     cfg = with_resolved_dtype(cfg)
     ref, probe, train = _typed(ref, probe, train)

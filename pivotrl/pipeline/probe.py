@@ -1,4 +1,4 @@
-"""Stage 3: probe the frozen reference policy on every candidate state and select the pivot set.
+"""The probe table: probe the frozen reference policy on candidate states and select the pivot set.
 
 PivotRL §3, stage 1: for each candidate state ``s``, m = ``probing.num_probes`` actions are sampled
 from π_ref and scored by the verifier; μ̂(s) and the population σ̂²(s) of the m rewards decide
@@ -29,7 +29,7 @@ import pandas as pd
 
 from pivotrl.data.schema import TurnState, content_hash
 from pivotrl.errors import StateTooLongError
-from pivotrl.pipeline.results import ProbeResult, ReferenceResult
+from pivotrl.pipeline.results import ReferenceResult
 
 if TYPE_CHECKING:
     from pivotrl.config import RunConfig
@@ -38,7 +38,9 @@ from pivotrl.rollout.scoring import ScoredState, sample_and_score, verifier_retr
 
 #: 2: each state's samples are seeded by (probing seed, state id), not by its position in a batch,
 #: so a state probes the same in any shard; the table keeps every sample's length.
-PROBE_VERSION = 2
+#: 3: one probe stage at any scale (pivotrl.pipeline.probe_stage); a table written by the old sharded
+#: path (no candidate-kind filter, the pythonic parser for every run) is never reused.
+PROBE_VERSION = 3
 
 
 def state_seed(seed: int, state_id: str) -> int:
@@ -318,79 +320,3 @@ def pivot_set_key(probes_key: str, lambda_diff: float) -> str:
     """``pivots/<16 hex>-<8 hex>``: the pivot set selected with ``lambda_diff`` from the probe table
     under ``probes_key`` (``probes/<16 hex>``)."""
     return probes_key.replace("probes/", "pivots/", 1) + "-" + content_hash({"lambda_diff": lambda_diff})[:8]
-
-
-def stage_probe(cfg: RunConfig, store: ArtifactStore, demos: Mapping[str, Any], ref: ReferenceResult | Mapping[str, Any]) -> ProbeResult:
-    """The probe stage: probe π_ref on the pivot-candidate split (:func:`probe_states`), then apply
-    the pivot rule (λ_diff). The probe table is reused under its content key
-    (:func:`probe_table_key`); the pivot set under that key and λ_diff."""
-    import time
-
-    from pivotrl.data.bfcl import ensure_bfcl
-    from pivotrl.data.states import candidate_kinds_for_pivots, expand_candidates, frame_to_states
-    from pivotrl.pipeline.demos import read_histories
-    from pivotrl.fingerprints import capture_hashes
-    from pivotrl.models import load_tokenizer
-    from pivotrl.pipeline.common import close_quietly, make_rollout_engine, make_verifier, prompt_kwargs, sampling_for
-    from pivotrl.pipeline.demos import cache_dir
-    from pivotrl.pipeline.reference import reference_dir
-    from pivotrl.precision import with_resolved_dtype
-
-    cfg = with_resolved_dtype(cfg)  # model.dtype: auto → bf16 | fp32 on this hardware
-    ref = ReferenceResult.of(ref)
-
-    cand_manifest = store.read_manifest(f"{demos['key']}/candidates.parquet")
-    pkey = probe_table_key(cfg, cand_manifest.sha256, ref)
-    probes_uri = store.url(f"{pkey}/probes.parquet")
-    if not store.exists(f"{pkey}/probes.parquet"):
-        cand = select_candidates(store.read_parquet(f"{demos['key']}/candidates.parquet"), "pivot",
-                                 cfg.probing.max_states, cfg.probing.seed,
-                                 kinds=candidate_kinds_for_pivots(cfg.quality.include_stop_decisions))
-        states = frame_to_states(cand, read_histories(store, demos["key"], cand["trajectory_id"]))
-        rdir = reference_dir(cfg, store, ref)
-        tok = load_tokenizer(rdir)
-        verifier = make_verifier(cfg, ensure_bfcl(cache_dir(cfg)), tokenizer=tok)
-        engine = make_rollout_engine(cfg, rdir)
-        t0 = time.time()
-        try:
-            df = probe_states(
-                engine, tok, states, verifier, num_probes=cfg.probing.num_probes,
-                sampling=sampling_for(cfg, n=cfg.probing.num_probes, temperature=cfg.probing.temperature,
-                                      seed=cfg.probing.seed, top_p=cfg.probing.top_p, top_k=cfg.probing.top_k),
-                max_context=cfg.model.max_context, max_tokens=cfg.rollout.max_tokens, prompt_kwargs=prompt_kwargs(cfg),
-            )
-        finally:
-            engine.close()
-            close_quietly(verifier)
-        store.write_artifact(
-            f"{pkey}/probes.parquet", df, kind="probes",
-            inputs={"candidates": store.url(f"{demos['key']}/candidates.parquet"),
-                    "reference": store.url(ref.ref_key) if ref.ref_key else f"{cfg.model.source}#{ref.base_hash}"},
-            # λ_diff is not part of the probe table's identity (changing it only re-filters).
-            config={**{k: getattr(cfg, k).model_dump(mode="json") for k in ("verifier", "prompt", "rollout", "model")},
-                    "probing": cfg.probing.model_dump(mode="json", exclude={"lambda_diff"})},
-            extra={"seed": cfg.probing.seed, "reference_hash": ref.ref_hash, "verifier": cfg.verifier.name,
-                   "prompt_format": ref.prompt_format,
-                   "wall_s": round(time.time() - t0, 2), **capture_hashes(cfg, tok)},
-        )
-    lam = cfg.probing.lambda_diff
-    vkey = pivot_set_key(pkey, lam)
-    if not store.exists(f"{vkey}/pivots.parquet"):
-        df = apply_pivot_filter(store.read_parquet(f"{pkey}/probes.parquet"), lam)
-        stats = pivot_stats(df, lam)
-        cand = store.read_parquet(f"{demos['key']}/candidates.parquet")
-        kept = df[df["decision"] == "kept"][["state_id", "mu", "var"]]
-        pivots = cand.merge(kept, on="state_id", how="inner").sort_values("state_id").reset_index(drop=True)
-        pivots = expand_candidates(pivots, read_histories(store, demos["key"], pivots["trajectory_id"]))
-        store.write_json(f"{vkey}/stats.json", stats)
-        store.write_text(f"{vkey}/summary.md", stats_markdown(stats))
-        store.write_artifact(
-            f"{vkey}/pivots.parquet", pivots, kind="pivots",
-            inputs={"probes": probes_uri, "candidates": store.url(f"{demos['key']}/candidates.parquet")},
-            config={"lambda_diff": lam, "probing": cfg.probing.model_dump(mode="json")},
-            extra={"reference_hash": ref.ref_hash, "verifier": cfg.verifier.name, "num_pivots": len(pivots),
-                   "prompt_format": ref.prompt_format},
-        )
-    stats = store.read_json(f"{vkey}/stats.json")
-    return ProbeResult(pkey, probes_uri, vkey, store.url(f"{vkey}/pivots.parquet"), stats,
-                       store.read_text(f"{vkey}/summary.md"))

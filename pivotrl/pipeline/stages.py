@@ -1,7 +1,8 @@
 """The heavy pipeline stages, one module each — this module only re-exports them:
 
 - :mod:`pivotrl.pipeline.reference`: resolve the base model, supervised warm start (π_ref);
-- :mod:`pivotrl.pipeline.probe`: probe π_ref on the candidates, the pivot filter (λ_diff);
+- :mod:`pivotrl.pipeline.probe_stage`: probe π_ref on the candidates (in one or many shards), the pivot
+  filter (λ_diff), with the probe table of :mod:`pivotrl.pipeline.probe`;
 - :mod:`pivotrl.pipeline.train`: keys and I/O around the PivotRL loop (:mod:`pivotrl.training.loop`);
 - :mod:`pivotrl.pipeline.evaluate`: base, π_ref and the policy on held-out tasks and states; the report.
 
@@ -13,7 +14,8 @@ that reads and writes artifacts only through the store, so it can run in its own
 from __future__ import annotations
 
 from pivotrl.pipeline.evaluate import stage_evaluate
-from pivotrl.pipeline.probe import probe_table_key, stage_probe
+from pivotrl.pipeline.probe import probe_table_key
+from pivotrl.pipeline.probe_stage import stage_probe
 from pivotrl.pipeline.reference import TRAINER_DTYPE, prompt_identity, reference_dir, stage_reference
 from pivotrl.pipeline.results import EvalResult, ProbeResult, ReferenceResult, TrainResult
 from pivotrl.pipeline.train import stage_train, train_key

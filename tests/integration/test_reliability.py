@@ -22,6 +22,7 @@ from pivotrl.faults import FaultInjector, fault_seed
 from pivotrl.pipeline.common import make_verifier
 from pivotrl.pipeline.probe import apply_pivot_filter, pivot_stats, probe_states, stats_markdown
 from pivotrl.rollout.base import SamplingConfig
+from pivotrl.testing import tiny_tokenizer
 
 # Needs the pinned BFCL data (downloaded once into the cache): not in `make test-fast`.
 pytestmark = pytest.mark.data
@@ -57,7 +58,7 @@ def engine(bfcl):
 
     from pivotrl.prompts import encode_state
     from pivotrl.rollout.hf import TransformersEngine
-    from pivotrl.testing import tiny_llama, tiny_tokenizer
+    from pivotrl.testing import tiny_llama
 
     _, states = bfcl
     tok = tiny_tokenizer()
@@ -95,7 +96,7 @@ def probe(engine, states, verifier):
 @pytest.fixture(scope="module")
 def clean(bfcl, engine, tmp_path_factory):
     root, states = bfcl
-    verifier = make_verifier(run_config(tmp_path_factory.mktemp("clean"), "verifier.retries=8"), root, backoff_s=0.01)
+    verifier = make_verifier(run_config(tmp_path_factory.mktemp("clean"), "verifier.retries=8"), root, engine[1], backoff_s=0.01)
     try:
         df, wall = probe(engine, states, verifier)
     finally:
@@ -124,7 +125,7 @@ def test_injected_tool_faults_change_nothing_but_the_retry_count(bfcl, engine, c
     root, states = bfcl
     clean_df, clean_stats = clean
     cfg = run_config(tmp_path, "verifier.retries=8", "faults.tool_failure_rate=0.3", "faults.tool_latency_s=0.05")
-    verifier = make_verifier(cfg, root, backoff_s=0.01)
+    verifier = make_verifier(cfg, root, engine[1], backoff_s=0.01)
     try:
         df, wall = probe(engine, states, verifier)
         injector = verifier.pool.faults
@@ -215,10 +216,10 @@ def test_fault_draws_are_seeded_private_and_wired_from_the_config(bfcl, tmp_path
     # make_verifier hands the run's faults and retries to the execution verifier, also through auto.
     root, states = bfcl
     cfg = load_config(None, [f"run.storage_root={tmp_path}", "verifier.retries=5", "faults.tool_failure_rate=0.25"])
-    auto = make_verifier(cfg, root)
+    auto = make_verifier(cfg, root, tiny_tokenizer())
     ex = auto.verifier_for(states[0])
     assert ex.retries == 5 and ex.pool.faults.tool_failure_rate == 0.25 and ex.pool.faults.seed == fault_seed(0, "tools")
     auto.close()
-    plain = make_verifier(run_config(tmp_path), root)
+    plain = make_verifier(run_config(tmp_path), root, tiny_tokenizer())
     assert plain.pool.faults is None  # no faults configured: none injected
     plain.close()

@@ -1,4 +1,4 @@
-"""The warm rollout engine a shard worker keeps (pivotrl.pipeline.shards.shard_engine): evaluation
+"""The warm rollout engine a shard worker keeps (pivotrl.pipeline.warm_engine.shard_engine): evaluation
 shards reuse it across policies and shards; a probe shard never gets one whose weights were swapped."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from pivotrl.config import load_config
-from pivotrl.pipeline import shards
+from pivotrl.pipeline import warm_engine as shards
 from pivotrl.testing import save_tiny_checkpoint
 
 REPO = Path(__file__).resolve().parents[2]

@@ -1,0 +1,28 @@
+"""The config a run computes with, prepared the same way by every entry point.
+
+The nightly and probe flows, ``pivotrl compare`` and the multi-node launcher
+(``infra/multinode/launch_train.py prepare``) all start from :func:`prepared_config`, so the same
+config file and overrides give the same stage keys — and the same artifacts — whichever of them ran.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+from pivotrl.config import RunConfig, load_config
+from pivotrl.sizing import sized_config
+from pivotrl.storage_check import check_storage
+
+
+def prepared_config(config_path: str | None, overrides: Sequence[str] | None = None, *,
+                    echo: Callable[[str], Any] | None = print) -> RunConfig:
+    """The validated config at ``config_path`` with ``--set``-style ``overrides``, after checking its
+    storage root (credentials, endpoint, bucket; StorageAccessError, never retried), sized to this
+    machine (``run.sizing``, :func:`pivotrl.sizing.sized_config`; ``echo`` prints the decision).
+
+    Raises ConfigError naming the key and file line of an invalid value, StorageAccessError for a
+    storage root that cannot work.
+    """
+    cfg = load_config(config_path, list(overrides or []))
+    check_storage(cfg.run.storage_root, cfg.run.storage_options)
+    return sized_config(cfg, list(overrides or []), echo=echo)
