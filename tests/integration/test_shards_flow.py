@@ -158,6 +158,39 @@ def test_a_sharded_run_reuses_the_unsharded_probe_table_without_shard_runs(exper
     pd.testing.assert_frame_equal(pivots, clean_pivots)
 
 
+def test_launch_train_prepare_writes_the_nightly_flows_probe_table(expert_model, tmp_path, monkeypatch):
+    """``infra/multinode/launch_train.py prepare`` (demonstrations, π_ref and probing in one process
+    before a multi-node training) and the nightly cluster path (the sharded probe flow) on the same
+    config — the default quality settings, shards of 4 trajectories — write the same probe table and
+    pivot set under the same keys."""
+    import subprocess
+    import sys
+
+    from prefect.testing.utilities import prefect_test_harness
+
+    from pivotrl.flows.nightly import probe_only
+
+    extra = ["scale_out.probe_shard_size=4", "quality.include_stop_decisions=false"]
+    prepared = tmp_path / "prepared"
+    sets = [a for o in _overrides(prepared, expert_model, *extra) for a in ("--set", o)]
+    done = subprocess.run([sys.executable, str(REPO / "infra" / "multinode" / "launch_train.py"), "prepare",
+                           "--config", str(REPO / "configs" / "smoke.yaml"), *sets],
+                          capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert done.returncode == 0, done.stderr[-3000:]
+    spec = json.loads(Path(done.stdout.strip().splitlines()[-1].removeprefix("file://")).read_text())
+    flowed = tmp_path / "flow"
+    monkeypatch.setenv("PREFECT_HOME", str(tmp_path / "prefect"))
+    with prefect_test_harness(server_startup_timeout=120):
+        out = probe_only(config_path=str(REPO / "configs" / "smoke.yaml"),
+                         overrides=_overrides(flowed, expert_model, *extra))
+    probe = ProbeResult.of(out)
+    assert (spec["inputs"]["probe"]["probes_key"], spec["inputs"]["probe"]["pivots_key"]) == (probe.probes_key,
+                                                                                              probe.pivots_key)
+    a, b = _tables(ArtifactStore(str(prepared)), spec["inputs"]["probe"]), _tables(ArtifactStore(str(flowed)), out)
+    pd.testing.assert_frame_equal(a[0], b[0])
+    pd.testing.assert_frame_equal(a[1], b[1])
+
+
 def _results(root: Path, pattern: str) -> list[dict[str, Any]]:
     """The persisted results of the shard task runs under ``root`` whose cache key matches ``pattern``."""
     return [json.loads(json.loads(p.read_text())["result"]) for p in (root / ".prefect-results").glob(pattern)]
