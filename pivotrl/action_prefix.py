@@ -1,14 +1,14 @@
 """Prefix viability of a partial action (:func:`is_viable_prefix`): whether text generated so far
 can still be completed into an action that :func:`pivotrl.actions.parse_action` accepts.
 
-Pure core: standard library only. Importable as ``pivotrl.actions.is_viable_prefix`` too.
+Pure core: standard library only.
 """
 
 from __future__ import annotations
 
 import re
 
-from pivotrl.actions import _raw_calls
+from pivotrl.actions import raw_calls
 from pivotrl.errors import ActionParseError
 
 __all__ = ["is_viable_prefix"]
@@ -94,7 +94,7 @@ def is_viable_prefix(text: str) -> bool:
         i += 1
     if state == _CLOSED:
         try:
-            _raw_calls(s.rstrip())
+            raw_calls(s.rstrip())
         except ActionParseError:
             return False
     return True

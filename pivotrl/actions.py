@@ -43,7 +43,6 @@ import ast
 import io
 import keyword
 import math
-import re
 import tokenize
 import unicodedata
 import warnings
@@ -57,9 +56,9 @@ __all__ = [
     "format_call",
     "format_value",
     "is_action_name",
-    "is_viable_prefix",
     "parse_action",
     "parse_call",
+    "raw_calls",
 ]
 
 
@@ -262,7 +261,9 @@ def _resolve(raw: _RawCall, tools: Sequence[ToolSpec] | None) -> ToolCall:
     return ToolCall(name=name, arguments=args)
 
 
-def _raw_calls(text: str) -> list[_RawCall]:
+def raw_calls(text: str) -> list[_RawCall]:
+    """The calls of a tool-calling action text ``[f(a=1), g()]`` as (name, positional args, keyword args)
+    tuples, unresolved against any tool schema. Raises ActionParseError."""
     body = _parse_expr(text)
     if not isinstance(body, ast.List):
         raise ActionParseError(f"a tool-calling action must be a list of calls, got {type(body).__name__}")
@@ -285,7 +286,7 @@ def parse_action(text: str, tools: Sequence[ToolSpec] | None = None) -> Message:
         raise ActionParseError("empty action")
     if not stripped.startswith("["):
         return Message(role="assistant", content=stripped)
-    calls = tuple(_resolve(raw, tools) for raw in _raw_calls(stripped))
+    calls = tuple(_resolve(raw, tools) for raw in raw_calls(stripped))
     return Message(role="assistant", tool_calls=calls)
 
 
@@ -300,11 +301,3 @@ def parse_call(text: str, tools: Sequence[ToolSpec] | None = None) -> ToolCall:
     if not stripped:
         raise ActionParseError("empty call")
     return _resolve(_raw_call(_parse_expr(stripped)), tools)
-
-
-def __getattr__(name: str) -> Any:
-    if name == "is_viable_prefix":  # lives in pivotrl.action_prefix (it scans with this module's parser)
-        from pivotrl.action_prefix import is_viable_prefix
-
-        return is_viable_prefix
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

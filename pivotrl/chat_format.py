@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pivotrl.chatml import check_chat_template
 from pivotrl.chat_render import _convert, _pieces, render_state_text, sft_examples, state_ids
 from pivotrl.data.schema import Message, ToolCall, ToolSpec
 from pivotrl.errors import ActionParseError, ConfigError
@@ -156,8 +157,6 @@ def resolve_format(tokenizer: Any, format: str = "auto", tool_parser: str = "aut
     does not read back the calls the template writes (naming both and the text); a template whose
     end-of-turn token is not a stop id of the model.
     """
-    from pivotrl.prompts import check_chat_template
-
     if format not in PROMPT_FORMATS:
         raise ConfigError(f"prompt.format = {format!r}: must be one of {', '.join(PROMPT_FORMATS)}")
     if tool_parser != "auto":

@@ -23,6 +23,7 @@ from typing import Any, Sequence
 from pivotrl.data.schema import Message, ToolSpec, Trajectory, TurnState
 from pivotrl.errors import DataError, StateTooLongError
 from pivotrl.tool_parsers import get_tool_parser
+from pivotrl.tool_render import render_tools, truncate_tool_output
 
 __all__ = ["render_state_text", "sft_examples", "state_ids"]
 
@@ -42,12 +43,6 @@ def _special_tokens(tokenizer: Any) -> list[str]:
     return sorted(names, key=len, reverse=True)
 
 
-def _cut(content: str, max_chars: int) -> str:
-    from pivotrl.prompts import _tool_output
-
-    return _tool_output(content, max_chars)
-
-
 def _convert(messages: Sequence[Message], tools: Sequence[ToolSpec], fmt: Any, *, tool_style: str,
              max_tool_output_chars: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
     """OpenAI-style message dicts (and ``tools=``) as the template expects them."""
@@ -60,7 +55,7 @@ def _convert(messages: Sequence[Message], tools: Sequence[ToolSpec], fmt: Any, *
                          for i, c in enumerate(m.tool_calls)]
                 out.append({"role": "assistant", "content": m.content or "", "tool_calls": calls})
             elif m.role == "tool":
-                d = {"role": "tool", "content": _cut(m.content, max_tool_output_chars)}
+                d = {"role": "tool", "content": truncate_tool_output(m.content, max_tool_output_chars)}
                 if m.name:
                     d["name"] = m.name
                 if m.tool_call_id:
@@ -69,8 +64,6 @@ def _convert(messages: Sequence[Message], tools: Sequence[ToolSpec], fmt: Any, *
             else:
                 out.append({"role": m.role, "content": m.content})
         return out, ([t.to_dict() for t in tools] if tools else None)
-    from pivotrl.prompts import render_tools
-
     parser = get_tool_parser(fmt.tool_parser)
     msgs = list(messages)
     own = msgs.pop(0).content.strip() if msgs and msgs[0].role == "system" else ""
@@ -82,7 +75,7 @@ def _convert(messages: Sequence[Message], tools: Sequence[ToolSpec], fmt: Any, *
         if m.role == "assistant":
             out.append({"role": "assistant", "content": parser.format(m)})
             continue
-        text = _TOOL_RESULT + _cut(m.content, max_tool_output_chars) if m.role == "tool" else m.content
+        text = _TOOL_RESULT + truncate_tool_output(m.content, max_tool_output_chars) if m.role == "tool" else m.content
         if out and out[-1]["role"] == "user":  # templates without a tool role want alternating turns
             out[-1] = {"role": "user", "content": out[-1]["content"] + "\n\n" + text}
         else:

@@ -24,15 +24,13 @@ This module never imports prefect, vllm, deepspeed or torch.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from typing import Any, Mapping
 
 from pivotrl.errors import StorageError
-from pivotrl.pivot_diff import PivotChange, PivotDiff, diff_pivots, render_diff  # re-exported
-from pivotrl.pivot_diff import _dotted, _short, _verifier_label
-from pivotrl.storage import COMPLETE_MARKER, MANIFEST_SUFFIX, ArtifactStore, Manifest
+from pivotrl.pivot_diff import PivotChange, PivotDiff, config_value, diff_pivots, render_diff, short_value, verifier_label
+from pivotrl.storage import COMPLETE_MARKER, MANIFEST_SUFFIX, ArtifactStore, Manifest, open_artifact
 
 __all__ = [
     "open_artifact", "lineage_tree", "render_tree", "diff_pivots", "render_diff", "PivotChange",
@@ -49,70 +47,15 @@ _BARE_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*):(?!//)(.+)$")
 _ASSET_FORBIDDEN = set("\n\r\t\0 #?&%\"'<>[]{}|\\^`")
 
 
-# ----------------------------------------------------------------------------------- opening
-def open_artifact(uri: str, storage_options: Mapping[str, Any] | None = None) -> tuple[ArtifactStore, str]:
-    """The store holding ``uri`` (rooted at its parent directory) and the artifact's key in it.
-
-    ``uri``: any fsspec URL or local path of an artifact written by ``ArtifactStore.write_artifact``;
-    inputs recorded in its manifest are full URLs and resolve wherever they live.
-    Raises StorageError if ``uri`` has no manifest beside it (nothing is created on a local disk).
-    """
-    import fsspec
-
-    text = uri.rstrip("/")
-    parent, _, name = text.rpartition("/")
-    if not parent or not name:
-        raise StorageError(f"{uri}: not an artifact URI (expected <directory>/<name>)")
-    try:
-        fs, path = fsspec.core.url_to_fs(os.path.expanduser(text) + MANIFEST_SUFFIX, **dict(storage_options or {}))
-        found = fs.exists(path)
-    except Exception as e:  # unknown protocol, unreachable store
-        raise StorageError(f"cannot open {uri}: {type(e).__name__}: {e}") from e
-    if not found:
-        described = _describing_manifest(fs, path[: -len(MANIFEST_SUFFIX)], text)
-        if described is None:
-            raise StorageError(f"{uri} has no manifest ({uri}{MANIFEST_SUFFIX} not found): not a pipeline artifact")
-        name = described
-    return ArtifactStore(os.path.expanduser(parent), storage_options), name
-
-
-def _describing_manifest(fs: Any, path: str, uri: str) -> str | None:
-    """Name of the sibling artifact that describes ``path`` (which has no manifest of its own), or None.
-
-    A published checkpoint directory (the policy, π_ref) is described by the sibling manifest whose
-    ``extra.checkpoint`` names it; a file written beside exactly one artifact (``report.md`` and the
-    plots beside ``report.json``) by that artifact.
-    """
-    parent = path.rstrip("/").rpartition("/")[0]
-    try:
-        names = sorted(str(p).rpartition("/")[2] for p in fs.ls(parent, detail=False))
-        is_dir = fs.isdir(path)
-    except Exception:  # unreadable location: no describing manifest
-        return None
-    artifacts = [n[: -len(MANIFEST_SUFFIX)] for n in names if n.endswith(MANIFEST_SUFFIX)]
-    target = fs.unstrip_protocol(path.rstrip("/"))
-    for name in artifacts:
-        try:
-            extra = json.loads(fs.cat_file(f"{parent}/{name}{MANIFEST_SUFFIX}")).get("extra") or {}
-        except Exception:
-            continue
-        checkpoint = str(extra.get("checkpoint") or "").rstrip("/")
-        if checkpoint and (checkpoint == target or checkpoint == uri.rstrip("/")):
-            return name
-    if not is_dir and fs.exists(path) and len(artifacts) == 1:
-        return artifacts[0]
-    return None
-
-
 # ----------------------------------------------------------------------------------- lineage
 
 
 def _facts(m: Manifest) -> dict[str, Any]:
     facts = {k: m.extra[k] for k in VERSION_KEYS if k in m.extra}
     if "verifier" in facts or isinstance((m.config or {}).get("verifier"), Mapping):
-        facts["verifier"] = _verifier_label(facts.get("verifier"), m.config)
+        facts["verifier"] = verifier_label(facts.get("verifier"), m.config)
     for path in CONFIG_KEYS:
-        value = _dotted(m.config or {}, path)
+        value = config_value(m.config or {}, path)
         name = path.rsplit(".", 1)[-1]
         if name == "lambda_diff" and m.kind != "pivots":
             continue  # only the filter depends on λ_diff; probes are shared across thresholds
@@ -223,7 +166,7 @@ def render_tree(tree: Mapping[str, Any]) -> list[str]:
             lines.append(f"{prefix}{branch}{label}(cycle) {n['uri']}")
             return
         sha = (n.get("sha256") or "")[:12] or "unknown"
-        facts = "  ".join(f"{k}={_short(v)}" for k, v in (n.get("facts") or {}).items())
+        facts = "  ".join(f"{k}={short_value(v)}" for k, v in (n.get("facts") or {}).items())
         stale = "  STALE (changed since used)" if n.get("stale") else ""
         text = f"{prefix}{branch}{label}[{n.get('kind')}] {n['uri']}  sha256:{sha}"
         children = list((n.get("inputs") or {}).items())

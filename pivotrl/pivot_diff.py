@@ -15,12 +15,13 @@ from typing import Any, Mapping
 
 from pivotrl.data.schema import content_hash
 from pivotrl.errors import StorageError
-from pivotrl.storage import ArtifactStore
+from pivotrl.storage import ArtifactStore, open_artifact
 
-__all__ = ["PivotChange", "PivotDiff", "diff_pivots", "render_diff"]
+__all__ = ["PivotChange", "PivotDiff", "config_value", "diff_pivots", "render_diff", "short_value", "verifier_label"]
 
 
-def _dotted(obj: Any, path: str) -> Any:
+def config_value(obj: Any, path: str) -> Any:
+    """The value at the dotted ``path`` (``"probing.lambda_diff"``) of a nested mapping, else None."""
     for part in path.split("."):
         if not isinstance(obj, Mapping) or part not in obj:
             return None
@@ -28,7 +29,7 @@ def _dotted(obj: Any, path: str) -> Any:
     return obj
 
 
-def _verifier_label(name: Any, config: Mapping[str, Any] | None) -> str | None:
+def verifier_label(name: Any, config: Mapping[str, Any] | None) -> str | None:
     """``"<name>"`` or ``"<name>@<8 hex of its config>"`` when the verifier section was recorded."""
     section = (config or {}).get("verifier")
     if isinstance(section, Mapping):
@@ -36,7 +37,8 @@ def _verifier_label(name: Any, config: Mapping[str, Any] | None) -> str | None:
     return None if name is None else str(name)
 
 
-def _short(v: Any) -> str:
+def short_value(v: Any) -> str:
+    """``v`` as text, a hex digest of 40 or more digits cut to its first 12."""
     if isinstance(v, str) and re.fullmatch(r"[0-9a-f]{40,}", v):
         return v[:12]
     return str(v)
@@ -83,7 +85,7 @@ def _side(store: ArtifactStore, key: str) -> dict[str, Any]:
     pivots = store.read_parquet(key)
     if "state_id" not in pivots.columns:
         raise StorageError(f"{m.uri}: no state_id column (columns: {', '.join(map(str, pivots.columns))})")
-    lam = (m.config or {}).get("lambda_diff", _dotted(m.config or {}, "probing.lambda_diff"))
+    lam = (m.config or {}).get("lambda_diff", config_value(m.config or {}, "probing.lambda_diff"))
     side: dict[str, Any] = {
         "uri": m.uri, "sha256": m.sha256, "lambda_diff": lam,
         "reference_hash": m.extra.get("reference_hash"), "verifier": m.extra.get("verifier"),
@@ -100,7 +102,7 @@ def _side(store: ArtifactStore, key: str) -> dict[str, Any]:
     pm = store.read_manifest_url(m.inputs["probes"]["uri"]) if "probes" in m.inputs else None
     if pm is not None:  # the probes record the reference and the whole verifier section
         side["reference_hash"] = side["reference_hash"] or pm.extra.get("reference_hash")
-        side["verifier"] = _verifier_label(side["verifier"] or pm.extra.get("verifier"), pm.config)
+        side["verifier"] = verifier_label(side["verifier"] or pm.extra.get("verifier"), pm.config)
     cand = side["candidates"]
     side["candidate_ids"] = set(map(str, cand["state_id"])) if cand is not None else None
     side["candidate_hash"] = (m.inputs.get("candidates") or {}).get("sha256")
@@ -113,7 +115,6 @@ def _read_input(store: ArtifactStore, uri: str) -> Any:
     try:
         if uri.startswith(prefix):
             return store.read_parquet(uri[len(prefix):])
-        from pivotrl.lineage import open_artifact  # lineage re-exports this module
 
         other, key = open_artifact(uri)
         return other.read_parquet(key)
@@ -179,7 +180,7 @@ def diff_pivots(store_a: ArtifactStore, key_a: str, store_b: ArtifactStore, key_
             details.append(f"candidate in {'B' if sid in cb else 'A'} only")
         if a["reference_hash"] != b["reference_hash"]:
             reasons.append("reference_changed")
-            details.append(f"reference {_short(a['reference_hash'])} → {_short(b['reference_hash'])}")
+            details.append(f"reference {short_value(a['reference_hash'])} → {short_value(b['reference_hash'])}")
         if a["verifier"] != b["verifier"]:
             reasons.append("verifier_changed")
             details.append(f"verifier {a['verifier']} → {b['verifier']}")
@@ -217,8 +218,8 @@ def render_diff(diff: PivotDiff) -> list[str]:
     for name, side in (("A", diff.a), ("B", diff.b)):
         lines.append(
             f"{name}: {side['uri']}  ({side['pivots']} pivots, λ_diff={side['lambda_diff']}, "
-            f"reference={_short(side['reference_hash'])}, verifier={side['verifier']}, "
-            f"candidates={_short(side['candidate_hash'])})"
+            f"reference={short_value(side['reference_hash'])}, verifier={side['verifier']}, "
+            f"candidates={short_value(side['candidate_hash'])})"
         )
     lines.append(f"unchanged: {diff.kept}   entered: {len(diff.entered)}   left: {len(diff.left)}")
     for c in diff.changes:

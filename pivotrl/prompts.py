@@ -33,7 +33,6 @@ Shapes: P = state (prompt) tokens, T = action tokens (including the eos ``<|im_e
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -42,7 +41,10 @@ from pivotrl.actions import format_action
 from pivotrl.data.schema import Message, ToolSpec, Trajectory, TurnState
 from pivotrl.errors import ConfigError, DataError, StateTooLongError
 from pivotrl.tool_parsers import PythonicParser
-from pivotrl.tool_render import TOOL_STYLES, first_sentence, render_tools, split_tool_description, tool_signature
+from pivotrl.chatml import GENERATION_HEADER, IM_END, IM_START, check_chat_template, chatml_eos_id
+from pivotrl.tool_render import (
+    TOOL_STYLES, first_sentence, render_tools, split_tool_description, tool_signature, truncate_tool_output,
+)
 
 __all__ = [
     "ACTION_FORMAT_INSTRUCTION",
@@ -61,16 +63,12 @@ __all__ = [
     "tool_signature",
 ]
 
-IM_START = "<|im_start|>"
-IM_END = "<|im_end|>"
-GENERATION_HEADER = f"{IM_START}assistant\n"
 
 DEFAULT_MAX_TOOL_OUTPUT_CHARS = 2000
 # Used only when a conversation has neither its own system message nor tools, so that no chat
 # template can insert a model-specific default system prompt of its own.
 DEFAULT_SYSTEM_PROMPT = "You are a helpful assistant."
 ACTION_FORMAT_INSTRUCTION = PythonicParser.instruction
-_TRUNCATION_MARKER = "\n[... {n} more characters truncated]"
 
 # --------------------------------------------------------------------------------------- pieces
 
@@ -87,12 +85,6 @@ def _system_text(own: str, tools: Sequence[ToolSpec], tool_style: str) -> str:
         parts.append(render_tools(tools, tool_style))
         parts.append(ACTION_FORMAT_INSTRUCTION)
     return "\n\n".join(parts) if parts else DEFAULT_SYSTEM_PROMPT
-
-
-def _tool_output(content: str, max_chars: int) -> str:
-    if len(content) <= max_chars:
-        return content
-    return content[:max_chars] + _TRUNCATION_MARKER.format(n=len(content) - max_chars)
 
 
 def _pieces(
@@ -124,7 +116,7 @@ def _pieces(
             pieces.append(_Piece(action, True))
             buf = f"{IM_END}\n"
         elif m.role == "tool":
-            buf += f"{IM_START}tool\n{_tool_output(m.content, max_tool_output_chars)}{IM_END}\n"
+            buf += f"{IM_START}tool\n{truncate_tool_output(m.content, max_tool_output_chars)}{IM_END}\n"
         else:
             buf += f"{IM_START}{m.role}\n{m.content}{IM_END}\n"
     pieces.append(_Piece(buf + GENERATION_HEADER, False))
@@ -165,19 +157,12 @@ def render_prompt(
 # --------------------------------------------------------------------------------------- tokens
 
 
-def _eos_id(tokenizer: Any) -> int:
-    eos = getattr(tokenizer, "eos_token_id", None)
-    if eos is None or tokenizer.convert_ids_to_tokens(eos) != IM_END:
-        raise ConfigError(f"tokenizer: eos token must be {IM_END!r} (ChatML), got {tokenizer.eos_token!r}")
-    return int(eos)
-
-
 def _encode_text(text: str, tokenizer: Any) -> list[int]:
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
 def _encode_pieces(pieces: Sequence[_Piece], tokenizer: Any) -> tuple[list[list[int]], int]:
-    eos = _eos_id(tokenizer)
+    eos = chatml_eos_id(tokenizer)
     out = [encode_action(p.text, tokenizer)[:-1] if p.is_action else _encode_text(p.text, tokenizer) for p in pieces]
     return out, eos
 
@@ -189,7 +174,7 @@ def encode_action(text: str, tokenizer: Any) -> list[int]:
     an action appears inside an SFT sequence (and how a sampled action ends). Raises ConfigError if
     the tokenizer's eos is not ``<|im_end|>``.
     """
-    return _encode_text(text, tokenizer) + [_eos_id(tokenizer)]
+    return _encode_text(text, tokenizer) + [chatml_eos_id(tokenizer)]
 
 
 def encode_state(
@@ -348,36 +333,3 @@ def build_sft_example(
     return input_ids, loss_mask
 
 
-# ---------------------------------------------------------------------------- template check
-
-_CHECKED_TEMPLATES: dict[str, None] = {}
-
-
-def check_chat_template(tokenizer: Any) -> None:
-    """Raise ConfigError unless ``tokenizer``'s chat template writes ChatML as this module does.
-
-    Renders a small conversation (system, user, assistant, tool) with ``apply_chat_template`` and
-    compares it with this module's layout. A tokenizer without a chat template passes if its eos is
-    ``<|im_end|>``. Checked once per distinct template string.
-    """
-    _eos_id(tokenizer)
-    template = getattr(tokenizer, "chat_template", None)
-    if not template or template in _CHECKED_TEMPLATES:
-        return
-    probe = [
-        {"role": "system", "content": "S"},
-        {"role": "user", "content": "U"},
-        {"role": "assistant", "content": "[f(x=1)]"},
-        {"role": "tool", "content": "T"},
-    ]
-    expected = "".join(f"{IM_START}{m['role']}\n{m['content']}{IM_END}\n" for m in probe) + GENERATION_HEADER
-    try:
-        got = tokenizer.apply_chat_template(probe, tokenize=False, add_generation_prompt=True)
-    except Exception as e:  # noqa: BLE001 - any template failure means "not ChatML as expected"
-        raise ConfigError(f"tokenizer chat template failed on a ChatML probe: {type(e).__name__}: {e}") from None
-    if got != expected:
-        raise ConfigError(
-            "tokenizer chat template is not ChatML as pivotrl.prompts renders it: "
-            f"expected {expected!r}, got {got!r}"
-        )
-    _CHECKED_TEMPLATES[template] = None

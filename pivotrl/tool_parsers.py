@@ -37,6 +37,7 @@ import re
 from typing import Any, Mapping, Protocol, Sequence
 
 from pivotrl import actions
+from pivotrl.action_prefix import is_viable_prefix
 from pivotrl.data.schema import Message, ToolCall, ToolSpec
 from pivotrl.errors import ActionParseError, DataError
 from pivotrl.registry import Registry
@@ -137,7 +138,7 @@ class PythonicParser:
         return actions.parse_action(text, tools)
 
     def is_viable_prefix(self, text: str) -> bool:
-        return actions.is_viable_prefix(text)
+        return is_viable_prefix(text)
 
 
 _HERMES_BLOCK = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)", re.S)

@@ -1,6 +1,8 @@
-"""Tool schemas rendered for the system prompt (``prompt.tool_style``): one Python-like signature
-line per tool (``compact``, BFCL preambles cut to the first sentence) or one JSON schema per line
-(``json``). Pure core; re-exported by :mod:`pivotrl.prompts`, the one prompt renderer.
+"""What the model reads of its tools: the tool schemas rendered for the system prompt
+(``prompt.tool_style``: one Python-like signature line per tool, ``compact``, BFCL preambles cut to
+the first sentence; or one JSON schema per line, ``json``) and the tool outputs cut to
+``prompt.max_tool_output_chars``. Pure core; shared by the pythonic renderer (:mod:`pivotrl.prompts`)
+and the template renderer (:mod:`pivotrl.chat_render`).
 """
 
 from __future__ import annotations
@@ -10,10 +12,20 @@ import re
 from typing import Any, Callable, Mapping, Sequence
 
 from pivotrl.data.schema import ToolSpec
-from pivotrl.errors import ConfigError
 from pivotrl.registry import Registry
 
-__all__ = ["TOOL_STYLES", "first_sentence", "render_tools", "split_tool_description", "tool_signature"]
+__all__ = ["TOOL_STYLES", "first_sentence", "render_tools", "split_tool_description", "tool_signature",
+           "truncate_tool_output"]
+
+_TRUNCATION_MARKER = "\n[... {n} more characters truncated]"
+
+
+def truncate_tool_output(content: str, max_chars: int) -> str:
+    """``content`` cut to its first ``max_chars`` characters, with a marker naming how many more
+    there were (``\n[... N more characters truncated]``); unchanged when it fits."""
+    if len(content) <= max_chars:
+        return content
+    return content[:max_chars] + _TRUNCATION_MARKER.format(n=len(content) - max_chars)
 
 _TOOLS_HEADER = "Tools (Python signatures; a parameter with a default value is optional):"
 

@@ -1,7 +1,7 @@
 """Prefect tasks of sharded evaluation (``scale_out.eval_shard_size``): plan → one mapped task run
 per shard → merge into the report.
 
-The shards are those of :mod:`pivotrl.pipeline.eval_shards` (held-out tasks by id, every policy on
+The shards are those of :mod:`pivotrl.pipeline.evaluate_stage` (held-out tasks by id, every policy on
 one engine per shard, plus one shard for the state-level measures). They reuse the probe shards'
 machinery (:mod:`pivotrl.tasks.shards`): the content-addressed cache key (a rerun runs only the
 shards whose output is missing or that failed), ``scale_out.shard_retries`` retries, and the task
@@ -26,7 +26,7 @@ _INPUTS = ("demos", "reference", "probe", "train")
 @task(name="eval-plan", persist_result=False)
 def eval_plan(config: dict[str, Any], inputs: dict[str, Any]) -> dict[str, Any]:
     """The shards of this run's evaluation (see ``plan_eval_shards``)."""
-    from pivotrl.pipeline.eval_shards import plan_eval_shards
+    from pivotrl.pipeline.evaluate_stage import plan_eval_shards
 
     return plan_eval_shards(_config_obj(config), _store(config), *(inputs[k] for k in _INPUTS))
 
@@ -37,7 +37,7 @@ def eval_plan(config: dict[str, Any], inputs: dict[str, Any]) -> dict[str, Any]:
 def eval_shard(config: dict[str, Any], inputs: dict[str, Any], shard: dict[str, Any]) -> dict[str, Any]:
     """Evaluate one shard for every policy: in this process with a warm engine on Ray, else in a
     child process."""
-    from pivotrl.pipeline.eval_shards import eval_shard as run_eval_shard
+    from pivotrl.pipeline.evaluate_stage import eval_shard as run_eval_shard
 
     return run_shard("eval_shard", config, inputs, shard, lambda cfg, store: run_eval_shard(
         cfg, store, *(inputs[k] for k in _INPUTS), shard, warm_engine=True))
@@ -47,7 +47,7 @@ def eval_shard(config: dict[str, Any], inputs: dict[str, Any], shard: dict[str, 
       persist_result=True, result_serializer="json")
 def eval_merge(config: dict[str, Any], inputs: dict[str, Any]) -> dict[str, Any]:
     """Merge the shards' tables into the run's report (the unsharded evaluate stage's files)."""
-    from pivotrl.pipeline.eval_shards import merge_eval_shards
+    from pivotrl.pipeline.evaluate_stage import merge_eval_shards
 
     out, computed = _once("eval-merge", config, {k: inputs[k] for k in _INPUTS},
                           lambda: merge_eval_shards(_config_obj(config), _store(config), *(inputs[k] for k in _INPUTS),

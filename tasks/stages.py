@@ -61,7 +61,7 @@ def _base_key(stage: str, config: Mapping[str, Any], inputs: Any) -> str:
         key = stage_key(_KEYED_AS.get(stage, stage), cfg, _store(config), inputs)
         return f"pivotrl-{stage}-" + key.replace("/", ".").replace("-", ".")
     from pivotrl.data.schema import content_hash
-    from pivotrl.pipeline.common import inputs_fingerprint
+    from pivotrl.fingerprints import inputs_fingerprint
     from pivotrl.storage import code_version
 
     config = {k: v for k, v in config.items() if k != "tracking"}  # where a run is recorded changes no result

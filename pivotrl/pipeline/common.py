@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import shutil
 import struct
 from pathlib import Path
 from typing import Any, Callable, Mapping
@@ -231,40 +230,3 @@ def set_threads(n: int) -> None:
         torch.set_num_threads(n)
     except Exception:  # pragma: no cover - torch always present in practice
         pass
-
-
-def path_fingerprint(url: str, storage_options: dict[str, Any] | None = None) -> dict[str, Any]:
-    """A cheap identity of a file or directory at ``url``: size, modification time and ETag of each
-    file (sorted), never its bytes. Changes whenever the content is replaced in place. A URL that
-    does not exist, or a non-path string (an HF repo id, ``pypi:<pinned wheel>``), is returned as is
-    (pinned sources are identified by their pin)."""
-    import fsspec
-
-    if url.startswith("pypi:"):
-        return {"source": url}
-    try:
-        fs, path = fsspec.core.url_to_fs(os.path.expanduser(url), **(storage_options or {}))
-        if not fs.exists(path):
-            return {"source": url}
-        infos = fs.find(path, detail=True, withdirs=False) if fs.isdir(path) else {path: fs.info(path)}
-    except Exception:  # not something fsspec can look at: identified by its string
-        return {"source": url}
-    keep = ("size", "mtime", "LastModified", "ETag", "created")
-    return {"source": url,
-            "files": {str(k)[len(str(path)):] or ".": {f: str(v[f]) for f in keep if v.get(f) is not None}
-                      for k, v in sorted(infos.items())}}
-
-
-def inputs_fingerprint(cfg: RunConfig) -> dict[str, Any]:
-    """Identity of everything a run reads from outside its config: the model source and every
-    demonstration file (see :func:`path_fingerprint`) — and the compute dtype ``model.dtype`` resolves
-    to on this machine (``auto`` is bf16 on one machine and fp32 on another; results differ)."""
-    from pivotrl.precision import run_precision
-
-    return {
-        "precision": run_precision(cfg).dtype,
-        "model": path_fingerprint(cfg.model.source),
-        "data": [path_fingerprint(s.url) if s.kind == "chat" else {"source": f"bfcl:{','.join(s.categories)}"}
-                 for s in cfg.data.sources],
-        "chat_template": path_fingerprint(cfg.prompt.chat_template) if cfg.prompt.chat_template else None,
-    }

@@ -28,7 +28,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from pivotrl.code_digest import code_digest
+from pivotrl.code_digest import STAGE_MODULES, module_digest
 from pivotrl.config import RunConfig
 from pivotrl.data.schema import content_hash
 from pivotrl.errors import StateTooLongError
@@ -43,8 +43,11 @@ log = logging.getLogger("pivotrl.pipeline.compare")
 
 __all__ = ["e2e_baseline_key", "pivotrl_ledger", "sft_baseline_key", "stage_e2e_baseline", "stage_sft_baseline"]
 
-_CODE = ("pivotrl.data", "pivotrl.actions", "pivotrl.prompts", "pivotrl.ledger", "pivotrl.training",
-         "pivotrl.objective", "pivotrl.rollout", "pivotrl.evaluation.full_task", "pivotrl.pipeline.compare")
+def compare_code_digest(module: str = "pivotrl.pipeline.compare") -> str:
+    """The digest of the code of a ``pivotrl compare`` stage: the import closure of ``module``
+    without the nightly stages' modules, whose outputs enter through their keys
+    (:func:`pivotrl.code_digest.module_digest`)."""
+    return module_digest(module, exclude=tuple(STAGE_MODULES.values()))
 
 
 def _metrics(store: ArtifactStore, train: dict[str, Any]) -> list[dict[str, Any]]:
@@ -128,7 +131,7 @@ def sft_baseline_key(cfg: RunConfig, demos: dict[str, Any], ref: dict[str, Any],
     return "compare/sft/" + content_hash({"ref": ref["ref_hash"], "demos": demos["key"], "train": train["train_key"],
                                           "compare": cfg.compare.model_dump(mode="json"), "lr": cfg.training.lr,
                                           "prompt": cfg.prompt.model_dump(mode="json"), "dtype": cfg.model.dtype,
-                                          "seed": cfg.run.seed, "code": code_digest(_CODE)})[:16]
+                                          "seed": cfg.run.seed, "code": compare_code_digest()})[:16]
 
 
 def e2e_baseline_key(cfg: RunConfig, demos: dict[str, Any], ref: dict[str, Any], probe: dict[str, Any],
@@ -141,7 +144,7 @@ def e2e_baseline_key(cfg: RunConfig, demos: dict[str, Any], ref: dict[str, Any],
                                           "training": cfg.training.model_dump(mode="json"),
                                           "rollout": cfg.rollout.model_dump(mode="json"),
                                           "prompt": cfg.prompt.model_dump(mode="json"), "judge": cfg.quality.judge,
-                                          "dtype": cfg.model.dtype, "seed": cfg.run.seed, "code": code_digest(_CODE)})[:16]
+                                          "dtype": cfg.model.dtype, "seed": cfg.run.seed, "code": compare_code_digest()})[:16]
 
 
 def stage_sft_baseline(cfg: RunConfig, store: ArtifactStore, demos: dict[str, Any], ref: dict[str, Any],

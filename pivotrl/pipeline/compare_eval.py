@@ -22,20 +22,26 @@ from typing import Any, Mapping
 
 import pandas as pd
 
-from pivotrl.code_digest import code_digest
 from pivotrl.config import RunConfig
 from pivotrl.data.schema import content_hash
 from pivotrl.evaluation.comparison import difference_ci, oriented_pair, signed
 from pivotrl.ledger import CostLedger
-from pivotrl.pipeline.common import local_checkpoint, make_rollout_engine, make_verifier, prompt_kwargs, sampling_for
-from pivotrl.pipeline.compare import _CODE, pivotrl_ledger
-from pivotrl.pipeline.demos import cache_dir, read_histories, read_trajectories
+from pivotrl.data.bfcl import ensure_bfcl
+from pivotrl.evaluation.comparison import compare_policies
+from pivotrl.models import load_tokenizer
+from pivotrl.pipeline.common import close_quietly, local_checkpoint, make_rollout_engine, make_verifier
+from pivotrl.pipeline.compare import compare_code_digest, pivotrl_ledger
+from pivotrl.pipeline.demos import cache_dir
+from pivotrl.pipeline.evaluate import EvalStates, StateParts, heldout_tasks, policy_state_results, policy_task_frames
 from pivotrl.pipeline.reference import reference_dir
+from pivotrl.pipeline.results import ProbeResult
 from pivotrl.storage import ArtifactStore
 
 __all__ = ["claims", "compare_eval_key", "cost_per_point", "run_compare_stage", "stage_compare_evaluate"]
 
 METHODS = ("reference", "pivotrl", "sft", "e2e")
+#: The state-level measures of the comparison (:data:`pivotrl.pipeline.evaluate.STATE_MEASURES`).
+COMPARE_MEASURES = ("heldout_greedy", "out_of_domain_greedy")
 
 
 def _rate(stats: Mapping[str, Any], *path: str) -> float | None:
@@ -171,7 +177,7 @@ def compare_eval_key(cfg: RunConfig, demos: dict[str, Any], ref: dict[str, Any],
                                            "evaluation": cfg.evaluation.model_dump(mode="json"),
                                            "num_tasks": cfg.compare.num_tasks,
                                            "quality": cfg.quality.model_dump(mode="json"),
-                                           "rollout": cfg.rollout.model_dump(mode="json"), "code": code_digest(_CODE)})[:16]
+                                           "rollout": cfg.rollout.model_dump(mode="json"), "code": compare_code_digest("pivotrl.pipeline.compare_eval")})[:16]
 
 
 def stage_compare_evaluate(cfg: RunConfig, store: ArtifactStore, demos: dict[str, Any], ref: dict[str, Any],
@@ -179,15 +185,6 @@ def stage_compare_evaluate(cfg: RunConfig, store: ArtifactStore, demos: dict[str
                            e2e: dict[str, Any]) -> dict[str, Any]:
     """Evaluate the four policies (see the module docstring); returns {"key", "report_json",
     "report_md", "report"}. The report's ``items`` lists the task and state ids each policy saw."""
-    from pivotrl.data.bfcl import ensure_bfcl
-    from pivotrl.data.states import frame_to_states
-    from pivotrl.evaluation.comparison import compare_policies
-    from pivotrl.evaluation.full_task import evaluate_full_tasks
-    from pivotrl.evaluation.local import evaluate_local
-    from pivotrl.evaluation.trust import out_of_domain_states
-    from pivotrl.models import load_tokenizer
-    from pivotrl.pipeline.probe import select_candidates
-
     ev = cfg.evaluation
     key = compare_eval_key(cfg, demos, ref, train, sft, e2e)
     if store.exists(f"{key}/report.json"):
@@ -195,52 +192,42 @@ def stage_compare_evaluate(cfg: RunConfig, store: ArtifactStore, demos: dict[str
                 "report": store.read_json(f"{key}/report.json")}
     cache = cache_dir(cfg)
     bfcl_root = ensure_bfcl(cache)
-    heldout = sorted((t for t in read_trajectories(store, demos["key"], split="heldout") if t.env is not None),
-                     key=lambda t: t.id)[: cfg.compare.num_tasks or ev.num_tasks]
-    cand = store.read_parquet(f"{demos['key']}/candidates.parquet")
-    n_local = max(min(ev.num_tasks * 4, 40), 32)  # as the nightly evaluation
-    sel = select_candidates(cand, "heldout", n_local, cfg.run.seed, kinds=("call", "text_rule"))
-    local_states = frame_to_states(sel, read_histories(store, demos["key"], sel["trajectory_id"]))
-    ood_states = out_of_domain_states(cfg, cache)
+    # The evaluate stage's selection and per-policy measures, over the four methods.
+    heldout = heldout_tasks(cfg, store, demos, limit=cfg.compare.num_tasks or ev.num_tasks)
+    states = EvalStates.select(cfg, store, demos, ProbeResult.of(probe))
     rdir = reference_dir(cfg, store, ref)
     policies = {"reference": rdir,
                 "pivotrl": local_checkpoint(store, train["policy_key"], cache) if train["policy_key"] else rdir,
                 "sft": local_checkpoint(store, sft["policy_key"], cache),
                 "e2e": local_checkpoint(store, e2e["policy_key"], cache)}
     tok = load_tokenizer(rdir)
-    verifier = make_verifier(cfg, bfcl_root)
+    verifier = make_verifier(cfg, bfcl_root, tok)
     engine = make_rollout_engine(cfg, rdir)
-    per_task, local_frames, eval_ledgers = [], [], {}
-    lkw = {"max_context": cfg.model.max_context - cfg.rollout.max_tokens, **prompt_kwargs(cfg)}
+    per_task, eval_ledgers = [], {}
+    parts = StateParts(states.counts())
     try:
         for name, mdir in policies.items():
             engine.load_weights(str(mdir))
             led = CostLedger(name=f"{name}-eval")
-            for seed in ev.seeds:
-                samp = sampling_for(cfg, n=1, temperature=ev.temperature, seed=seed)
-                with led.stage("full_task"):
-                    df, _ = evaluate_full_tasks(engine, tok, heldout, bfcl_root=str(bfcl_root),
-                                                max_steps_per_turn=ev.max_steps_per_turn, sampling=samp, seed=seed,
-                                                judge=cfg.quality.judge, **lkw)
+            with led.stage("full_task"):
+                frames = policy_task_frames(cfg, engine, tok, heldout, bfcl_root, name)
+            for df in frames:
                 led.add(model_calls=int(df["model_calls"].sum()), generated_tokens=int(df["tokens_generated"].sum()),
                         tool_executions=int(df["tool_calls"].sum()))
-                per_task.append(df.assign(policy=name, seed=seed))
-                for kind, states in (("heldout_greedy", local_states), ("out_of_domain_greedy", ood_states)):
-                    if not states:
-                        continue
-                    with led.stage("local"):
-                        ldf, _ = evaluate_local(engine, tok, states, verifier, sampling=samp, **lkw,
-                                                label=f"{name}: {kind.replace('_', ' ')}")
-                    led.add(model_calls=int(ldf["n_samples"].fillna(0).sum()),
-                            verifier_executions=int(ldf["n_samples"].fillna(0).sum()),
-                            generated_tokens=int(ldf["tokens_generated"].fillna(0).sum()))
-                    local_frames.append(ldf.assign(policy=name, seed=seed, kind=kind))
+            per_task += frames
+            seen = len(parts.local_frames)
+            with led.stage("local"):
+                policy_state_results(cfg, engine, tok, states, verifier, name, parts, measures=COMPARE_MEASURES)
+            for ldf in parts.local_frames[seen:]:
+                calls = int(ldf["n_samples"].fillna(0).sum()) if len(ldf) else 0
+                led.add(model_calls=calls, verifier_executions=calls,
+                        generated_tokens=int(ldf["tokens_generated"].fillna(0).sum()) if len(ldf) else 0)
             eval_ledgers[name] = led
     finally:
         engine.close()
-        close = getattr(verifier, "close", None)
-        if callable(close):
-            close()
+        close_quietly(verifier)
+    local_states, ood_states = states.local, states.ood
+    local_frames = [f for f in parts.local_frames if len(f)]
     per_task_df, local_df = pd.concat(per_task), pd.concat(local_frames) if local_frames else None
     stats = compare_policies(per_task_df, local_df, list(METHODS), seed=cfg.run.seed)
     train_ledgers = {"reference": CostLedger(name="reference"),

@@ -45,7 +45,7 @@ def demos_key(cfg: RunConfig) -> str:
     """Content address of the demonstration artifacts: data section, the identity (size, mtime,
     ETag) of every demonstration file, format version, and the loaders' and environments' code."""
     from pivotrl.code_digest import stage_code_digest
-    from pivotrl.pipeline.common import inputs_fingerprint
+    from pivotrl.fingerprints import inputs_fingerprint
 
     # The files behind the URLs count, not just the URLs: a demonstration file replaced in place
     # gives a new key.

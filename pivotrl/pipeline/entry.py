@@ -90,7 +90,7 @@ def run_stage(stage: str, config: dict[str, Any], inputs: dict[str, Any], *, att
 
         return probe_shard(cfg, store, inputs["demos"], inputs["reference"], inputs["shard"])
     if stage == "eval_shard":
-        from pivotrl.pipeline.eval_shards import eval_shard
+        from pivotrl.pipeline.evaluate_stage import eval_shard
 
         return eval_shard(cfg, store, *(inputs[k] for k in ("demos", "reference", "probe", "train")), inputs["shard"])
     if stage in COMPARE_STAGES:
@@ -117,7 +117,7 @@ def _stage_result(stage: str, cfg: Any, store: Any, inputs: dict[str, Any]) -> A
         from pivotrl.pipeline.train import stage_train
 
         return stage_train(cfg, store, ProbeResult.of(inputs["probe"]), ref)
-    from pivotrl.pipeline.evaluate import stage_evaluate
+    from pivotrl.pipeline.evaluate_stage import stage_evaluate
 
     return stage_evaluate(cfg, store, inputs["demos"], ref, ProbeResult.of(inputs["probe"]),
                           TrainResult.of(inputs["train"]))

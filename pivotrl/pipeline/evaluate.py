@@ -1,7 +1,7 @@
-"""The evaluate stage: base, π_ref and the PivotRL policy on held-out tasks and states, and the report.
+"""The parts of the evaluate stage: policies on held-out tasks and states, and the report.
 
-``stage_evaluate(cfg, store, demos, ref, probe, train) -> EvalResult``. It is built from parts that
-sharded evaluation (:mod:`pivotrl.pipeline.eval_shards`) runs apart and merges:
+The stage (:func:`pivotrl.pipeline.evaluate_stage.stage_evaluate`, in one shard or many) and the
+comparison's evaluation (:mod:`pivotrl.pipeline.compare_eval`, over more policies) are built from:
 
 - :func:`policy_task_frames`: one policy's full multi-turn tasks from scratch, one table per seed;
 - :func:`policy_state_results`: one policy's local accuracy on held-out states, stop decisions,
@@ -27,11 +27,10 @@ import pandas as pd
 from pivotrl.code_digest import stage_code_digest
 from pivotrl.config import RunConfig, config_hash
 from pivotrl.data.schema import content_hash
-from pivotrl.pipeline.common import close_quietly, local_checkpoint, make_rollout_engine, make_verifier, prompt_kwargs, sampling_for
+from pivotrl.pipeline.common import local_checkpoint, prompt_kwargs, sampling_for
 from pivotrl.pipeline.demos import cache_dir, read_histories, read_trajectories
 from pivotrl.pipeline.reference import prompt_identity, reference_dir
 from pivotrl.pipeline.results import EvalResult, ProbeResult, ReferenceResult, TrainResult
-from pivotrl.precision import with_resolved_dtype
 from pivotrl.rollouts import record_evaluation
 from pivotrl.storage import ArtifactStore
 
@@ -48,11 +47,11 @@ def eval_key(cfg: RunConfig, demos: Mapping[str, Any], ref: ReferenceResult | Ma
                                    "quality": cfg.quality.model_dump(mode="json"), "code": stage_code_digest("evaluate")})[:16]
 
 
-def heldout_tasks(cfg: RunConfig, store: ArtifactStore, demos: Mapping[str, Any]) -> list[Any]:
+def heldout_tasks(cfg: RunConfig, store: ArtifactStore, demos: Mapping[str, Any], limit: int | None = None) -> list[Any]:
     """The held-out tasks played from scratch: held-out trajectories with a tool environment,
-    sorted by id, the first ``evaluation.num_tasks``."""
+    sorted by id, the first ``limit`` (default ``evaluation.num_tasks``)."""
     heldout = [t for t in read_trajectories(store, demos["key"], split="heldout") if t.env is not None]
-    return sorted(heldout, key=lambda t: t.id)[: cfg.evaluation.num_tasks]
+    return sorted(heldout, key=lambda t: t.id)[: cfg.evaluation.num_tasks if limit is None else limit]
 
 
 #: The policies evaluated, in the report's order.
@@ -144,40 +143,53 @@ def full_task_runs(cfg: RunConfig, frames: Sequence[pd.DataFrame]) -> list[dict[
             for seed, df in zip(ev.seeds, frames)]
 
 
+#: The state-level measures of :func:`policy_state_results`, in the order they run.
+STATE_MEASURES = ("heldout_greedy", "heldout_sampled", "stop_decisions_greedy", "out_of_domain_greedy", "pivots")
+
+
 def policy_state_results(cfg: RunConfig, engine: Any, tok: Any, states: EvalStates, verifier: Any, policy: str,
-                         parts: StateParts) -> None:
-    """Local accuracy of the policy loaded in ``engine`` on ``states`` (greedy; sampled as in
-    probing; stop decisions; out-of-domain; the pivot set), every seed, added to ``parts``."""
+                         parts: StateParts, measures: Sequence[str] = STATE_MEASURES) -> None:
+    """Local accuracy of the policy loaded in ``engine`` on ``states``, every seed, added to
+    ``parts``. ``measures`` (a subset of :data:`STATE_MEASURES`): held-out states greedy and with m
+    samples at the probe temperature, stop decisions, out-of-domain states (greedy) and the pivot set
+    (``evaluation.local_pivots``); ``pivotrl compare`` asks for the greedy held-out and
+    out-of-domain measures only."""
     from pivotrl.evaluation.aggregate import accuracy_by_category
     from pivotrl.evaluation.local import evaluate_local
 
+    unknown = sorted(set(measures) - set(STATE_MEASURES))
+    if unknown:
+        raise ValueError(f"unknown evaluation measures {unknown}; valid: {', '.join(STATE_MEASURES)}")
     ev, lkw, res = cfg.evaluation, _lkw(cfg), {}
     text_turn = {st.state_id: not st.demo_action.tool_calls for st in states.local}
     for seed in ev.seeds:
-        samp = sampling_for(cfg, n=1, temperature=ev.temperature, seed=seed)
-        ldf, lsum = evaluate_local(engine, tok, states.local, verifier, sampling=samp, **lkw, label=f"{policy}: held-out states, greedy")
-        res.setdefault("local_heldout_runs", []).append(lsum)
+        greedy = sampling_for(cfg, n=1, temperature=ev.temperature, seed=seed)
         # Sampled success as in probing (m samples at the probe temperature), beside greedy.
         sampled = sampling_for(cfg, n=cfg.probing.num_probes, temperature=cfg.probing.temperature, seed=seed)
-        sdf, ssum = evaluate_local(engine, tok, states.local, verifier, sampling=sampled, **lkw,
-                                    label=f"{policy}: held-out states, m samples")
-        res.setdefault("local_sampled_runs", []).append(ssum)
-        stdf, stsum = (evaluate_local(engine, tok, states.stop, verifier, sampling=samp, **lkw,
-                                      label=f"{policy}: stop decisions") if states.stop
-                       else (ldf.iloc[:0], None))
-        res.setdefault("local_stop_runs", []).append(stsum)
-        odf, osum = (evaluate_local(engine, tok, states.ood, verifier, sampling=samp, **lkw,
-                                    label=f"{policy}: out-of-domain states") if states.ood
-                     else (ldf.iloc[:0], None))
-        res.setdefault("out_of_domain_runs", []).append(osum)
-        for kind, frame in (("heldout_greedy", ldf), ("heldout_sampled", sdf), ("stop_decisions_greedy", stdf),
-                            ("out_of_domain_greedy", odf)):
+        plan = {"heldout_greedy": (states.local, greedy, "held-out states, greedy", "local_heldout_runs"),
+                "heldout_sampled": (states.local, sampled, "held-out states, m samples", "local_sampled_runs"),
+                "stop_decisions_greedy": (states.stop, greedy, "stop decisions", "local_stop_runs"),
+                "out_of_domain_greedy": (states.ood, greedy, "out-of-domain states", "out_of_domain_runs")}
+        frames: dict[str, pd.DataFrame] = {}
+        for kind, (chosen, samp, label, runs) in plan.items():
+            if kind not in measures:
+                continue
+            if chosen or kind in ("heldout_greedy", "heldout_sampled"):
+                frame, summary = evaluate_local(engine, tok, chosen, verifier, sampling=samp, **lkw,
+                                                label=f"{policy}: {label}")
+            else:  # no stop decision or out-of-domain state: an empty table, no summary
+                some = next(iter(frames.values()), None)
+                frame, summary = (some.iloc[:0] if some is not None else pd.DataFrame()), None
+            frames[kind] = frame
+            res.setdefault(runs, []).append(summary)
             parts.local_frames.append(frame.assign(policy=policy, seed=seed, kind=kind))
         # Per category, tool calls apart from text turns with an answer rule (stop decisions: above).
-        res["local_by_category"] = {kind: accuracy_by_category(frame, text_turn)
-                                    for kind, frame in (("greedy", ldf), ("sampled", sdf))}
-        if ev.local_pivots:
-            pdf, psum = evaluate_local(engine, tok, states.pivots, verifier, sampling=samp, **lkw,
+        by_category = {name: accuracy_by_category(frames[kind], text_turn)
+                       for name, kind in (("greedy", "heldout_greedy"), ("sampled", "heldout_sampled")) if kind in frames}
+        if by_category:
+            res["local_by_category"] = by_category
+        if ev.local_pivots and "pivots" in measures:
+            pdf, psum = evaluate_local(engine, tok, states.pivots, verifier, sampling=greedy, **lkw,
                                         label=f"{policy}: training pivots")
             parts.pivot_frames.append(pdf.assign(policy=policy, seed=seed))
             res.setdefault("local_pivot_runs", []).append(psum)
@@ -197,41 +209,6 @@ def reprobe_pivots(cfg: RunConfig, engine: Any, tok: Any, pivots: Sequence[Any],
                                               top_p=p.top_p, top_k=p.top_k),
                         max_context=cfg.model.max_context, max_tokens=cfg.rollout.max_tokens,
                         prompt_kwargs=prompt_kwargs(cfg), progress=False)
-
-
-def stage_evaluate(cfg: RunConfig, store: ArtifactStore, demos: Mapping[str, Any],
-                   ref: ReferenceResult | Mapping[str, Any], probe: ProbeResult | Mapping[str, Any],
-                   train: TrainResult | Mapping[str, Any]) -> EvalResult:
-    """Evaluate base, π_ref and the PivotRL policy with the same seeds: full multi-turn tasks from
-    scratch on held-out tasks, and local accuracy on held-out states and on the pivot set."""
-    cfg = with_resolved_dtype(cfg)  # model.dtype: auto → bf16 | fp32 on this hardware
-    ref, probe, train = ReferenceResult.of(ref), ProbeResult.of(probe), TrainResult.of(train)
-    from pivotrl.data.bfcl import ensure_bfcl
-    from pivotrl.models import load_tokenizer
-
-    ekey = eval_key(cfg, demos, ref, train)
-    if store.exists(f"{ekey}/report.json"):
-        return eval_result(store, ekey)
-    bfcl_root = ensure_bfcl(cache_dir(cfg))
-    heldout = heldout_tasks(cfg, store, demos)
-    states = EvalStates.select(cfg, store, demos, probe)
-    policies = eval_policies(cfg, store, ref, train)
-    tok = load_tokenizer(policies["reference"])
-    verifier = make_verifier(cfg, bfcl_root, tokenizer=tok)
-    engine = make_rollout_engine(cfg, policies["base"])
-    task_frames: dict[str, list[pd.DataFrame]] = {}
-    parts = StateParts(states.counts())
-    try:
-        for name, mdir in policies.items():
-            if name != "base":
-                engine.load_weights(str(mdir))  # same architecture: swap weights, keep the engine
-            task_frames[name] = policy_task_frames(cfg, engine, tok, heldout, bfcl_root, name)
-            policy_state_results(cfg, engine, tok, states, verifier, name, parts)
-        parts.reprobe = reprobe_pivots(cfg, engine, tok, states.pivots, verifier)  # the trained policy: last
-    finally:
-        engine.close()
-        close_quietly(verifier)
-    return write_report(cfg, store, ekey, demos, ref, probe, train, heldout, task_frames, parts)
 
 
 def write_report(cfg: RunConfig, store: ArtifactStore, ekey: str, demos: Mapping[str, Any], ref: ReferenceResult,

@@ -33,7 +33,6 @@ from pivotrl.pipeline.results import ReferenceResult
 
 if TYPE_CHECKING:
     from pivotrl.config import RunConfig
-    from pivotrl.storage import ArtifactStore
 from pivotrl.rollout.scoring import ScoredState, sample_and_score, verifier_retries  # noqa: F401 (re-export)
 
 #: 2: each state's samples are seeded by (probing seed, state id), not by its position in a batch,

@@ -96,10 +96,10 @@ def reference_inputs_key(cfg: RunConfig, demos: Mapping[str, Any] | None) -> str
     the base model — the same sections as the warm start's artifact key (demonstrations key,
     ``warm_start``, ``prompt``, resolved dtype, seed, the reference stage's code) with the base
     model and the chat template identified by their file fingerprints
-    (:func:`~pivotrl.pipeline.common.path_fingerprint`) instead of their checkpoint/template hash,
+    (:func:`~pivotrl.fingerprints.path_fingerprint`) instead of their checkpoint/template hash,
     and the local cache directory (the result names the base model's local directory there).
     ``cfg`` with its dtype resolved. Without a warm start the demonstrations do not count."""
-    from pivotrl.pipeline.common import inputs_fingerprint
+    from pivotrl.fingerprints import inputs_fingerprint
 
     files = inputs_fingerprint(cfg)
     ws = cfg.warm_start.model_dump(mode="json") if cfg.warm_start.enabled else {"enabled": False}

@@ -4,7 +4,8 @@
 - :mod:`pivotrl.pipeline.probe_stage`: probe π_ref on the candidates (in one or many shards), the pivot
   filter (λ_diff), with the probe table of :mod:`pivotrl.pipeline.probe`;
 - :mod:`pivotrl.pipeline.train`: keys and I/O around the PivotRL loop (:mod:`pivotrl.training.loop`);
-- :mod:`pivotrl.pipeline.evaluate`: base, π_ref and the policy on held-out tasks and states; the report.
+- :mod:`pivotrl.pipeline.evaluate_stage`: base, π_ref and the policy on held-out tasks and states (in one
+  or many shards), with the parts and the report of :mod:`pivotrl.pipeline.evaluate`.
 
 Each stage is a plain function ``(cfg, store, inputs) -> typed result`` (:mod:`pivotrl.pipeline.results`)
 that reads and writes artifacts only through the store, so it can run in its own process (see
@@ -13,7 +14,7 @@ that reads and writes artifacts only through the store, so it can run in its own
 
 from __future__ import annotations
 
-from pivotrl.pipeline.evaluate import stage_evaluate
+from pivotrl.pipeline.evaluate_stage import stage_evaluate
 from pivotrl.pipeline.probe import probe_table_key
 from pivotrl.pipeline.probe_stage import stage_probe
 from pivotrl.pipeline.reference import TRAINER_DTYPE, prompt_identity, reference_dir, stage_reference

@@ -4,7 +4,8 @@
 * :mod:`~pivotrl.storage.dirs` — checkpoint directories behind a ``_COMPLETE`` marker;
 * :mod:`~pivotrl.storage.manifest` — :class:`Manifest` beside every artifact, code and library versions;
 * :mod:`~pivotrl.storage.retry` — the one retry mechanism (tenacity) and the store's policy;
-* :mod:`~pivotrl.storage.files` — the atomic publishing of local files and the file hash.
+* :mod:`~pivotrl.storage.files` — the atomic publishing of local files and the file hash;
+* :mod:`~pivotrl.storage.open` — an artifact's store and key from the URI a run printed.
 
 Pure core: never imports prefect, vllm, deepspeed or torch.
 """
@@ -20,9 +21,10 @@ from pivotrl.storage.manifest import (
 )
 from pivotrl.storage.retry import RetryPolicy, RetryStats, call_with_retries, is_transient
 from pivotrl.storage.store import ArtifactStore
+from pivotrl.storage.open import open_artifact
 
 __all__ = [
     "ArtifactStore", "Manifest", "RetryPolicy", "RetryStats", "call_with_retries", "code_version",
     "package_versions", "is_transient", "COMPLETE_MARKER", "MANIFEST_SUFFIX", "MANIFEST_FORMAT_VERSION",
-    "atomic_dir", "atomic_file", "file_sha256", "replace_path",
+    "atomic_dir", "atomic_file", "file_sha256", "open_artifact", "replace_path",
 ]

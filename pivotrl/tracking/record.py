@@ -46,7 +46,8 @@ from pivotrl.tracking.base import TRACKERS, MetricPoint, Tracker
 
 log = logging.getLogger("pivotrl.tracking")
 
-__all__ = ["RunRecorder", "flatten_params", "make_tracker", "metric_key", "verifier_code_hash", "STAGES"]
+__all__ = ["RunRecorder", "flatten_params", "logged_steps", "make_tracker", "metric_key", "sent_steps_key",
+           "verifier_code_hash", "STAGES"]
 
 #: The stages whose results :meth:`RunRecorder.stage` understands, in flow order.
 STAGES = ("demonstrations", "reference", "probe", "train", "evaluate")
@@ -200,8 +201,6 @@ class RunRecorder:
         self.tracker.set_tags(self.run_id, {k: str(v) for k, v in {
             "pivotrl.metrics.sha256": self._manifest_sha(out.get("metrics")),
             "pivotrl.policy.uri": self.store.url(out["policy_key"]) if out.get("policy_key") else "reference"}.items()})
-        from pivotrl.tracking.live import logged_steps
-
         df = self.store.read_parquet(out["metrics"].removeprefix(self.store.root_url + "/"))
         sent = logged_steps(self.store, out["train_key"], self.run_id)  # already sent live, step by step
         points: list[MetricPoint] = []
@@ -236,6 +235,17 @@ class RunRecorder:
 
     def _upload_text(self, name: str, text: str, artifact_dir: str) -> None:
         self._upload_bytes(name, text.encode("utf-8"), artifact_dir)
+
+
+def sent_steps_key(train_key: str, run_id: str) -> str:
+    """Where the training steps sent live to tracker run ``run_id`` are listed (a JSON artifact)."""
+    return f"{train_key}/tracking/{run_id}.json"
+
+
+def logged_steps(store: Any, train_key: str, run_id: str) -> set[int]:
+    """Training steps already sent live to run ``run_id`` (empty if none)."""
+    key = sent_steps_key(train_key, run_id)
+    return set(store.read_json(key)["steps"]) if run_id and store.exists(key) else set()
 
 
 def source_sha256(uri: str) -> str | None:

@@ -48,7 +48,7 @@ __all__ = [
 ]
 
 LAUNCHERS = ("inprocess", "torchrun", "deepspeed")
-ENTRIES = ("sft", "pivotrl", "rl_stage")
+ENTRIES = ("sft", "offline", "rl_stage")
 
 S = TypeVar("S")
 

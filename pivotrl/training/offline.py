@@ -1,4 +1,4 @@
-"""``python -m pivotrl.training.pivotrl --spec spec.json``: PivotRL updates on pre-collected batches.
+"""``python -m pivotrl.training.offline --spec spec.json``: PivotRL updates on pre-collected batches.
 
 The spec's ``training`` mapping holds keys of the run config's ``training`` section; it is validated
 once here, by the schema (:func:`pivotrl.training.settings.training_section`).
@@ -12,6 +12,7 @@ from typing import Any, Sequence
 
 from pivotrl.training.deepspeed_utils import rank_and_world
 from pivotrl.training.groups import read_batches
+from pivotrl.training.pivotrl import PivotRLTrainer
 from pivotrl.training.settings import training_section
 
 __all__ = ["OfflineSpec", "main", "run_offline"]
@@ -44,8 +45,6 @@ def run_offline(spec: OfflineSpec) -> list[dict[str, float]]:
     """Train on the batches of ``spec`` (see :class:`OfflineSpec`); returns the per-step metrics.
 
     Raises ConfigError for bad training settings, DataError for a malformed batches file."""
-    from pivotrl.training.pivotrl import PivotRLTrainer
-
     trainer = PivotRLTrainer(spec.model_dir, spec.ref_model_dir, training=training_section(**spec.training),
                              dtype=spec.dtype, seed=spec.seed)
     if spec.resume_from:
@@ -72,3 +71,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     run_offline(read_spec(argv, OfflineSpec))
     return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 import torch
 
 from pivotrl.config import TrainingSection
-from pivotrl.errors import DataError, TrainingError
+from pivotrl.errors import TrainingError
 from pivotrl.objective import compute_advantages, pivotrl_loss
 from pivotrl.training.deepspeed_utils import (
     build_engine,
@@ -358,23 +358,3 @@ class PivotRLTrainer:
         written with a different world size under ZeRO ≥ 1 (partitioned optimizer state).
         """
         return load_trainer_checkpoint(self, directory)
-
-
-# ---------------------------------------------------------------------- entry point
-def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m pivotrl.training.pivotrl --spec <json file>``: see :mod:`pivotrl.training.offline`."""
-    from pivotrl.training.offline import main as offline_main
-
-    return offline_main(argv)
-
-
-def __getattr__(name: str) -> Any:
-    if name == "OfflineSpec":  # the offline entry's spec, importable from the entry module it runs under
-        from pivotrl.training.offline import OfflineSpec
-
-        return OfflineSpec
-    raise AttributeError(name)
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -55,7 +55,7 @@ def test_two_ranks_equal_one_rank(tmp_path: Path, zero_stage: int) -> None:
             "dtype": "float32",
             "seed": 0,
         }
-        launch(cfg, entry="pivotrl", spec=spec, workdir=out, timeout_s=240)
+        launch(cfg, entry="offline", spec=spec, workdir=out, timeout_s=240)
         runs[name] = (
             load_file(out / "hf" / "model.safetensors"),
             [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()],

@@ -150,7 +150,7 @@ def test_sharded_evaluation_gives_the_unsharded_report_and_reruns_only_a_missing
     """``scale_out.eval_shard_size=1``: a shard per held-out task (every policy on one engine) and
     one for the state-level measures, merged into the unsharded stage's report; after one shard's
     output and the report are deleted, a rerun evaluates exactly that shard."""
-    from pivotrl.pipeline.eval_shards import eval_shard, merge_eval_shards, plan_eval_shards
+    from pivotrl.pipeline.evaluate_stage import eval_shard, merge_eval_shards, plan_eval_shards
 
     cfg0, _, demos, ref, probe, train, ev = smoke_run
     root = _copy_root(Path(cfg0.run.storage_root), tmp_path / "root")

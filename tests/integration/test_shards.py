@@ -94,7 +94,6 @@ def _memorised_model(tmp: Path, *overrides: str, family: str | None = None) -> P
     """A tiny model that has memorised the pivot split's demonstrations under the run's prompt
     format, so its probes are real tool calls (in that format) that the verifier must parse."""
     from pivotrl.errors import StateTooLongError
-    from pivotrl.config import load_config
     from pivotrl.models import load_tokenizer
     from pivotrl.pipeline.common import prompt_kwargs
     from pivotrl.pipeline.demos import read_trajectories

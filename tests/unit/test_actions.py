@@ -8,10 +8,10 @@ from pivotrl.actions import (
     format_action,
     format_value,
     is_action_name,
-    is_viable_prefix,
     parse_action,
     parse_call,
 )
+from pivotrl.action_prefix import is_viable_prefix
 from pivotrl.data.schema import Message, ToolCall, ToolSpec
 from pivotrl.errors import ActionParseError, DataError
 

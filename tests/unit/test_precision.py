@@ -71,7 +71,7 @@ def test_config_default_is_auto_and_resolves_with_its_refresh_tolerance(monkeypa
 def test_the_resolved_dtype_enters_the_stage_cache_keys(monkeypatch):
     from pivotrl import precision
     from pivotrl.config import load_config
-    from pivotrl.pipeline.common import inputs_fingerprint
+    from pivotrl.fingerprints import inputs_fingerprint
 
     cfg = load_config("configs/smoke.yaml", ["model.dtype=auto"])
     keys = {}

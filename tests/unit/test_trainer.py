@@ -10,7 +10,8 @@ import torch
 from pivotrl.errors import ConfigError, DataError
 from pivotrl.testing import save_tiny_checkpoint, tiny_tokenizer
 from pivotrl.training.launch import LaunchConfig, read_spec, render_launch_command
-from pivotrl.training.pivotrl import Group, OfflineSpec, PivotRLTrainer
+from pivotrl.training.offline import OfflineSpec
+from pivotrl.training.pivotrl import Group, PivotRLTrainer
 
 TIMING_KEYS = {"step_time_s", "tokens_per_s"}
 
@@ -280,13 +281,13 @@ def test_sft_rejects_bad_examples(ckpt: Path, tmp_path: Path) -> None:
 def test_render_torchrun_multi_node() -> None:
     cmd = render_launch_command(
         LaunchConfig(launcher="torchrun", nnodes=2, nproc_per_node=4, node_rank=1, master_addr="10.0.0.1", master_port=29600),
-        entry="pivotrl",
+        entry="offline",
         spec_path="/runs/a/spec.json",
         python="py",
     )
     assert cmd == [
         "py", "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=4", "--node-rank=1",
-        "--master-addr=10.0.0.1", "--master-port=29600", "-m", "pivotrl.training.pivotrl", "--spec", "/runs/a/spec.json",
+        "--master-addr=10.0.0.1", "--master-port=29600", "-m", "pivotrl.training.offline", "--spec", "/runs/a/spec.json",
     ]  # fmt: skip
 
 

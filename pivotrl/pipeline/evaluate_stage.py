@@ -1,6 +1,11 @@
-"""Sharded evaluation: the held-out tasks cut into shards (whole tasks, sorted by id), each played
-from scratch by every policy on its own (its own content key, retried on its own), plus one shard
-for the state-level measures; then merged into the same report as one unsharded evaluate stage.
+"""The evaluate stage: plan → evaluate each shard → merge → report, one implementation at any scale.
+
+The held-out tasks are cut into shards of ``scale_out.eval_shard_size`` whole tasks (sorted by id;
+one shard when it is null, the one-machine run), each played from scratch by every policy on its
+own (its own content key, retried on its own), plus one shard for the state-level measures; then
+merged into the report. :func:`stage_evaluate` runs the three steps in one process (one engine,
+kept warm across its shards); the sharded flow (``pivotrl.tasks.eval_shards``) runs the same three
+functions as Prefect tasks on threads or Ray workers.
 
 A shard covers all policies: its one engine is built on the base model and swaps weights per
 policy (as the unsharded stage does), so a Ray worker keeps one engine warm across its shards;
@@ -16,8 +21,7 @@ the code, plus the shard's task ids; the states shard adds the pivot set and pro
 - ``eval/shards/<key>/local.parquet``, ``pivots.parquet``, ``reprobe.parquet`` and, last,
   ``states.json``: the states shard (local accuracy on held-out states, stop decisions,
   out-of-domain states and the pivot set; the pivot set re-probed under the trained policy);
-- the merged report under ``eval/<ekey>/`` exactly as :func:`~pivotrl.pipeline.evaluate.stage_evaluate`
-  writes it.
+- the merged report under ``eval/<ekey>/`` (:func:`pivotrl.pipeline.evaluate.write_report`).
 
 The functions here are the pure pipeline; ``pivotrl.tasks.eval_shards`` wraps them as Prefect tasks.
 """
@@ -32,13 +36,18 @@ from typing import Any, Mapping
 import pandas as pd
 
 from pivotrl.config import RunConfig
+from pivotrl.data.bfcl import ensure_bfcl
 from pivotrl.data.schema import content_hash
 from pivotrl.errors import StorageError
+from pivotrl.models import load_tokenizer
+from pivotrl.pipeline.common import close_quietly, make_verifier
+from pivotrl.pipeline.demos import cache_dir
 from pivotrl.pipeline.evaluate import (
     POLICIES, EvalStates, StateParts, eval_key, eval_policies, eval_result, heldout_tasks, policy_state_results,
     policy_task_frames, reprobe_pivots, write_report,
 )
-from pivotrl.pipeline.results import ProbeResult, ReferenceResult, TrainResult
+from pivotrl.pipeline.results import EvalResult, ProbeResult, ReferenceResult, TrainResult
+from pivotrl.pipeline.warm_engine import close_warm_engines, shard_engine
 from pivotrl.precision import with_resolved_dtype
 from pivotrl.storage import ArtifactStore
 
@@ -86,12 +95,6 @@ def eval_shard(cfg: RunConfig, store: ArtifactStore, demos: Mapping[str, Any], r
     Returns {"index", "key", "part", "uri", "tasks" (count), "evaluated" (computed now),
     "engine_reused" (the warm engine of an earlier shard served this one)}.
     """
-    from pivotrl.data.bfcl import ensure_bfcl
-    from pivotrl.models import load_tokenizer
-    from pivotrl.pipeline.common import close_quietly, make_verifier
-    from pivotrl.pipeline.demos import cache_dir
-    from pivotrl.pipeline.warm_engine import shard_engine
-
     cfg = with_resolved_dtype(cfg)
     ref, probe, train = _typed(ref, probe, train)
     out = {"index": shard["index"], "key": shard["key"], "part": shard["part"], "uri": store.url(shard["output"]),
@@ -108,7 +111,7 @@ def eval_shard(cfg: RunConfig, store: ArtifactStore, demos: Mapping[str, Any], r
         tasks = [by_id[i] for i in shard["tasks"]]
     else:
         states = EvalStates.select(cfg, store, demos, probe)
-        verifier = make_verifier(cfg, bfcl_root, tokenizer=tok)
+        verifier = make_verifier(cfg, bfcl_root, tok)
     engine, out["engine_reused"] = shard_engine(cfg, policies["base"], warm_engine, any_weights=True)
     frames: list[pd.DataFrame] = []
     parts = StateParts(states.counts() if states is not None else {})
@@ -171,8 +174,8 @@ def _read_states(store: ArtifactStore, key: str) -> StateParts:
 
 def merge_eval_shards(cfg: RunConfig, store: ArtifactStore, demos: Mapping[str, Any], ref: Any, probe: Any,
                       train: Any, plan: dict[str, Any]) -> dict[str, Any]:
-    """Build the report from the shards' tables, as :func:`~pivotrl.pipeline.evaluate.stage_evaluate`
-    writes it (a report already written is returned as it is).
+    """Build the report from the shards' tables (:func:`pivotrl.pipeline.evaluate.write_report`; a
+    report already written is returned as it is).
 
     Returns the EvalResult as a dict. Raises StorageError naming the shards without output.
     """
@@ -191,3 +194,19 @@ def merge_eval_shards(cfg: RunConfig, store: ArtifactStore, demos: Mapping[str, 
     out = write_report(cfg, store, ekey, demos, ref, probe, train, heldout_tasks(cfg, store, demos), task_frames,
                        _read_states(store, states["key"]))
     return out.to_dict()
+
+
+def stage_evaluate(cfg: RunConfig, store: ArtifactStore, demos: Mapping[str, Any], ref: Any, probe: Any,
+                   train: Any) -> EvalResult:
+    """The evaluate stage in one process: base, π_ref and the PivotRL policy with the same seeds on
+    the held-out tasks from scratch and on held-out states, the pivot set and out-of-domain states
+    (:func:`plan_eval_shards`, :func:`eval_shard` for each shard whose output is missing, one engine
+    kept warm across them, :func:`merge_eval_shards`). A report already written is returned."""
+    plan = plan_eval_shards(cfg, store, demos, ref, probe, train)
+    if not plan["done"]:
+        try:
+            for shard in plan["shards"]:
+                eval_shard(cfg, store, demos, ref, probe, train, shard, warm_engine=True)
+        finally:
+            close_warm_engines()
+    return EvalResult.of(merge_eval_shards(cfg, store, demos, ref, probe, train, plan))
