@@ -16,7 +16,7 @@ export DO_NOT_TRACK ?= 1
 
 .PHONY: install test test-fast run smoke serve bench clean
 
-$(STAMP): pyproject.toml infra/install.sh infra/constraints-cpu.txt
+$(STAMP): pyproject.toml setup.py infra/install.sh infra/constraints-cpu.txt
 	PYTHON=$(PYTHON) ./infra/install.sh $(VENV) $(EXTRA)
 	touch $(STAMP)
 

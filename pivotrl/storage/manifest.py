@@ -16,12 +16,11 @@ import json
 import os
 import platform
 import subprocess
-import sys
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from importlib import metadata
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from pivotrl.config import is_credential_key
 from pivotrl.data.schema import content_hash
@@ -97,29 +96,34 @@ def package_versions() -> dict[str, str | None]:
 RUN_ID_ENV = {"flow_run_id": "PIVOTRL_PREFECT_FLOW_RUN_ID", "task_run_id": "PIVOTRL_PREFECT_TASK_RUN_ID"}
 
 
-def _prefect_run_ids() -> dict[str, str | None] | None:
-    """Flow-run and task-run ids when called inside a Prefect run (or in a stage process a Prefect
-    task started, :data:`RUN_ID_ENV`); None otherwise.
+#: Where the orchestration layer (``pivotrl.tasks``) says which flow and task run the calling code
+#: belongs to: a function returning ``{"flow_run_id", "task_run_id"}`` or None outside a run.
+#: Registered there, so this module never imports the orchestrator.
+_RUN_ID_PROVIDERS: list[Callable[[], dict[str, str | None] | None]] = []
 
-    Prefect is only consulted when the process has already imported it (a run implies that).
-    """
+
+def register_run_id_provider(provider: Callable[[], dict[str, str | None] | None]) -> None:
+    """Make every manifest written from now on carry the run ids ``provider`` returns (first
+    provider with an answer wins; registering the same function twice adds it once)."""
+    if provider not in _RUN_ID_PROVIDERS:
+        _RUN_ID_PROVIDERS.append(provider)
+
+
+def _prefect_run_ids() -> dict[str, str | None] | None:
+    """Flow-run and task-run ids of the run the caller belongs to: handed by a Prefect task to the
+    stage process it started (:data:`RUN_ID_ENV`), or given by a registered provider
+    (:func:`register_run_id_provider`); None otherwise."""
     handed = {k: os.environ.get(v) or None for k, v in RUN_ID_ENV.items()}
     if any(handed.values()):
         return handed
-    if "prefect" not in sys.modules:
-        return None
-    try:
-        from prefect.runtime import flow_run, task_run
-
-        flow_id, task_id = flow_run.id, task_run.id
-    except Exception:  # any failure of an optional integration: no ids
-        return None
-    if flow_id is None and task_id is None:
-        return None
-    return {
-        "flow_run_id": str(flow_id) if flow_id is not None else None,
-        "task_run_id": str(task_id) if task_id is not None else None,
-    }
+    for provider in _RUN_ID_PROVIDERS:
+        try:
+            ids = provider()
+        except Exception:  # any failure of an optional integration: no ids
+            ids = None
+        if ids and any(ids.values()):
+            return ids
+    return None
 
 
 def _now() -> str:

@@ -48,7 +48,9 @@ __all__ = [
 ]
 
 LAUNCHERS = ("inprocess", "torchrun", "deepspeed")
-ENTRIES = ("sft", "offline", "rl_stage")
+#: Process entries a launcher can start, by name: the module run with ``python -m`` on every rank.
+ENTRIES = {"sft": "pivotrl.training.sft", "offline": "pivotrl.training.offline",
+           "rl_stage": "pivotrl.pipeline.rl_stage"}
 
 S = TypeVar("S")
 
@@ -102,7 +104,7 @@ class LaunchConfig:
 def _module(entry: str) -> str:
     if entry not in ENTRIES:
         raise ConfigError(f"unknown trainer entry {entry!r}; valid: {', '.join(ENTRIES)}")
-    return f"pivotrl.training.{entry}"
+    return ENTRIES[entry]
 
 
 def render_launch_command(

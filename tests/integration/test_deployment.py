@@ -250,7 +250,7 @@ def test_multinode_launch_spec_goes_through_storage(tmp_path):
     work = tmp_path / "node1"
     cmd = _node_command(url, work, "--launcher", "torchrun", env={"JOB_COMPLETION_INDEX": "1", "MASTER_ADDR": "head"})
     assert cmd == ["python3", "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=8", "--node-rank=1",
-                   "--master-addr=head", "--master-port=29500", "-m", "pivotrl.training.rl_stage",
+                   "--master-addr=head", "--master-port=29500", "-m", "pivotrl.pipeline.rl_stage",
                    "--spec", str(work / "rl_stage-spec.json")]
     local = json.loads((work / "rl_stage-spec.json").read_text())
     assert local["inputs"] == spec["inputs"] and local["output"] == str(work / "rl_stage-result.json")
@@ -258,7 +258,7 @@ def test_multinode_launch_spec_goes_through_storage(tmp_path):
     cmd = _node_command(url, tmp_path / "node0", "--node-rank", "0")  # the config's launcher: deepspeed
     assert cmd == ["python3", "-m", "deepspeed.launcher.runner", "--hostfile=configs/hostfile", "--num_nodes=2",
                    "--no_ssh", "--node_rank=0", "--num_gpus=8", "--master_addr=node-0", "--master_port=29500",
-                   "--module", "pivotrl.training.rl_stage", "--spec", str(tmp_path / "node0" / "rl_stage-spec.json")]
+                   "--module", "pivotrl.pipeline.rl_stage", "--spec", str(tmp_path / "node0" / "rl_stage-spec.json")]
 
 
 def test_a_node_launcher_stopped_alone_stops_every_rank_it_started(tmp_path):

@@ -238,8 +238,8 @@ def test_multinode_gpu_config_validates_and_renders_its_launch_command():
     cmd = render_launch_command(LaunchConfig.of(tr), entry="rl_stage", spec_path="spec.json", python="python")
     line = shlex.join(cmd)
     assert line.startswith("python -m deepspeed.launcher.runner --hostfile=configs/hostfile --num_nodes=2")
-    assert line.endswith("-m pivotrl.training.rl_stage --spec spec.json") or "pivotrl/training/rl_stage" in line \
-        or "pivotrl.training.rl_stage" in line
+    assert line.endswith("-m pivotrl.pipeline.rl_stage --spec spec.json") or "pivotrl/pipeline/rl_stage" in line \
+        or "pivotrl.pipeline.rl_stage" in line
     tcmd = render_launch_command(LaunchConfig.of(tr, launcher="torchrun", hostfile=None),
                                  entry="rl_stage", spec_path="spec.json", python="python")
     assert tcmd[:3] == ["python", "-m", "torch.distributed.run"]
