@@ -6,7 +6,9 @@ one stage process at a time (started in its own session, see
 processes, DeepSpeed ranks, sandbox workers (their own sessions too). Three mechanisms:
 
 - :func:`become_subreaper`: the CLI adopts orphaned descendants (Linux ``PR_SET_CHILD_SUBREAPER``),
-  so a grandchild whose parent died early is still found in the CLI's tree.
+  so a grandchild whose parent died early is still found in the CLI's tree; a reaper thread
+  (:func:`reap_orphans`, every second) collects the exit status of each adopted orphan that ends
+  (e.g. an engine's worker process outliving its engine), so none is left ``<defunct>``.
 - :class:`StopOnSignal`: the CLI's SIGINT/SIGTERM handler. The first signal snapshots the whole
   tree, sends SIGTERM to every process (and to the process group of each stage), waits up to
   ``grace_s`` (5 s), SIGKILLs what is left and exits (130 for SIGINT, 143 for SIGTERM); a second
@@ -24,10 +26,13 @@ was killed outright (SIGKILL) is removed by the next run on the machine.
 
 from __future__ import annotations
 
+import gc
+import multiprocessing
 import os
 import re
 import shutil
 import signal
+import subprocess
 import sys
 import tempfile
 import threading
@@ -40,17 +45,71 @@ from typing import Any, Iterable, Iterator
 GRACE_S = 5.0
 
 
-def become_subreaper() -> bool:
-    """Make this process the reaper of its orphaned descendants (Linux); False where unsupported."""
+#: Seconds between two passes of the reaper thread of a subreaper.
+REAP_INTERVAL_S = 1.0
+_REAPER: threading.Thread | None = None
+
+
+def become_subreaper(*, reap: bool = True) -> bool:
+    """Make this process the reaper of its orphaned descendants (Linux); False where unsupported.
+
+    ``reap``: also start the daemon thread that collects the adopted orphans that end
+    (:func:`reap_orphans` every :data:`REAP_INTERVAL_S`); a subreaper that never waits for its
+    adopted children keeps each of them as a zombie until it exits."""
+    global _REAPER
     if not sys.platform.startswith("linux"):
         return False
     try:
         import ctypes
 
         libc = ctypes.CDLL(None, use_errno=True)
-        return libc.prctl(36, 1, 0, 0, 0) == 0  # PR_SET_CHILD_SUBREAPER
+        ok = libc.prctl(36, 1, 0, 0, 0) == 0  # PR_SET_CHILD_SUBREAPER
     except (OSError, AttributeError):
         return False
+    if ok and reap and (_REAPER is None or not _REAPER.is_alive()):
+        def loop() -> None:
+            while True:
+                time.sleep(REAP_INTERVAL_S)
+                reap_orphans()
+
+        _REAPER = threading.Thread(target=loop, name="reap-orphans", daemon=True)
+        _REAPER.start()
+    return ok
+
+
+def _own_children() -> set[int]:
+    """Pids of the children this process started and will wait for itself: live ``subprocess.Popen``
+    objects (asyncio's subprocesses included) and multiprocessing children."""
+    owned = {p.pid for p in multiprocessing.active_children()}
+    for obj in gc.get_objects():
+        if isinstance(obj, subprocess.Popen) and obj.returncode is None and obj.pid:
+            owned.add(obj.pid)
+    return owned
+
+
+def reap_orphans() -> list[int]:
+    """Collect the exit status of every ended child of this process that it did not start itself
+    (an orphan it adopted as a subreaper); returns their pids. A child started here (a ``Popen``, a
+    multiprocessing child) is left to its owner, whose ``wait`` must see its real exit code."""
+    import psutil
+
+    try:
+        zombies = [p.pid for p in psutil.Process().children() if p.status() == psutil.STATUS_ZOMBIE]
+    except psutil.Error:
+        return []
+    if not zombies:
+        return []
+    owned = _own_children()
+    reaped = []
+    for pid in zombies:
+        if pid in owned:
+            continue
+        try:
+            if os.waitpid(pid, os.WNOHANG)[0] == pid:
+                reaped.append(pid)
+        except ChildProcessError:  # its owner waited first
+            pass
+    return reaped
 
 
 def descendants(pid: int | None = None) -> list[Any]:

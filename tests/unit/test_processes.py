@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 import time
 
 import pytest
@@ -155,3 +156,29 @@ def test_work_folders_of_killed_stages_in_the_cache_are_removed_and_live_ones_ke
         (d / "hf").mkdir(parents=True)
     assert remove_stale_tempdirs(tmp_path) == [str(dead)]
     assert not dead.exists() and mine.exists() and parent.exists() and other.exists()
+
+
+REAPER_SCRIPT = r"""
+import subprocess, sys, time
+import psutil
+from pivotrl.pipeline.processes import become_subreaper
+assert become_subreaper()
+# An orphan: its parent exits at once, so this process adopts it; it ends 0.3 s later.
+subprocess.run(["sh", "-c", "(sleep 0.3; exit 0) & exit 0"], check=True)
+# A child of our own that ends with 3 and is waited for late: its owner must still read 3.
+own = subprocess.Popen(["sh", "-c", "exit 3"])
+time.sleep(3.0)  # the reaper runs about three times meanwhile
+zombies = [p.pid for p in psutil.Process().children() if p.status() == psutil.STATUS_ZOMBIE]
+print(own.wait(), zombies == [own.pid])
+print([p.pid for p in psutil.Process().children() if p.status() == psutil.STATUS_ZOMBIE])
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_CHILD_SUBREAPER is Linux's")
+def test_a_subreaper_reaps_adopted_orphans_and_leaves_its_own_children_to_their_owner():
+    out = subprocess.run([sys.executable, "-c", REAPER_SCRIPT], capture_output=True, text=True, timeout=60,
+                         cwd=Path(__file__).resolve().parents[2])
+    assert out.returncode == 0, out.stderr[-2000:]
+    own_code, zombie_lines = out.stdout.strip().splitlines()
+    assert own_code == "3 True"  # the adopted orphan was reaped; the own child waited for its owner
+    assert zombie_lines == "[]"
