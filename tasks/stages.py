@@ -31,6 +31,7 @@ from typing import Any, Mapping
 from prefect import Task, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
+from pivotrl.pipeline.registry import NIGHTLY_STAGES
 from pivotrl.pipeline.results import EvalResult, ProbeResult, ReferenceResult, TrainResult
 from pivotrl.tasks import publish
 
@@ -185,7 +186,7 @@ def pipeline_tasks(config: Mapping[str, Any]) -> PipelineTasks:
     storage = result_storage(config)
     return PipelineTasks(**{
         name: globals()[name].with_options(result_storage=storage)
-        for name in ("demonstrations", "reference", "probe", "train", "evaluate")
+        for name in NIGHTLY_STAGES
     })
 
 

@@ -37,7 +37,7 @@ from pivotrl.pipeline.reference import reference_dir
 from pivotrl.pipeline.results import ProbeResult
 from pivotrl.storage import ArtifactStore
 
-__all__ = ["claims", "compare_eval_key", "cost_per_point", "run_compare_stage", "stage_compare_evaluate"]
+__all__ = ["claims", "compare_eval_key", "cost_per_point", "stage_compare_evaluate"]
 
 METHODS = ("reference", "pivotrl", "sft", "e2e")
 #: The state-level measures of the comparison (:data:`pivotrl.pipeline.evaluate.STATE_MEASURES`).
@@ -267,15 +267,3 @@ def stage_compare_evaluate(cfg: RunConfig, store: ArtifactStore, demos: dict[str
                          config={"evaluation": ev.model_dump(mode="json"), "compare": cfg.compare.model_dump(mode="json")})
     return {"key": key, "report_json": store.url(f"{key}/report.json"), "report_md": store.url(f"{key}/report.md"),
             "report": store.read_json(f"{key}/report.json")}
-
-
-def run_compare_stage(stage: str, cfg: RunConfig, store: ArtifactStore, inputs: Mapping[str, Any]) -> dict[str, Any]:
-    """Dispatch one ``pivotrl compare`` stage by name (``pivotrl.pipeline.entry`` runs it in a process)."""
-    from pivotrl.pipeline.compare import stage_e2e_baseline, stage_sft_baseline
-
-    i = inputs
-    if stage == "sft_baseline":
-        return stage_sft_baseline(cfg, store, i["demos"], i["reference"], i["train"])
-    if stage == "e2e_baseline":
-        return stage_e2e_baseline(cfg, store, i["demos"], i["reference"], i["probe"], i["train"])
-    return stage_compare_evaluate(cfg, store, i["demos"], i["reference"], i["probe"], i["train"], i["sft"], i["e2e"])

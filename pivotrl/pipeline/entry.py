@@ -21,11 +21,16 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from pivotrl.errors import ConfigError, DataError, ModelError, PivotRLError, StorageAccessError, TrainingError
+from pivotrl.pipeline.evaluate_stage import eval_shard
+from pivotrl.pipeline.probe_stage import probe_shard
+from pivotrl.pipeline.registry import STAGES as REGISTRY
+from pivotrl.pipeline.registry import run_stage_fn
 from pivotrl.storage.files import atomic_file
 
-#: Stages of ``pivotrl compare`` (pivotrl.pipeline.compare / compare_eval), run the same way.
-COMPARE_STAGES = ("sft_baseline", "e2e_baseline", "compare_evaluate")
-STAGES = ("reference", "probe", "train", "evaluate", "probe_shard", "eval_shard") + COMPARE_STAGES
+#: What a stage process runs: every stage of :data:`pivotrl.pipeline.registry.STAGES`, and one
+#: shard of a sharded stage (``probe_shard``, ``eval_shard``).
+SHARD_STAGES = ("probe_shard", "eval_shard")
+STAGES = tuple(REGISTRY) + SHARD_STAGES
 
 #: Exit code of a stage process that failed for a reason a retry cannot fix (bad config or data,
 #: an unreadable model, a broken training invariant).
@@ -83,44 +88,12 @@ def run_stage(stage: str, config: dict[str, Any], inputs: dict[str, Any], *, att
             logging.getLogger("pivotrl.pipeline").info("removed the work folder of a stopped stage: %s", path)
     store = make_store(cfg, attempt=attempt)
     store.manifest_extra = {"precision": precision.record()}
-    if stage in ("reference", "probe", "train", "evaluate"):
-        return _stage_result(stage, cfg, store, inputs).to_dict()
     if stage == "probe_shard":
-        from pivotrl.pipeline.probe_stage import probe_shard
-
         return probe_shard(cfg, store, inputs["demos"], inputs["reference"], inputs["shard"])
     if stage == "eval_shard":
-        from pivotrl.pipeline.evaluate_stage import eval_shard
-
         return eval_shard(cfg, store, *(inputs[k] for k in ("demos", "reference", "probe", "train")), inputs["shard"])
-    if stage in COMPARE_STAGES:
-        from pivotrl.pipeline.compare_eval import run_compare_stage
-
-        return run_compare_stage(stage, cfg, store, inputs)
-    raise ConfigError(f"unknown stage {stage!r}; valid: {', '.join(STAGES)}")
-
-
-def _stage_result(stage: str, cfg: Any, store: Any, inputs: dict[str, Any]) -> Any:
-    """Run one of the four nightly stages on its typed inputs (pivotrl.pipeline.results)."""
-    from pivotrl.pipeline.results import ProbeResult, ReferenceResult, TrainResult
-
-    if stage == "reference":
-        from pivotrl.pipeline.reference import stage_reference
-
-        return stage_reference(cfg, store, inputs["demos"])
-    ref = ReferenceResult.of(inputs["reference"])
-    if stage == "probe":
-        from pivotrl.pipeline.probe_stage import stage_probe
-
-        return stage_probe(cfg, store, inputs["demos"], ref)
-    if stage == "train":
-        from pivotrl.pipeline.train import stage_train
-
-        return stage_train(cfg, store, ProbeResult.of(inputs["probe"]), ref)
-    from pivotrl.pipeline.evaluate_stage import stage_evaluate
-
-    return stage_evaluate(cfg, store, inputs["demos"], ref, ProbeResult.of(inputs["probe"]),
-                          TrainResult.of(inputs["train"]))
+    result = run_stage_fn(stage, cfg, store, inputs)
+    return result.to_dict() if hasattr(result, "to_dict") else result
 
 
 def stage_log_path(config: dict[str, Any], stage: str) -> Path:

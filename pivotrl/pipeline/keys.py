@@ -38,23 +38,17 @@ from typing import Any, Mapping
 
 from pivotrl.config import RunConfig
 from pivotrl.errors import ConfigError
+from pivotrl.pipeline.registry import STAGES, stage_spec
+from pivotrl.precision import with_resolved_dtype
 from pivotrl.storage import ArtifactStore
 
 #: The stages, in pipeline order, with the inputs each takes (the results of earlier stages).
-STAGE_INPUTS: dict[str, tuple[str, ...]] = {
-    "demonstrations": (),
-    "reference": ("demos",),
-    "probe": ("demos", "reference"),
-    "train": ("probe", "reference"),
-    "evaluate": ("demos", "reference", "probe", "train"),
-    "sft_baseline": ("demos", "reference", "train"),
-    "e2e_baseline": ("demos", "reference", "probe", "train"),
-    "compare_evaluate": ("demos", "reference", "probe", "train", "sft", "e2e"),
-}
+STAGE_INPUTS: dict[str, tuple[str, ...]] = {name: spec.inputs for name, spec in STAGES.items()}
 
 
 def stage_key(stage: str, cfg: RunConfig, store: ArtifactStore, inputs: Mapping[str, Any] | None = None) -> str:
-    """The content key of ``stage`` (see the table above), e.g. ``train/3f2a…``.
+    """The content key of ``stage`` (see the table above; the stage's ``key`` in
+    :data:`pivotrl.pipeline.registry.STAGES`), e.g. ``train/3f2a…``.
 
     ``inputs``: the earlier stages' results (dicts or ``pivotrl.pipeline.results`` types) under
     the names of :data:`STAGE_INPUTS`. ``cfg`` is resolved for this machine's dtype here.
@@ -62,55 +56,12 @@ def stage_key(stage: str, cfg: RunConfig, store: ArtifactStore, inputs: Mapping[
     Raises ConfigError for an unknown stage or a missing input; StorageError when a manifest
     cannot be read.
     """
-    from pivotrl.pipeline.results import ProbeResult, ReferenceResult
-    from pivotrl.precision import with_resolved_dtype
-
-    if stage not in STAGE_INPUTS:
-        raise ConfigError(f"unknown stage {stage!r}; valid: {', '.join(STAGE_INPUTS)}")
+    spec = stage_spec(stage)
     inputs = inputs or {}
-    missing = [k for k in STAGE_INPUTS[stage] if k not in inputs]
+    missing = [k for k in spec.inputs if k not in inputs]
     if missing:
         raise ConfigError(f"stage {stage!r} needs the results of {missing} to build its key")
-    cfg = with_resolved_dtype(cfg)  # model.dtype: auto → bf16 | fp32 on this hardware, as the stages do
-    if stage == "demonstrations":
-        from pivotrl.pipeline.demos import demos_key
-
-        return demos_key(cfg)
-    if stage == "reference":
-        from pivotrl.pipeline.reference import reference_inputs_key
-
-        return reference_inputs_key(cfg, inputs["demos"])
-    if stage == "probe":
-        from pivotrl.pipeline.probe import pivot_set_key, probe_table_key
-
-        candidates = store.read_manifest(f"{inputs['demos']['key']}/candidates.parquet").sha256
-        return pivot_set_key(probe_table_key(cfg, candidates, inputs["reference"]), cfg.probing.lambda_diff)
-    if stage == "train":
-        from pivotrl.pipeline.train import train_key
-
-        return train_key(cfg, store, ProbeResult.of(inputs["probe"]), ReferenceResult.of(inputs["reference"]))
-    if stage == "evaluate":
-        from pivotrl.pipeline.evaluate import eval_key
-
-        return eval_key(cfg, inputs["demos"], inputs["reference"], inputs["train"])
-    demos, ref = dict(inputs["demos"]), ReferenceResult.of(inputs["reference"]).to_dict()
-    train = _as_dict(inputs["train"])
-    if stage == "sft_baseline":
-        from pivotrl.pipeline.compare import sft_baseline_key
-
-        return sft_baseline_key(cfg, demos, ref, train)
-    if stage == "e2e_baseline":
-        from pivotrl.pipeline.compare import e2e_baseline_key
-
-        return e2e_baseline_key(cfg, demos, ref, ProbeResult.of(inputs["probe"]).to_dict(), train)
-    from pivotrl.pipeline.compare_eval import compare_eval_key
-
-    return compare_eval_key(cfg, demos, ref, train, dict(inputs["sft"]), dict(inputs["e2e"]))
-
-
-def _as_dict(result: Any) -> dict[str, Any]:
-    """A stage result as the dict the flows pass (a ``pivotrl.pipeline.results`` object or a dict)."""
-    return result.to_dict() if hasattr(result, "to_dict") else dict(result)
+    return spec.key(with_resolved_dtype(cfg), store, inputs)  # model.dtype: auto → bf16 | fp32 here
 
 
 __all__ = ["STAGE_INPUTS", "stage_key"]

@@ -334,3 +334,17 @@ def test_every_stage_result_field_is_documented_and_shown_with_its_meaning():
     assert "| `pivots_key` | pivots/ab-cd | store key prefix of `pivots.parquet`, `stats.json`, `summary.md`. |" in md
     assert '| `stats` | {"total": {"kept": 3}} | the pivot statistics' in md
     assert "a \\| b" in md and " …" in md  # cut, and a | in a value does not break the table
+
+
+def test_every_list_of_stages_is_the_registry():
+    """The stage names are written once (pivotrl.pipeline.registry.STAGES); the lists elsewhere are
+    read from it or checked here against it."""
+    from pivotrl.pipeline import entry, keys, registry
+    from pivotrl.tracking.record import STAGES as TRACKED
+
+    assert {n: registry.STAGES[n].module for n in STAGE_MODULES} == STAGE_MODULES
+    assert tuple(registry.STAGES)[:5] == registry.NIGHTLY_STAGES == TRACKED == tuple(STAGE_MODULES)
+    assert tuple(keys.STAGE_INPUTS) == tuple(registry.STAGES)
+    assert entry.STAGES == tuple(registry.STAGES) + entry.SHARD_STAGES
+    with pytest.raises(ConfigError, match="valid: demonstrations, reference, probe, train, evaluate, sft_baseline"):
+        registry.stage_spec("nope")
