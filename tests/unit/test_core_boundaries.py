@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -15,10 +16,12 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 PKG = REPO / "pivotrl"
 
-#: The core: math, data model, verifiers, parsers, renderers, config, storage.
-CORE = ("objective", "filtering", "data", "verifiers", "envs", "actions", "action_prefix", "prompts", "tool_render",
-        "config", "storage",
-        "registry", "errors", "faults", "code_digest", "lineage", "pivot_diff", "ledger", "precision", "sizing")
+#: The core: math, data model, verifiers, parsers, renderers, config, storage — the source modules of
+#: the core's import contract in pyproject.toml (one list; test_import_contracts.py checks it covers
+#: every module with the rest of the contracts).
+CORE = tuple(m.removeprefix("pivotrl.") for m in next(
+    c for c in tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]
+    if c["type"] == "forbidden")["source_modules"])
 
 
 def _modules(name: str) -> list[str]:
@@ -64,7 +67,8 @@ def test_a_blocked_backend_really_fails_to_import(blocked):
 
 
 #: Core modules that need no tensors: they import without torch and transformers too.
-TENSOR_FREE = sorted({m for name in ("data", "verifiers", "envs", "actions", "prompts", "config", "storage",
+TENSOR_FREE = sorted({m for name in ("data", "verifiers", "envs", "actions", "action_prefix", "tool_parsers",
+                                     "tool_render", "chatml", "prompts", "config", "storage",
                                      "registry", "errors", "faults", "code_digest", "lineage", "pivot_diff",
                                      "ledger") for m in _modules(name)})
 

@@ -348,3 +348,13 @@ def test_every_list_of_stages_is_the_registry():
     assert entry.STAGES == tuple(registry.STAGES) + entry.SHARD_STAGES
     with pytest.raises(ConfigError, match="valid: demonstrations, reference, probe, train, evaluate, sft_baseline"):
         registry.stage_spec("nope")
+
+
+def test_the_architecture_page_lists_the_registry():
+    """ARCHITECTURE.md's stage table is the registry's: each stage with its module and inputs."""
+    from pivotrl.pipeline.registry import STAGES
+
+    page = (REPO / "ARCHITECTURE.md").read_text()
+    rows = [line for line in page.splitlines() if line.startswith("| `") and "`pivotrl.pipeline." in line]
+    expected = [f"| `{s.name}` | `{s.module}` | {', '.join(s.inputs) or '—'} |" for s in STAGES.values()]
+    assert rows == expected
