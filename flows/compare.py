@@ -17,12 +17,12 @@ def compare(config_path: str = "configs/default.yaml", overrides: list[str] | No
 
     Returns the comparison result: ``report_md``/``report_json`` URIs and the report dict.
     """
-    from pivotrl.flows.nightly import _checked_config
+    from pivotrl.pipeline.prepare import prepared_config
     from pivotrl.tasks.compare import compare_tasks
     from pivotrl.tasks.stages import pipeline_tasks
 
     # checked and sized like the nightly run (run.sizing), so the shared stages are the nightly run's
-    config = _checked_config(config_path, overrides)
+    config = prepared_config(config_path, overrides).model_dump(mode="json")
     t = pipeline_tasks(config)
     c = compare_tasks(config)
     demos = t.demonstrations(config)
