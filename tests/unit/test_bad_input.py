@@ -316,7 +316,7 @@ def test_a_stage_spec_with_a_bad_config_is_a_config_error(tmp_path):
 
     with pytest.raises(ConfigError, match=r"the probe stage spec: 1 problem\n  - probing\.num_probes = 1: must be ≥ 2"):
         run_stage("probe", {"probing": {"num_probes": 1}}, {})
-    with pytest.raises(ConfigError, match="unknown stage 'sample'; valid: reference, probe, train, evaluate"):
+    with pytest.raises(ConfigError, match="unknown stage 'sample'; valid: demonstrations, reference, probe, train, evaluate"):
         run_stage("sample", {}, {})
 
 
