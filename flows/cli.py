@@ -62,8 +62,10 @@ def _load(config: str, overrides: Optional[list[str]]):
 
 
 def _preflight(cfg, storage: bool = True) -> None:
-    """Checks that need no stage to run: the model source and the local demonstration files exist,
-    and (``storage``) the storage root's credentials, endpoint and bucket work — before Prefect starts."""
+    """Checks that need no stage to run: the model source, the local demonstration files and every
+    other local file the config names (chat template, hostfile: pivotrl.config.files) exist, and
+    (``storage``) the storage root's credentials, endpoint and bucket work — before Prefect starts."""
+    from pivotrl.config.files import named_file_problems
     from pivotrl.data.sources import check_sources_exist
     from pivotrl.errors import ModelError, SourceNotFoundError, StorageError
     from pivotrl.models import check_model_source
@@ -80,6 +82,7 @@ def _preflight(cfg, storage: bool = True) -> None:
         check_sources_exist(cfg.data.sources)
     except SourceNotFoundError as e:
         problems += [f"data error: {line}" for line in str(e).splitlines()]
+    problems += [f"config error: {line}" for line in named_file_problems(cfg)]  # chat template, hostfile
     if problems:  # every missing input at once
         typer.echo("\n".join(problems), err=True)
         raise typer.Exit(2)
