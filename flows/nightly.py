@@ -16,12 +16,13 @@ def _checked_config(config_path: str, overrides: list[str] | None) -> dict[str, 
     checking its storage root (credentials, endpoint, bucket) so that a root that cannot work fails
     before any stage runs (StorageAccessError, not retried)."""
     from pivotrl.config import load_config
-    from pivotrl.storage_check import check_storage
+    from pivotrl.storage_check import check_sources, check_storage
 
     from pivotrl.sizing import sized_config
 
     cfg = load_config(config_path, overrides or [])
     check_storage(cfg.run.storage_root, cfg.run.storage_options)
+    check_sources(cfg.data.sources)  # remote chat sources: credentials, endpoint, read access
     return sized_config(cfg, overrides or [], echo=print).model_dump(mode="json")  # run.sizing
 
 

@@ -118,6 +118,23 @@ def test_call_with_retries_counts_retries_and_reraises():
     assert stats.retries == 3
 
 
+def test_a_refusal_of_the_store_is_never_retried():
+    from pivotrl.errors import StorageAccessError, StorageError
+
+    calls = []
+
+    def denied():
+        calls.append(1)
+        raise StorageAccessError("cannot write s3://b/k: access refused (AccessDenied)")
+
+    stats = RetryStats()
+    with pytest.raises(StorageAccessError):  # even where the caller retries every StorageError
+        call_with_retries(denied, retries=5, backoff_s=0.0, retry_on=(StorageError,), stats=stats)
+    with pytest.raises(StorageAccessError):
+        call_with_retries(denied, retries=5, backoff_s=0.0, retry_if=lambda e: True, stats=stats)
+    assert len(calls) == 2 and stats.retries == 0
+
+
 def test_bad_settings_are_config_errors():
     with pytest.raises(ConfigError, match="num_workers"):
         SandboxPool(num_workers=0)
