@@ -158,7 +158,7 @@ def stage_train(cfg: RunConfig, store: ArtifactStore, probe: ProbeResult | Mappi
         before_step=lambda step: _maybe_kill(cfg, store, tkey, step),
         record_step=lambda step, scored, groups: record_train_step(
             store, tkey, step, scored, trainer, groups, world, tr.advantage_estimator, tr.delta),
-        log_row=step_logger(cfg, store, tkey),  # to the experiment tracker, live (a no-op unless tracking is on)
+        log_row=(live := step_logger(cfg, store, tkey)),  # to the tracker, live, off this thread (no-op unless on)
         save_checkpoint=lambda step, rows_so_far: save_checkpoint(
             store, trainer, f"{tkey}/checkpoints/step-{step:06d}", rows_so_far, work, rank, world))
     try:
@@ -168,6 +168,8 @@ def stage_train(cfg: RunConfig, store: ArtifactStore, probe: ProbeResult | Mappi
         if engine is not None:
             engine.close()
         close_quietly(verifier)
+        if hasattr(live, "close"):
+            live.close()  # at most a few seconds: the tracker never holds the stage up
     if not lead:
         shutil.rmtree(work, ignore_errors=True)
         return TrainResult(tkey, final_key, metrics_uri, None)
