@@ -88,6 +88,13 @@ def test_access_errors_are_permanent_and_not_retried(s3_endpoint, monkeypatch, t
             store.write_json("a.json", {"x": 1})  # the store's retry policy would log each retry
     assert is_permanent(err.value) and "retry" not in caplog.text
     check_storage(str(tmp_path / "local-root"))  # a writable local root passes
+    assert list(tmp_path.iterdir()) == []  # its test file written and removed
+    import s3fs
+
+    fs = s3fs.S3FileSystem(skip_instance_cache=True)
+    fs.mkdir("pivotrl-writable")
+    check_storage("s3://pivotrl-writable/runs")  # lists, writes and removes its test object
+    assert fs.find("pivotrl-writable", refresh=True) == []
 
 
 def test_flow_checks_storage_before_any_stage(s3_endpoint, tiny, tmp_path, monkeypatch):
