@@ -62,12 +62,15 @@ def _load(config: str, overrides: Optional[list[str]]):
 
 
 def _preflight(cfg, storage: bool = True) -> None:
-    """Checks that need no stage to run: the model source and the local demonstration files exist,
-    and (``storage``) the storage root's credentials, endpoint and bucket work — before Prefect starts."""
+    """Checks that need no stage to run: the model source, the local demonstration files and every
+    other local file the config names (chat template, hostfile: pivotrl.config.files) exist, and
+    (``storage``) the storage root's credentials, endpoint and bucket work and take a write, and the
+    remote chat sources can be read (pivotrl.storage_check) — before Prefect starts."""
+    from pivotrl.config.files import named_file_problems
     from pivotrl.data.sources import check_sources_exist
     from pivotrl.errors import ModelError, SourceNotFoundError, StorageError
     from pivotrl.models import check_model_source
-    from pivotrl.storage_check import check_storage
+    from pivotrl.storage_check import check_sources, check_storage
 
     problems = []
     try:
@@ -80,6 +83,7 @@ def _preflight(cfg, storage: bool = True) -> None:
         check_sources_exist(cfg.data.sources)
     except SourceNotFoundError as e:
         problems += [f"data error: {line}" for line in str(e).splitlines()]
+    problems += [f"config error: {line}" for line in named_file_problems(cfg)]  # chat template, hostfile
     if problems:  # every missing input at once
         typer.echo("\n".join(problems), err=True)
         raise typer.Exit(2)
@@ -88,7 +92,13 @@ def _preflight(cfg, storage: bool = True) -> None:
     try:
         check_storage(cfg.run.storage_root, cfg.run.storage_options)
     except StorageError as e:
-        typer.echo(f"storage error: {e}", err=True)
+        problems.append(f"storage error: {e}")
+    try:  # remote chat sources (s3://…): credentials, endpoint, read access
+        check_sources(cfg.data.sources)
+    except StorageError as e:
+        problems += [f"data error: {line}" for line in str(e).splitlines()]
+    if problems:
+        typer.echo("\n".join(problems), err=True)
         raise typer.Exit(2)
 
 

@@ -45,9 +45,13 @@ def export(pivots: str = typer.Argument(..., help="URI of a pivots.parquet (its 
            agent: str = typer.Option("single_step_tool_use_with_argument_comparison_agent", "--agent",
                                      help="agent_ref.name of every row."),
            tokenizer: Optional[str] = typer.Option(None, "--tokenizer",
-                                                   help="Tokenizer of the model to be trained (default: model.source).")) -> None:
-    """Write a pivot set as NeMo Gym / NeMo RL PivotRL rows, after checking it (more than one reward
-    per pivot, same verifier and chat template as at probing, expert actions only)."""
+                                                   help="Tokenizer of the model to be trained (default: model.source)."),
+           allow_stop_decisions: bool = typer.Option(
+               False, "--allow-stop-decisions",
+               help="Export stop-decision pivots too (their expected action is a closing text, not a call).")) -> None:
+    """Write a pivot set as NeMo Gym / NeMo RL PivotRL rows, after checking it (inputs as their
+    manifests record them, more than one reward per pivot, same verifier and chat template as at
+    probing, expert actions only, no stop decisions unless --allow-stop-decisions)."""
     from pivotrl.config import load_config
     from pivotrl.errors import ConfigError, DataError, ModelError, StorageError
     from pivotrl.interop.export import export_pivots
@@ -59,7 +63,7 @@ def export(pivots: str = typer.Argument(..., help="URI of a pivots.parquet (its 
         cfg = load_config(config, overrides or [])
         store, key = open_artifact(pivots)
         tok = load_tokenizer(tokenizer or resolve_model(cfg.model.source, cache_dir(cfg)))
-        res = export_pivots(store, key, cfg, tok, out, agent=agent)
+        res = export_pivots(store, key, cfg, tok, out, agent=agent, allow_stop_decisions=allow_stop_decisions)
     except (ConfigError, DataError, ModelError, StorageError) as e:
         typer.echo(f"pivots export: {e}", err=True)
         raise typer.Exit(2)

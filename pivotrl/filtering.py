@@ -6,7 +6,9 @@ For each candidate turn state ``s`` the frozen reference policy ``π_ref`` sampl
     μ̂(s)  = (1/m) Σ_i R_i
     σ̂²(s) = (1/m) Σ_i (R_i − μ̂)²        (population variance, not the unbiased m−1 form)
 
-``s`` is kept iff ``σ̂²(s) > 0`` and ``μ̂(s) < λ_diff``. The first condition removes states whose
+``s`` is kept iff ``σ̂²(s) > 0`` and ``μ̂(s) < λ_diff``. "σ̂² > 0" is decided with a stated tolerance:
+rewards equal within ``REWARD_TOLERANCE = 1e-9`` count as equal (``[0.3, 0.1+0.2, 0.3, 0.3]`` has
+σ̂² = 0, not the 2.3e-33 of float noise); see :func:`probe_stats` and :func:`pivot_decision`. The first condition removes states whose
 probes all fail or all pass: a group of equal rewards has zero group-relative advantage, so it
 would give no task signal in Stage 2. For binary rewards ``σ̂² = μ̂(1 − μ̂)``, which is symmetric
 around 0.5, so the variance condition alone keeps easy and hard states alike; the threshold keeps
@@ -36,6 +38,12 @@ from pivotrl.errors import ConfigError
 
 PIVOT_DECISIONS: tuple[str, ...] = ("kept", "all_fail", "all_pass", "above_threshold")
 DEFAULT_LAMBDA_DIFF = 0.5
+#: Rewards of one state whose range (max − min) is at most this count as equal (σ̂² = 0): float noise
+#: such as 0.1 + 0.2 ≠ 0.3 is no mixed outcome. Verifier rewards are 0/1 or graded in steps ≫ 1e-9.
+REWARD_TOLERANCE = 1e-9
+#: The largest σ̂² that rewards equal within REWARD_TOLERANCE can have (range r gives σ̂² ≤ r²/4):
+#: :func:`pivot_decision` reads a σ̂² at or below it as 0.
+VARIANCE_TOLERANCE = REWARD_TOLERANCE**2 / 4
 
 
 def check_lambda_diff(lambda_diff: float) -> float:
@@ -82,8 +90,8 @@ def probe_stats(rewards: Sequence[float] | Tensor) -> tuple[float, float] | tupl
 
     Returns:
         ``(mu, var)``: Python floats for a (m,) input; float64 tensors of shape (N,) for (N, m).
-        ``var`` is exactly 0.0 when all rewards of a state are equal (no rounding residue), so
-        ``var > 0`` is a safe test for "mixed outcomes".
+        ``var`` is exactly 0.0 when all rewards of a state are equal within ``REWARD_TOLERANCE``
+        (max − min ≤ 1e-9: no rounding residue), so ``var > 0`` is a safe test for "mixed outcomes".
 
     Raises:
         ConfigError: m < 2 (names ``num_probes``).
@@ -92,7 +100,7 @@ def probe_stats(rewards: Sequence[float] | Tensor) -> tuple[float, float] | tupl
     t = _as_reward_tensor(rewards)
     mu = t.mean(dim=-1)
     var = ((t - mu.unsqueeze(-1)) ** 2).mean(dim=-1)
-    all_equal = t.amax(dim=-1) == t.amin(dim=-1)
+    all_equal = (t.amax(dim=-1) - t.amin(dim=-1)) <= REWARD_TOLERANCE
     var = torch.where(all_equal, torch.zeros_like(var), var)
     if t.dim() == 1:
         return float(mu), float(var)
@@ -109,7 +117,8 @@ def pivot_decision(mu: float | Tensor, var: float | Tensor, lambda_diff: float =
 
     Returns:
         ``"kept"`` if σ̂² > 0 and μ̂ < λ_diff; otherwise the reason it is dropped:
-        ``"all_fail"`` / ``"all_pass"`` when σ̂² = 0 (every probe scored the same; for binary
+        ``"all_fail"`` / ``"all_pass"`` when σ̂² = 0 (σ̂² ≤ ``VARIANCE_TOLERANCE`` = 2.5e-19, the
+        most that rewards equal within ``REWARD_TOLERANCE`` can give, counts as 0) (every probe scored the same; for binary
         rewards all 0 or all 1 — with graded rewards, "all_fail" if μ̂ < λ_diff else "all_pass"),
         ``"above_threshold"`` when σ̂² > 0 but μ̂ ≥ λ_diff.
 
@@ -122,7 +131,7 @@ def pivot_decision(mu: float | Tensor, var: float | Tensor, lambda_diff: float =
     var_f = _scalar(var, "var")
     if var_f < 0.0:
         raise ValueError(f"var (σ̂²) must be >= 0, got {var_f}")
-    if var_f == 0.0:
+    if var_f <= VARIANCE_TOLERANCE:
         return "all_fail" if mu_f < lam else "all_pass"
     if mu_f >= lam:
         return "above_threshold"

@@ -1,17 +1,25 @@
-"""Preflight of a run's storage root: credentials, endpoint and bucket checked before any stage runs.
+"""Preflight of a run's storage root and remote demonstration sources, before any stage runs.
 
-A storage root that cannot work (no credentials, credentials refused, permission denied, a bucket
-that does not exist, an endpoint that does not answer) fails in seconds with one message naming
-what to set, instead of failing inside the first stage after its retries. Used by the CLI before
-Prefect starts and by the flows at their start (a deployment run has no CLI in front of it).
+A storage root that cannot work (no credentials, credentials refused, permission denied for reading
+or writing, a bucket that does not exist, an endpoint that does not answer) fails in seconds with one
+message naming what to set, instead of failing inside the first stage after its retries; the root
+must take a small object written and removed (:func:`check_storage`). Remote ``chat`` sources
+(``s3://…`` and other fsspec URLs in ``data.sources``) get the same check for reading
+(:func:`check_sources`): credentials, endpoint, and the object answering a HEAD. Used by the CLI
+before Prefect starts and by the flows at their start (a deployment run has no CLI in front of it).
+Each check makes one attempt with short timeouts: what fails here is classified once
+(:class:`StorageAccessError`, never retried, or :class:`StorageError` for an endpoint that does not
+answer).
 """
 
 from __future__ import annotations
 
 import os
-from typing import Any, Mapping
+import tempfile
+import uuid
+from typing import Any, Iterable, Mapping
 
-from pivotrl.errors import StorageAccessError, StorageError
+from pivotrl.errors import SourceNotFoundError, StorageAccessError, StorageError
 
 #: The environment variables an s3:// root reads (named in every error).
 S3_VARIABLES = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_ENDPOINT_URL_S3")
@@ -49,10 +57,12 @@ def check_storage(root_url: str, storage_options: Mapping[str, Any] | None = Non
                   timeout_s: float = 4.0) -> None:
     """Check that the storage root ``root_url`` can be used; returns None when it can.
 
-    Local roots: the directory (or its nearest existing parent) must be writable. ``s3://`` roots:
-    credentials must be found (options ``key``/``secret``, ``anon: true``, the environment, a
-    profile or a role), and the bucket must answer a listing within ``timeout_s`` (one attempt,
-    no retries). Other protocols: the root's parent must answer ``exists``.
+    Local roots: a small file is written and removed in the directory (or its nearest existing
+    parent). ``s3://`` roots: credentials must be found (options ``key``/``secret``, ``anon: true``,
+    the environment, a profile or a role), the bucket must answer a listing within ``timeout_s``
+    (one attempt, no retries), and a small object ``<root>/.pivotrl-preflight-<uuid>`` is written
+    and removed (a bucket that lists but denies writes fails here, not in the first stage). Other
+    protocols: the root's parent must answer ``exists``, and the same object is written and removed.
 
     Raises:
         StorageAccessError: credentials missing or refused, permission denied, no such bucket —
@@ -75,6 +85,7 @@ def check_storage(root_url: str, storage_options: Mapping[str, Any] | None = Non
         fs.exists(path)
     except Exception as e:
         _raise(root_url, e)
+    _prove_write(fs, path, root_url, options)
 
 
 def _check_local(path: str) -> None:
@@ -86,34 +97,122 @@ def _check_local(path: str) -> None:
         p = parent
     if not os.access(p, os.W_OK | os.X_OK):
         raise StorageAccessError(f"storage root {path}: {p} is not writable by this user")
+    try:
+        with tempfile.NamedTemporaryFile(prefix=".pivotrl-preflight-", dir=p):
+            pass  # written and removed
+    except OSError as e:
+        raise StorageAccessError(f"storage root {path}: cannot write in {p} ({e.strerror or e})") from None
+
+
+def _prove_write(fs: Any, path: str, url: str, options: Mapping[str, Any] | None) -> None:
+    """Write a small object under the root and remove it: StorageAccessError when refused."""
+    probe = f"{path.rstrip('/')}/.pivotrl-preflight-{uuid.uuid4().hex}"
+    try:
+        fs.pipe_file(probe, b"pivotrl preflight: written and removed before a run\n")
+        fs.rm_file(probe)
+    except Exception as e:
+        reason = access_problem(e)
+        if reason is not None:
+            raise StorageAccessError(
+                f"storage root {url}: it can be listed but not written (access refused: {reason}); a run "
+                "writes and removes objects under it: grant s3:PutObject and s3:DeleteObject on it, or choose "
+                "another run.storage_root") from e
+        _raise(url, e, options)
+
+
+def _s3_credentials(what: str, options: Mapping[str, Any]) -> None:
+    """StorageAccessError naming ``what`` when no AWS credentials can be found (no network call)."""
+    if options.get("anon") or (options.get("key") and options.get("secret")):
+        return
+    import botocore.session
+
+    session = botocore.session.Session(profile=options.get("profile") or None)
+    try:
+        creds = session.get_credentials()
+    except Exception as e:  # a broken profile or config file
+        raise StorageAccessError(f"{what}: cannot read AWS credentials ({type(e).__name__}: {e}); {_HOW}") from e
+    if creds is None or not creds.access_key:
+        raise StorageAccessError(f"{what}: no AWS credentials found; {_HOW}")
+
+
+def _s3fs(options: Mapping[str, Any], timeout_s: float) -> Any:
+    """An S3FileSystem making one attempt per call, with ``timeout_s`` connect and read timeouts."""
+    import s3fs
+
+    cfg = dict(options.get("config_kwargs") or {})
+    cfg.update({"connect_timeout": timeout_s, "read_timeout": timeout_s, "retries": {"max_attempts": 1}})
+    return s3fs.S3FileSystem(**{**options, "config_kwargs": cfg, "skip_instance_cache": True})
 
 
 def _check_s3(url: str, options: dict[str, Any], timeout_s: float) -> None:
     bucket = url.split("://", 1)[1].split("/", 1)[0]
     if not bucket:
         raise StorageAccessError(f"storage root {url}: no bucket in the URL (expected s3://<bucket>/<prefix>)")
-    if not (options.get("anon") or (options.get("key") and options.get("secret"))):
-        import botocore.session
-
-        session = botocore.session.Session(profile=options.get("profile") or None)
-        try:
-            creds = session.get_credentials()
-        except Exception as e:  # a broken profile or config file
-            raise StorageAccessError(f"storage root {url}: cannot read AWS credentials ({type(e).__name__}: {e}); {_HOW}") from e
-        if creds is None or not creds.access_key:
-            raise StorageAccessError(f"storage root {url}: no AWS credentials found; {_HOW}")
-    import s3fs
-
-    cfg = dict(options.get("config_kwargs") or {})
-    cfg.update({"connect_timeout": timeout_s, "read_timeout": timeout_s, "retries": {"max_attempts": 1}})
+    _s3_credentials(f"storage root {url}", options)
     try:
-        fs = s3fs.S3FileSystem(**{**options, "config_kwargs": cfg, "skip_instance_cache": True})
+        fs = _s3fs(options, timeout_s)
         fs.ls(bucket, refresh=True)
     except FileNotFoundError as e:
         raise StorageAccessError(f"storage root {url}: bucket {bucket!r} does not exist (NoSuchBucket) at "
                                  f"{_endpoint(options)}; create it or fix run.storage_root") from e
     except Exception as e:
         _raise(url, e, options)
+    _prove_write(fs, url.split("://", 1)[1], url, options)
+
+
+def check_source(url: str, *, what: str | None = None, timeout_s: float = 4.0) -> None:
+    """Check that the remote demonstration file at ``url`` can be read (one attempt, ``timeout_s``):
+    credentials found (``s3://``: as for the storage root, from the environment, a profile or a
+    role), the endpoint answers, the object exists and its metadata may be read. Local paths pass
+    (:func:`pivotrl.data.sources.check_sources_exist` checks them).
+
+    Raises (one line, starting with ``what``, default the URL):
+        StorageAccessError: credentials missing or refused, read access denied.
+        SourceNotFoundError: no such object (or bucket).
+        StorageError: the endpoint does not answer.
+    """
+    what = what or url
+    if "://" not in url or url.startswith(("file://", "local://")):
+        return
+    protocol = url.split("://", 1)[0]
+    try:
+        if protocol in ("s3", "s3a"):
+            _s3_credentials(what, {})
+            fs, path = _s3fs({}, timeout_s), url.split("://", 1)[1]
+        else:
+            import fsspec
+
+            fs, path = fsspec.core.url_to_fs(url)
+        fs.info(path)
+    except StorageError:
+        raise
+    except FileNotFoundError:
+        raise SourceNotFoundError(f"{what}: no such file (object or bucket)") from None
+    except Exception as e:
+        reason = access_problem(e)
+        if reason is not None:
+            raise StorageAccessError(f"{what}: read access refused ({reason}); {_HOW}") from e
+        where = f" at {_endpoint({})} (AWS_ENDPOINT_URL_S3)" if protocol in ("s3", "s3a") else ""
+        raise StorageError(f"{what}: the store does not answer{where}: {type(e).__name__}: {e}") from e
+
+
+def check_sources(sources: Iterable[Any], *, timeout_s: float = 4.0) -> None:
+    """:func:`check_source` for every remote ``chat`` source of ``data.sources``.
+
+    Raises the first problem's class with every problem in its message, one line each
+    (``data.sources[i] (chat): <url>: …``).
+    """
+    problems: list[StorageError] = []
+    for i, src in enumerate(sources):
+        url = getattr(src, "url", None)
+        if getattr(src, "kind", None) != "chat" or not url:
+            continue
+        try:
+            check_source(url, what=f"data.sources[{i}] (chat): {url}", timeout_s=timeout_s)
+        except StorageError as e:
+            problems.append(e)
+    if problems:
+        raise type(problems[0])("\n".join(str(p) for p in problems))
 
 
 def _endpoint(options: Mapping[str, Any]) -> str:
@@ -129,4 +228,4 @@ def _raise(url: str, e: BaseException, options: Mapping[str, Any] | None = None)
     raise StorageError(f"storage root {url}: the store does not answer{where}: {type(e).__name__}: {e}") from e
 
 
-__all__ = ["S3_VARIABLES", "access_problem", "check_storage"]
+__all__ = ["S3_VARIABLES", "access_problem", "check_source", "check_sources", "check_storage"]

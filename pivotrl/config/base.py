@@ -43,9 +43,10 @@ def _rule(key: str, value: Any, rule: str) -> PydanticCustomError:
 
 
 class Section(BaseModel):
-    """Base of every config section: unknown keys are errors, values are immutable."""
+    """Base of every config section: unknown keys are errors, values are immutable, and every number
+    is finite (``inf``/``nan``, YAML ``.inf``/``.nan``, are refused for every numeric setting)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True, allow_inf_nan=False)
 
 
 # ----------------------------------------------------------------------------------------- run
@@ -54,6 +55,8 @@ class Section(BaseModel):
 def _fmt(value: Any, limit: int = 80) -> str:
     if isinstance(value, str):
         text = repr(value)
+    elif isinstance(value, float) and value != value or value in (float("inf"), float("-inf")):
+        text = repr(value)  # inf, -inf, nan (JSON would say Infinity)
     else:
         try:
             text = json.dumps(value, ensure_ascii=False, default=str)

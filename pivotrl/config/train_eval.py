@@ -93,6 +93,13 @@ class TrainingSection(Section):
             "null = 1e-4 for fp32, 0.3 for bf16 (filled in once the dtype is resolved)."
         ),
     )
+    allow_empty_pivots: bool = Field(
+        False,
+        description=(
+            "An empty pivot set fails the run (naming the filter's counts and what to change); true trains "
+            "nothing and keeps the policy = π_ref (for tests and drills)."
+        ),
+    )
     deepspeed: DeepSpeedSection = Field(default_factory=DeepSpeedSection, description="DeepSpeed engine settings.")
     world_size: Int = Field(1, ge=1, description="Total training processes (= nnodes × nproc_per_node).")
     nnodes: Int = Field(1, ge=1, description="Number of machines.")

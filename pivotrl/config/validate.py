@@ -88,6 +88,7 @@ _RULES = {
     "int_from_float": lambda c: "must be an integer",
     "float_parsing": lambda c: "must be a number",
     "float_type": lambda c: "must be a number",
+    "finite_number": lambda c: "must be a finite number (not inf or nan)",
     "bool_parsing": lambda c: "must be true or false",
     "bool_type": lambda c: "must be true or false",
     "string_type": lambda c: "must be a string",

@@ -29,7 +29,7 @@ import fsspec
 from pivotrl.actions import is_action_name
 from pivotrl.data.audit import audit_chat_record
 from pivotrl.data.schema import Trajectory
-from pivotrl.errors import ConfigError, DataError, SourceNotFoundError, StorageError
+from pivotrl.errors import ConfigError, DataError, SourceNotFoundError, StorageAccessError, StorageError
 from pivotrl.interop.nemo import is_nemo_row, row_to_record
 
 __all__ = ["check_sources_exist", "load_trajectories", "save_trajectories_jsonl", "validate_trajectory"]
@@ -125,6 +125,23 @@ def _field_of(message: str, where: str) -> str:
     return head.strip().lstrip(".") or "record"
 
 
+def _is_storage_failure(e: BaseException) -> bool:
+    from pivotrl.storage.retry import is_transient
+    from pivotrl.storage_check import access_problem
+
+    return access_problem(e) is not None or is_transient(e)
+
+
+def _read_error(url: str, e: BaseException) -> StorageError:
+    """The one-line error of a source that cannot be read: StorageAccessError (never retried) when
+    the store refuses us (no credentials, access denied), else StorageError."""
+    from pivotrl.storage_check import _HOW, access_problem
+
+    if (reason := access_problem(e)) is not None:
+        return StorageAccessError(f"{url}: cannot read: access refused ({reason}); {_HOW}")
+    return StorageError(f"{url}: cannot read ({type(e).__name__}: {e})")
+
+
 def _iter_jsonl(url: str) -> Iterator[tuple[str, str, Any]]:
     """Yield (record location, record id or "", decoded object or the DataError to report)."""
     try:
@@ -132,8 +149,8 @@ def _iter_jsonl(url: str) -> Iterator[tuple[str, str, Any]]:
             data = f.read()
     except FileNotFoundError:
         raise SourceNotFoundError(f"{url}: no such file") from None
-    except OSError as e:
-        raise StorageError(f"{url}: cannot read ({e})") from e
+    except Exception as e:  # noqa: BLE001 - OSError, or a driver's own (botocore's NoCredentialsError…)
+        raise _read_error(url, e) from e
     for lineno, raw in enumerate(data.split(b"\n"), start=1):
         if not raw.strip():
             continue
@@ -169,6 +186,8 @@ def _iter_parquet(url: str) -> Iterator[tuple[str, str, Any]]:
     except FileNotFoundError:
         raise SourceNotFoundError(f"{url}: no such file") from None
     except Exception as e:  # noqa: BLE001 - pyarrow raises several types for unreadable files
+        if _is_storage_failure(e):
+            raise _read_error(url, e) from e
         raise DataError(f"{url}: not a readable Parquet file ({type(e).__name__}: {e})") from e
     missing = [c for c in ("id", "messages") if c not in table.column_names]
     if missing:

@@ -13,6 +13,14 @@ Checks, each failing with a DataError that names the pivots concerned (and the f
 4. **No rows sampled from the policy being trained**: every expected action is the
    demonstration's own action (the trajectory's message at that turn), and no trajectory is marked
    ``meta.sampled_from`` the model being trained or its reference.
+5. **No stop decisions unless asked**: a pivot whose expected action is the demonstration's
+   closing text (``candidate_kind`` "stop", kept with ``quality.include_stop_decisions``) is refused
+   unless ``allow_stop_decisions`` (``--allow-stop-decisions``): NeMo Gym's default single-step
+   tool-use agent compares function calls, and would read such a row as a call the model must not make.
+
+Before any check, every input the export reads (the pivot set, the probe table, the candidate table,
+the trajectories) must hash to the sha256 its manifest records: a table edited after it was written
+(by hand, or half copied) is refused with a one-line DataError naming it.
 """
 
 from __future__ import annotations
@@ -49,17 +57,31 @@ def _inputs(store: Any, uri: str, name: str, where: str) -> str:
     return str(m.inputs[name]["uri"])
 
 
-def check_pivots(store: Any, pivots_key: str, cfg: Any, tokenizer: Any) -> dict[str, Any]:
-    """Run the four checks on the pivot set at ``pivots_key``; returns what the rows need
-    (pivots frame, probe rows by state, probe manifest, trajectories by id). Raises DataError."""
+def _verified(store: Any, key: str, what: str) -> Any:
+    """The manifest of the artifact at ``key``, after checking that its bytes hash to the sha256 the
+    manifest records. Raises DataError (one line) naming the artifact when they differ."""
+    m = store.read_manifest(key)
+    actual = store.sha256(key)
+    if actual != m.sha256:
+        raise DataError(f"{store.url(key)}: the {what}'s content (sha256 {actual[:12]}…) is not the one its "
+                        f"manifest records ({str(m.sha256)[:12]}…): it was changed after it was written; "
+                        "rebuild it (pivotrl probe) instead of editing it")
+    return m
+
+
+def check_pivots(store: Any, pivots_key: str, cfg: Any, tokenizer: Any,
+                 allow_stop_decisions: bool = False) -> dict[str, Any]:
+    """Run the checks of the module docstring on the pivot set at ``pivots_key``; returns what the
+    rows need (pivots frame, probe rows by state, probe manifest, trajectories by id). Raises
+    DataError: one line for an input whose content is not its manifest's, else every failed check."""
     from pivotrl.data.schema import Message
     from pivotrl.data.states import frame_to_states
 
     where = store.url(pivots_key)
-    pm = store.read_manifest(pivots_key)
+    pm = _verified(store, pivots_key, "pivot set")
     probes_uri = _inputs(store, pm.uri, "probes", where)
     ps, pk = _open(probes_uri)
-    probes_m, probes = ps.read_manifest(pk), ps.read_parquet(pk)
+    probes_m, probes = _verified(ps, pk, "probe table"), ps.read_parquet(pk)
     by_state = {r["state_id"]: r for r in probes.to_dict("records")}
     pivots_df = store.read_parquet(pivots_key)
     states = frame_to_states(pivots_df)
@@ -86,9 +108,18 @@ def check_pivots(store: Any, pivots_key: str, cfg: Any, tokenizer: Any) -> dict[
                         f"{rec_t}, but the model to be trained renders with {now_t}; the states would not be "
                         "the ones profiled. Use the same tokenizer and prompt settings, or re-probe.")
 
+    stops = [s.state_id for s in states if (s.verifier_context or {}).get("candidate_kind") == "stop"]
+    if stops and not allow_stop_decisions:
+        problems.append(f"pivot(s) {_names(stops)}: stop decisions (the expected action is the demonstration's "
+                        "closing text, not a call); NeMo Gym's tool-use agent compares calls. Export them only "
+                        "for an agent that scores text: --allow-stop-decisions (allow_stop_decisions=True).")
+
     cand_uri = _inputs(store, pm.uri, "candidates", where)
+    cs, ck = _open(cand_uri)
+    _verified(cs, ck, "candidate table")
     traj_uri = _inputs(store, cand_uri, "trajectories", cand_uri)
     ts, tk = _open(traj_uri)
+    _verified(ts, tk, "trajectory table")
     trajs = ts.read_parquet(tk)
     records = {str(i): json.loads(r) for i, r in zip(trajs["id"], trajs["record"])}
     trained = {cfg.model.source, probes_m.extra.get("reference_hash")} - {None}
@@ -113,10 +144,11 @@ def check_pivots(store: Any, pivots_key: str, cfg: Any, tokenizer: Any) -> dict[
 
 
 def export_pivots(store: Any, pivots_key: str, cfg: Any, tokenizer: Any, out_url: str,
-                  agent: str = DEFAULT_AGENT) -> dict[str, Any]:
-    """Check the pivot set at ``pivots_key`` (see the module docstring) and write it as JSONL rows to
-    ``out_url`` (atomically, with a manifest beside it). Returns ``{"uri", "rows"}``."""
-    c = check_pivots(store, pivots_key, cfg, tokenizer)
+                  agent: str = DEFAULT_AGENT, allow_stop_decisions: bool = False) -> dict[str, Any]:
+    """Check the pivot set at ``pivots_key`` (see the module docstring; stop-decision pivots only with
+    ``allow_stop_decisions``) and write it as JSONL rows to ``out_url`` (atomically, with a manifest
+    beside it). Returns ``{"uri", "rows"}``. Raises DataError."""
+    c = check_pivots(store, pivots_key, cfg, tokenizer, allow_stop_decisions)
     pm, probes_m = c["pivots_manifest"], c["probes_manifest"]
     lam = (pm.config or {}).get("lambda_diff")
     rows = []

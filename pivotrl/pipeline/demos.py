@@ -56,6 +56,12 @@ def demos_key(cfg: RunConfig) -> str:
     )[:16]
 
 
+def bad_records(quarantine: list[dict[str, Any]]) -> int:
+    """How many entries of ``quarantine`` are bad records: its notes (``"note": true``, e.g. "all 2
+    records of data.sources.0 were quarantined") are not counted."""
+    return sum(1 for q in quarantine if not q.get("note"))
+
+
 def load_sources(cfg: RunConfig, quarantine: list[dict[str, Any]],
                  origins: dict[str, str] | None = None) -> list[Trajectory]:
     """Load every configured source; invalid records raise or go to ``quarantine``. ``origins``,
@@ -83,7 +89,7 @@ def load_sources(cfg: RunConfig, quarantine: list[dict[str, Any]],
             first = quarantine[before].get("error", "") if bad else ""
             if bad and cfg.data.on_invalid == "quarantine":  # reported (counts, quarantine.jsonl), not fatal
                 log.warning("data.sources.%d (%s): all %d records quarantined; the first: %s", i, name, bad, first)
-                quarantine.append({"source": name, "record": "source", "id": "", "field": "record",
+                quarantine.append({"source": name, "record": "source", "id": "", "field": "record", "note": True,
                                    "error": f"all {bad} records of data.sources.{i} were quarantined"})
                 continue
             raise DataError(f"data.sources.{i} ({name}) gave no trajectories"
@@ -119,9 +125,10 @@ def build_demonstrations(cfg: RunConfig, store: ArtifactStore) -> dict[str, Any]
     origins: dict[str, str] = {}
     trajs = load_sources(cfg, quarantine, origins)
     sp = cfg.data.split
+    n_bad = bad_records(quarantine)
     if not trajs:
         raise DataError("data.sources: every record of every source was quarantined; nothing to train on "
-                        f"({len(quarantine)} entries in the quarantine)")
+                        f"({n_bad} bad record{'s' if n_bad != 1 else ''} in the quarantine)")
     splits = split_trajectories(trajs, (sp.warm_start, sp.pivot, sp.heldout), sp.seed)
     split_of = {t.id: name for name, ts in splits.items() for t in ts}
     flagged = [t for t in trajs if is_flagged(t)]
@@ -158,7 +165,7 @@ def build_demonstrations(cfg: RunConfig, store: ArtifactStore) -> dict[str, Any]
         "skipped_too_long": too_long,
         "candidates_per_category": dict(Counter(s.category for s in states)),
         "candidates_per_split": dict(Counter(cand_df["split"])),
-        "quarantined": len(quarantine),
+        "quarantined": n_bad,  # bad records only (a source's "all quarantined" note is no record)
         "flagged": len(flagged),
         "flagged_ids": sorted(t.id for t in flagged),
         "flagged_kept": bool(cfg.quality.keep_flagged),

@@ -23,7 +23,7 @@ import pandas as pd
 from pivotrl.code_digest import stage_code_digest
 from pivotrl.config import RunConfig
 from pivotrl.data.schema import content_hash
-from pivotrl.errors import ConfigError
+from pivotrl.errors import ConfigError, TrainingError
 from pivotrl.pipeline.common import close_quietly, make_rollout_engine, make_verifier, prompt_kwargs
 from pivotrl.pipeline.demos import cache_dir
 from pivotrl.pipeline.reference import prompt_identity, reference_dir
@@ -105,13 +105,15 @@ def stage_train(cfg: RunConfig, store: ArtifactStore, probe: ProbeResult | Mappi
         summary = store.read_json(f"{tkey}/summary.json")
         return TrainResult(tkey, final_key if summary["steps"] else None, metrics_uri, summary)
 
+    pivot_frame = store.read_parquet(f"{probe.pivots_key}/pivots.parquet")
+    if pivot_frame.empty:
+        check_pivot_set(cfg, probe, 0)  # raises unless training.allow_empty_pivots
+        return _empty(cfg, store, probe, tkey)
     if tr.launcher != "inprocess" and "RANK" not in os.environ:  # this process starts the ranks
         return _launch_ranks(configured, probe, ref, threads=int(os.environ.get("OMP_NUM_THREADS", "1")))
     cache = cache_dir(cfg)
-    pivots = frame_to_states(store.read_parquet(f"{probe.pivots_key}/pivots.parquet"))
+    pivots = frame_to_states(pivot_frame)
     rdir = reference_dir(cfg, store, ref)
-    if not pivots:
-        return _empty(cfg, store, probe, tkey)
     tok = load_tokenizer(rdir)
     prompts = [encode_state(s, tok, max_len=cfg.model.max_context - cfg.rollout.max_tokens, **prompt_kwargs(cfg))
                for s in pivots]
@@ -156,7 +158,7 @@ def stage_train(cfg: RunConfig, store: ArtifactStore, probe: ProbeResult | Mappi
         before_step=lambda step: _maybe_kill(cfg, store, tkey, step),
         record_step=lambda step, scored, groups: record_train_step(
             store, tkey, step, scored, trainer, groups, world, tr.advantage_estimator, tr.delta),
-        log_row=step_logger(cfg, store, tkey),  # to the experiment tracker, live (a no-op unless tracking is on)
+        log_row=(live := step_logger(cfg, store, tkey)),  # to the tracker, live, off this thread (no-op unless on)
         save_checkpoint=lambda step, rows_so_far: save_checkpoint(
             store, trainer, f"{tkey}/checkpoints/step-{step:06d}", rows_so_far, work, rank, world))
     try:
@@ -166,6 +168,8 @@ def stage_train(cfg: RunConfig, store: ArtifactStore, probe: ProbeResult | Mappi
         if engine is not None:
             engine.close()
         close_quietly(verifier)
+        if hasattr(live, "close"):
+            live.close()  # at most a few seconds: the tracker never holds the stage up
     if not lead:
         shutil.rmtree(work, ignore_errors=True)
         return TrainResult(tkey, final_key, metrics_uri, None)
@@ -249,11 +253,35 @@ def _host_engine_placement(cfg: RunConfig, hosts: list[int], rank: int) -> dict[
     return {"cpu_ids": engine_cpus(on_node.index(rank), len(on_node))}
 
 
+def check_pivot_set(cfg: RunConfig, probe: ProbeResult, n_pivots: int) -> None:
+    """Refuse to train on an empty pivot set (``n_pivots == 0``) unless ``training.allow_empty_pivots``.
+
+    Raises TrainingError (permanent: a retry selects the same states) whose message names the pivot
+    set, the filter's counts (``probe.stats["total"]``: candidates, all_fail, all_pass,
+    above_threshold, skipped) and the settings that change them.
+    """
+    if n_pivots > 0 or cfg.training.allow_empty_pivots:
+        return
+    c = (probe.stats or {}).get("total", {})
+    lam = (probe.stats or {}).get("lambda_diff", cfg.probing.lambda_diff)
+    skipped = int(c.get("skipped_too_long", 0)) + int(c.get("skipped_verifier_error", 0))
+    counts = (f"{c.get('candidates', '?')} candidate states: all_fail {c.get('all_fail', '?')}, "
+              f"all_pass {c.get('all_pass', '?')}, above_threshold {c.get('above_threshold', '?')} "
+              f"(μ̂ ≥ λ_diff = {lam}), skipped {skipped} (too long {c.get('skipped_too_long', 0)}, "
+              f"verifier error {c.get('skipped_verifier_error', 0)})")
+    raise TrainingError(
+        f"the pivot set {probe.pivots} is empty, so there is nothing to train on; {counts}. To change it: "
+        "probe more states (probing.max_states) or with more samples (probing.num_probes); for many all_fail, "
+        "warm-start the reference (warm_start.enabled, warm_start.epochs); for above_threshold, raise "
+        "probing.lambda_diff; for skipped too long, raise model.max_context; or set "
+        "training.allow_empty_pivots: true to finish with the policy = π_ref.")
+
+
 def _empty(cfg: RunConfig, store: ArtifactStore, probe: ProbeResult, tkey: str) -> TrainResult:
     """Nothing to train on tonight: the policy stays π_ref, and the report says so."""
     tr = cfg.training
-    log.warning("the pivot set %s is empty: no PivotRL update; the policy is the reference. Probe more "
-                "states (probing.max_states), raise probing.lambda_diff, or warm-start the reference.", probe.pivots)
+    log.warning("the pivot set %s is empty (allowed by training.allow_empty_pivots): no PivotRL update; the "
+                "policy is the reference.", probe.pivots)
     empty = pd.DataFrame({"step": pd.Series([], dtype="int64"), "reward_mean": pd.Series([], dtype="float64")})
     summary = {"steps": 0, "pivots": 0, "final_reward_mean": None, "policy": "reference",
                "note": "empty pivot set: policy = reference"}

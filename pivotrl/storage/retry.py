@@ -19,7 +19,7 @@ from typing import Callable, TypeVar
 
 import tenacity
 
-from pivotrl.errors import ConfigError, StorageError, ToolExecutionError
+from pivotrl.errors import ConfigError, StorageAccessError, StorageError, ToolExecutionError
 
 __all__ = ["RetryPolicy", "RetryStats", "call_with_retries", "is_transient"]
 
@@ -50,7 +50,8 @@ def call_with_retries(
     """Call ``fn()``; on a retryable exception try again up to ``retries`` more times.
 
     An exception is retryable when it is an instance of ``retry_on`` or, if ``retry_if`` is given,
-    when ``retry_if(exc)`` is True (``retry_on`` is then ignored). Waits
+    when ``retry_if(exc)`` is True (``retry_on`` is then ignored); a StorageAccessError (the store
+    refuses us: no credentials, access denied, no such bucket) never is. Waits
     ``min(backoff_s * 2**k, max_backoff_s)`` seconds before the k-th retry (``max_backoff_s=None``:
     no cap). ``on_retry(exc, k, wait_s)`` is called before each wait (k = 1 for the first retry).
     Records calls, retries, the last errors and a final failure in ``stats`` if given.
@@ -61,7 +62,11 @@ def call_with_retries(
     if retries < 0 or backoff_s < 0 or (max_backoff_s is not None and max_backoff_s < 0):
         raise ConfigError(f"call_with_retries: retries={retries}, backoff_s={backoff_s}, "
                           f"max_backoff_s={max_backoff_s}: all must be >= 0")
-    retryable = retry_if or (lambda e: isinstance(e, retry_on))
+    chosen = retry_if or (lambda e: isinstance(e, retry_on))
+
+    def retryable(e: BaseException) -> bool:  # a refusal (StorageAccessError) is never worth a retry
+        return not isinstance(e, StorageAccessError) and chosen(e)
+
     if stats is not None:
         stats.calls += 1
 

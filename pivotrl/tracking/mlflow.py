@@ -6,6 +6,12 @@ artifacts in ``<run root>/mlflow/artifacts`` (browse it with
 ``mlflow ui --backend-store-uri sqlite:///<run root>/mlflow/mlflow.db``). A run root on object
 storage has no local store: set ``tracking.uri``.
 
+Every call is bounded: unless the environment says otherwise, MLflow's HTTP client gets a 5-s timeout
+and one retry after 1 s (``MLFLOW_HTTP_REQUEST_TIMEOUT``, ``MLFLOW_HTTP_REQUEST_MAX_RETRIES``,
+``MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR``; its own defaults are 120 s and 7 retries with exponential
+backoff, minutes per call while a server is down). Training steps are sent off the training thread
+(:mod:`pivotrl.tracking.live`).
+
 Credentials never come from the config: MLflow's client reads them from the environment
 (``MLFLOW_TRACKING_USERNAME``/``MLFLOW_TRACKING_PASSWORD`` or ``MLFLOW_TRACKING_TOKEN``; for artifacts
 on S3, the usual ``AWS_*`` variables). ``mlflow`` is imported only when this backend is built.
@@ -19,6 +25,11 @@ from typing import Any, Iterator, Mapping, Sequence
 
 from pivotrl.errors import TrackingError
 from pivotrl.tracking.base import TRACKERS, MetricPoint
+
+#: Our budget for one MLflow HTTP call (environment variables of MLflow's client; a value already in
+#: the environment wins): a 5-s timeout, one retry, 1-s backoff.
+HTTP_BUDGET = {"MLFLOW_HTTP_REQUEST_TIMEOUT": "5", "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1",
+               "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1"}
 
 #: MLflow's limits per ``log_batch`` call and per value (MLflow REST API).
 _MAX_METRICS, _MAX_PARAMS, _MAX_TAGS = 1000, 100, 100
@@ -44,6 +55,8 @@ class MlflowTracker:
             raise TrackingError(
                 f"tracking.backend=mlflow needs the mlflow client ({e}); install it with "
                 "`pip install -e '.[tracking]' -c infra/constraints-cpu.txt`") from None
+        for name, value in HTTP_BUDGET.items():  # read by MLflow's client at every request
+            os.environ.setdefault(name, value)
         self.uri = uri
         self.artifact_root = artifact_root
         self._client = MlflowClient(tracking_uri=uri)

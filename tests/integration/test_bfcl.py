@@ -9,7 +9,6 @@ import ast
 import json
 import os
 import shutil
-import time
 from pathlib import Path
 
 import pytest
@@ -49,12 +48,13 @@ def calls_of(traj):
 # ---------------------------------------------------------------------------------------- download
 
 
-def test_ensure_bfcl_layout_and_reuse(bfcl_root, cache_dir):
+def test_ensure_bfcl_layout_and_reuse(bfcl_root, cache_dir, monkeypatch):
+    import pivotrl.data.bfcl
+
     assert (bfcl_root / "bfcl_eval" / "data" / "BFCL_v4_multi_turn_base.json").is_file()
     assert (bfcl_root / ".sha256").read_text().strip().startswith("3bb6dfa5")
-    t0 = time.perf_counter()
+    monkeypatch.setattr(pivotrl.data.bfcl.subprocess, "run", lambda *a, **k: pytest.fail(f"downloaded again: {a}"))
     assert ensure_bfcl(cache_dir) == bfcl_root  # reused, no download
-    assert time.perf_counter() - t0 < 0.5
 
 
 def test_ensure_bfcl_rejects_wrong_checksum(tmp_path):

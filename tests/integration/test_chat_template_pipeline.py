@@ -35,7 +35,9 @@ def test_smoke_pipeline_runs_on_the_template(tmp_path, family):
     cfg = load_config(str(REPO / "configs" / "smoke.yaml"), [
         f"run.storage_root={tmp_path / 'root'}", f"model.source={model}", "prompt.format=chat_template",
         f"prompt.tool_parser={parser}", "warm_start.epochs=2", "training.max_steps=1", "evaluation.num_tasks=1",
-        *extra])
+        # The test is about the template's path through every stage; a tiny random model under some
+        # templates selects no pivot (e.g. 7 all fail, 10 too long), which is then no failure.
+        "training.allow_empty_pivots=true", *extra])
     store = ArtifactStore(cfg.run.storage_root)
     demos = build_demonstrations(cfg, store)
     ref = stages.stage_reference(cfg, store, demos)

@@ -238,12 +238,13 @@ def test_every_sample_is_kept_per_step_and_printed(smoke_flow):
 
 
 # -------------------------------------------------------------------------------- NeMo Gym rows
-def _export(store, cfg, tiny_model, out, pivots_key=None):
+def _export(store, cfg, tiny_model, out, pivots_key=None, allow_stop_decisions=True):
+    """The smoke pivot set holds stop decisions (quality.include_stop_decisions): allowed unless told."""
     from pivotrl.interop.export import export_pivots
     from pivotrl.models import load_tokenizer
 
     return export_pivots(store, pivots_key or _key_of(store, "pivots/", "pivots.parquet"), cfg,
-                         load_tokenizer(tiny_model), str(out))
+                         load_tokenizer(tiny_model), str(out), allow_stop_decisions=allow_stop_decisions)
 
 
 @pytest.mark.integration
@@ -276,7 +277,8 @@ def test_nemo_rows_round_trip_as_a_demonstration_source(smoke_flow, tiny_model, 
     # The command line writes the same rows.
     cli = subprocess.run([sys.executable, "-m", "pivotrl.flows.cli", "pivots", "export", store.url(pivots_key),
                           "--out", str(tmp_path / "cli.jsonl"), "--config", str(REPO / "configs" / "smoke.yaml"),
-                          *[a for o in overrides for a in ("--set", o)]], capture_output=True, text=True)
+                          "--allow-stop-decisions", *[a for o in overrides for a in ("--set", o)]],
+                         capture_output=True, text=True)
     assert cli.returncode == 0, cli.stderr
     assert (tmp_path / "cli.jsonl").read_bytes() == (tmp_path / "rows.jsonl").read_bytes()
     assert f"{len(rows)} rows" in cli.stdout
@@ -343,7 +345,63 @@ def test_export_checks_fail_naming_the_pivot(smoke_flow, tiny_model, tmp_path):
     tok = tiny_tokenizer()
     tok.chat_template = tok.chat_template.replace("<|im_start|>", "<|im_start|> ")
     with pytest.raises(DataError, match=re.escape(repr(first)) + ".*chat template"):
-        export_pivots(store, pivots_key, cfg, tok, str(tmp_path / "x.jsonl"))
+        export_pivots(store, pivots_key, cfg, tok, str(tmp_path / "x.jsonl"), allow_stop_decisions=True)
+    assert not (tmp_path / "x.jsonl").exists()
+
+
+@pytest.mark.integration
+def test_export_refuses_stop_decisions_unless_asked(smoke_flow, tiny_model, tmp_path):
+    from pivotrl.data.states import frame_to_states
+    from pivotrl.errors import DataError
+
+    _, _, store, overrides = smoke_flow
+    cfg = load_config(str(REPO / "configs" / "smoke.yaml"), overrides)
+    pivots_key = _key_of(store, "pivots/", "pivots.parquet")
+    stops = [p.state_id for p in frame_to_states(store.read_parquet(pivots_key))
+             if p.verifier_context.get("candidate_kind") == "stop"]
+    assert stops  # the smoke config keeps stop decisions (quality.include_stop_decisions)
+    with pytest.raises(DataError, match=re.escape(repr(stops[0])) + r".*stop decisions.*--allow-stop-decisions"):
+        _export(store, cfg, tiny_model, tmp_path / "x.jsonl", allow_stop_decisions=False)
+    assert not (tmp_path / "x.jsonl").exists()
+    cli = subprocess.run([sys.executable, "-m", "pivotrl.flows.cli", "pivots", "export", store.url(pivots_key),
+                          "--out", str(tmp_path / "cli.jsonl"), "--config", str(REPO / "configs" / "smoke.yaml"),
+                          *[a for o in overrides for a in ("--set", o)]], capture_output=True, text=True)
+    assert cli.returncode == 2 and "stop decisions" in cli.stderr and not (tmp_path / "cli.jsonl").exists()
+    assert _export(store, cfg, tiny_model, tmp_path / "x.jsonl")["rows"] >= len(stops)
+
+
+@pytest.mark.integration
+def test_export_refuses_a_table_edited_after_it_was_written(smoke_flow, tiny_model, tmp_path):
+    from pivotrl.errors import DataError
+
+    _, _, store, overrides = smoke_flow
+    cfg = load_config(str(REPO / "configs" / "smoke.yaml"), overrides)
+    pivots_key = _key_of(store, "pivots/", "pivots.parquet")
+    probes_key = _key_of(store, "probes/", "probes.parquet")
+    pm = store.read_manifest(pivots_key)
+    root = Path(cfg.run.storage_root)
+    # 1. The pivot set itself, one row dropped by hand (its manifest still says the original).
+    pivots = store.read_parquet(pivots_key)
+    store.write_artifact("edited/pivots/pivots.parquet", pivots, kind="pivots",
+                         inputs={k: v["uri"] for k, v in pm.inputs.items()}, config=pm.config, extra=pm.extra)
+    pivots.iloc[1:].to_parquet(root / "edited/pivots/pivots.parquet")
+    with pytest.raises(DataError) as e:
+        _export(store, cfg, tiny_model, tmp_path / "x.jsonl", "edited/pivots/pivots.parquet")
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith(store.url("edited/pivots/pivots.parquet") + ": the pivot set's content")
+    assert "changed after it was written" in msg
+    # 2. The probe table it was selected from, a reward changed by hand.
+    probes = store.read_parquet(probes_key)
+    pk = store.write_artifact("edited/probes/probes.parquet", probes, kind="probes",
+                              inputs={}, extra=store.read_manifest(probes_key).extra)
+    inputs = {**{k: v["uri"] for k, v in pm.inputs.items()}, "probes": pk.uri}
+    store.write_artifact("edited/set/pivots.parquet", store.read_parquet(pivots_key), kind="pivots", inputs=inputs,
+                         config=pm.config, extra=pm.extra)
+    _export(store, cfg, tiny_model, tmp_path / "ok.jsonl", "edited/set/pivots.parquet")  # intact: exported
+    probes.loc[0, "mu"] = 0.125
+    probes.to_parquet(root / "edited/probes/probes.parquet")
+    with pytest.raises(DataError, match=r"^.*edited/probes/probes.parquet: the probe table's content .* changed after"):
+        _export(store, cfg, tiny_model, tmp_path / "x.jsonl", "edited/set/pivots.parquet")
     assert not (tmp_path / "x.jsonl").exists()
 
 

@@ -137,7 +137,12 @@ def test_a_source_with_no_trajectory_is_an_error_naming_the_source(tmp_path):
     # In quarantine mode an all-quarantined source is reported, not fatal; with no other source
     # there is nothing left to train on, which is an error.
     cfg = chat_config(tmp_path, str(bad), "data.on_invalid=quarantine")
-    with pytest.raises(DataError, match=r"every record of every source was quarantined"):
+    with pytest.raises(DataError, match=r"every record of every source was quarantined.*\(2 bad records in the"):
+        build_demonstrations(cfg, ArtifactStore(cfg.run.storage_root))
+    one = tmp_path / "one.jsonl"
+    one.write_bytes(bad_lines()[1] + b"\n")
+    cfg = chat_config(tmp_path, str(one), "data.on_invalid=quarantine")
+    with pytest.raises(DataError, match=r"\(1 bad record in the quarantine\)$"):  # not "2 entries": its note
         build_demonstrations(cfg, ArtifactStore(cfg.run.storage_root))
     assert leftovers(tmp_path / "root") == []
     ok = tmp_path / "ok.jsonl"
@@ -147,10 +152,11 @@ def test_a_source_with_no_trajectory_is_an_error_naming_the_source(tmp_path):
                              "warm_start.enabled=false", "data.split.warm_start=0.0", "data.split.pivot=0.67",
                              "data.split.heldout=0.33"])
     out = build_demonstrations(cfg, ArtifactStore(cfg.run.storage_root))
-    assert out["counts"]["trajectories"] == 3 and out["counts"]["quarantined"] == 3  # 2 records + the source
+    assert out["counts"]["trajectories"] == 3 and out["counts"]["quarantined"] == 2  # the 2 records, not the note
     store = ArtifactStore(cfg.run.storage_root)
     lines = [json.loads(x) for x in store.read_bytes(f"{out['key']}/quarantine.jsonl").decode().splitlines()]
-    assert lines[-1]["error"] == "all 2 records of data.sources.0 were quarantined"
+    assert lines[-1]["error"] == "all 2 records of data.sources.0 were quarantined" and lines[-1]["note"] is True
+    assert len(lines) == 3 and not any(x.get("note") for x in lines[:2])
 
 
 def test_a_malformed_parquet_file_is_named_and_nothing_is_written(tmp_path):

@@ -97,3 +97,18 @@ def test_bad_rewards_and_stats():
         pivot_decision(float("inf"), 0.1, 0.5)
     with pytest.raises(ValueError, match="single value"):
         pivot_decision(torch.tensor([0.1, 0.2]), 0.1, 0.5)
+
+
+def test_rewards_equal_within_the_tolerance_count_as_equal():
+    noisy = [0.3, 0.1 + 0.2, 0.3, 0.3]  # 0.1 + 0.2 = 0.30000000000000004
+    assert len(set(noisy)) == 2
+    mu, var = probe_stats(noisy)
+    assert var == 0.0 and mu == pytest.approx(0.3)
+    assert pivot_decision(mu, var, 0.5) == "all_fail"
+    rows = torch.tensor([noisy, [0.3, 0.3 + 5e-10, 0.3, 0.3], [0.3, 0.3 + 1e-6, 0.3, 0.3]], dtype=torch.float64)
+    mu, var = probe_stats(rows)
+    assert var[:2].tolist() == [0.0, 0.0] and var[2].item() > 0
+    assert pivot_decisions(mu, var, 0.5) == ["all_fail", "all_fail", "kept"]
+    # A σ̂² of float noise given directly (e.g. read from an older probe table) is no mixed outcome.
+    assert pivot_decision(0.3, 2.3e-33, 0.5) == "all_fail"
+    assert pivot_decision(0.3, 1e-12, 0.5) == "kept"

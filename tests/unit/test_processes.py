@@ -45,7 +45,7 @@ def test_first_signal_terminates_then_kills_after_the_grace_period():
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=10) == 128 + signal.SIGTERM
     took = time.monotonic() - t0
-    assert 1.4 < took < 6.0  # waited the grace period for the stubborn child, then killed it
+    assert took > 1.4  # waited the 1.5-s grace period for the stubborn child (a lower bound: load cannot break it)
     assert _gone(kids)
     assert "SIGTERM: stopping every process of the run" in proc.stderr.read()
 
@@ -56,10 +56,8 @@ def test_second_ctrl_c_exits_at_once():
     deadline = time.monotonic() + 5
     while kids[1].is_running() and kids[1].status() != psutil.STATUS_ZOMBIE and time.monotonic() < deadline:
         time.sleep(0.05)  # the first stop is under way (the obedient child is gone; the stubborn one waits)
-    t0 = time.monotonic()
     proc.send_signal(signal.SIGINT)
-    assert proc.wait(timeout=10) == 128 + signal.SIGINT
-    assert time.monotonic() - t0 < 3.0  # not the 30 s grace period
+    assert proc.wait(timeout=10) == 128 + signal.SIGINT  # within 10 s: not after the 30-s grace period
     time.sleep(0.2)
     assert _gone(kids)
     err = proc.stderr.read()

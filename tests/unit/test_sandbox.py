@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import time
 
 import pytest
 
@@ -25,13 +24,10 @@ def test_echo_round_trips_json_and_runs_in_an_empty_directory(pool):
 
 def test_a_request_that_sleeps_forever_is_stopped_and_the_pool_recovers(pool):
     before = pool.replaced
-    t0 = time.monotonic()
     with pytest.raises(SandboxError) as info:
-        pool.call("sleep", {"seconds": None})
-    elapsed = time.monotonic() - t0
+        pool.call("sleep", {"seconds": None})  # stopped by the pool's wall-clock limit (no time asserted here)
     assert info.value.reason == "timeout"
     assert isinstance(info.value, ToolExecutionError)
-    assert 2.0 <= elapsed < 4.0
     assert pool.replaced == before + 1
     assert pool.call("echo", [7]) == [7]
 
@@ -56,12 +52,10 @@ def test_cpu_time_limit_kills_a_busy_loop():
     # Wall-clock limit far away: the CPU-time limit (1 s per request) must act first.
     with SandboxPool(timeout_s=20.0, memory_mb=256, cpu_s=1.0) as p:
         assert p.call("spin", {"seconds": 0.1}) > 0
-        t0 = time.monotonic()
         with pytest.raises(SandboxError) as info:
             p.call("spin", {"seconds": None})
         assert info.value.reason == "timeout"
-        assert "CPU-time" in str(info.value)
-        assert time.monotonic() - t0 < 10.0
+        assert "CPU-time" in str(info.value)  # the CPU-time limit acted, not the 20-s wall clock
         assert p.call("spin", {"seconds": 0.1}) > 0  # the per-request budget is fresh again
 
 
@@ -80,16 +74,18 @@ def test_function_errors_keep_the_worker_and_unknown_names_are_rejected(pool):
         pool.call("os.system", "true")
 
 
-def test_two_workers_run_requests_in_parallel():
+def test_two_workers_run_requests_in_parallel(tmp_path, monkeypatch):
     from concurrent.futures import ThreadPoolExecutor
+    from pathlib import Path
 
-    with SandboxPool(num_workers=2, timeout_s=10.0, memory_mb=256) as p:
-        p.call("echo", 0), p.call("echo", 0)  # start both workers
+    # Each request waits until both have started (a rendezvous in a folder, 60 s at most): each
+    # sees 2 only if two workers run them at once.
+    here = str(Path(__file__).resolve().parent)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([here, *filter(None, [os.environ.get("PYTHONPATH")])]))
+    with SandboxPool(num_workers=2, timeout_s=120.0, memory_mb=256, functions={"meet": "sandbox_meet:meet"}) as p:
         with ThreadPoolExecutor(2) as ex:
-            list(ex.map(lambda _: p.call("echo", 0), range(2)))
-            t0 = time.monotonic()
-            list(ex.map(lambda _: p.call("sleep", {"seconds": 1.0}), range(2)))
-        assert time.monotonic() - t0 < 1.9
+            seen = list(ex.map(lambda _: p.call("meet", {"dir": str(tmp_path), "n": 2, "timeout_s": 60}), range(2)))
+        assert seen == [2, 2]
 
 
 def test_call_with_retries_counts_retries_and_reraises():
@@ -116,6 +112,23 @@ def test_call_with_retries_counts_retries_and_reraises():
     with pytest.raises(KeyError):
         call_with_retries(wrong, retries=5, backoff_s=0.0, stats=stats)
     assert stats.retries == 3
+
+
+def test_a_refusal_of_the_store_is_never_retried():
+    from pivotrl.errors import StorageAccessError, StorageError
+
+    calls = []
+
+    def denied():
+        calls.append(1)
+        raise StorageAccessError("cannot write s3://b/k: access refused (AccessDenied)")
+
+    stats = RetryStats()
+    with pytest.raises(StorageAccessError):  # even where the caller retries every StorageError
+        call_with_retries(denied, retries=5, backoff_s=0.0, retry_on=(StorageError,), stats=stats)
+    with pytest.raises(StorageAccessError):
+        call_with_retries(denied, retries=5, backoff_s=0.0, retry_if=lambda e: True, stats=stats)
+    assert len(calls) == 2 and stats.retries == 0
 
 
 def test_bad_settings_are_config_errors():
