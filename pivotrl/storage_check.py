@@ -23,7 +23,7 @@ from pivotrl.errors import SourceNotFoundError, StorageAccessError, StorageError
 
 #: The environment variables an s3:// root reads (named in every error).
 S3_VARIABLES = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_ENDPOINT_URL_S3")
-_HOW = ("set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (and AWS_ENDPOINT_URL_S3 for a non-AWS "
+CREDENTIALS_HOW_TO = ("set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (and AWS_ENDPOINT_URL_S3 for a non-AWS "
         "endpoint), or AWS_PROFILE / an instance role")
 
 #: Error codes of an S3 answer that no retry can change.
@@ -130,9 +130,9 @@ def _s3_credentials(what: str, options: Mapping[str, Any]) -> None:
     try:
         creds = session.get_credentials()
     except Exception as e:  # a broken profile or config file
-        raise StorageAccessError(f"{what}: cannot read AWS credentials ({type(e).__name__}: {e}); {_HOW}") from e
+        raise StorageAccessError(f"{what}: cannot read AWS credentials ({type(e).__name__}: {e}); {CREDENTIALS_HOW_TO}") from e
     if creds is None or not creds.access_key:
-        raise StorageAccessError(f"{what}: no AWS credentials found; {_HOW}")
+        raise StorageAccessError(f"{what}: no AWS credentials found; {CREDENTIALS_HOW_TO}")
 
 
 def _s3fs(options: Mapping[str, Any], timeout_s: float) -> Any:
@@ -191,7 +191,7 @@ def check_source(url: str, *, what: str | None = None, timeout_s: float = 4.0) -
     except Exception as e:
         reason = access_problem(e)
         if reason is not None:
-            raise StorageAccessError(f"{what}: read access refused ({reason}); {_HOW}") from e
+            raise StorageAccessError(f"{what}: read access refused ({reason}); {CREDENTIALS_HOW_TO}") from e
         where = f" at {_endpoint({})} (AWS_ENDPOINT_URL_S3)" if protocol in ("s3", "s3a") else ""
         raise StorageError(f"{what}: the store does not answer{where}: {type(e).__name__}: {e}") from e
 
@@ -223,7 +223,7 @@ def _endpoint(options: Mapping[str, Any]) -> str:
 def _raise(url: str, e: BaseException, options: Mapping[str, Any] | None = None) -> None:
     reason = access_problem(e)
     if reason is not None:
-        raise StorageAccessError(f"storage root {url}: access refused ({reason}); {_HOW}") from e
+        raise StorageAccessError(f"storage root {url}: access refused ({reason}); {CREDENTIALS_HOW_TO}") from e
     where = f" at {_endpoint(options)} (AWS_ENDPOINT_URL_S3)" if options is not None else ""
     raise StorageError(f"storage root {url}: the store does not answer{where}: {type(e).__name__}: {e}") from e
 

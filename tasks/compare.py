@@ -15,7 +15,7 @@ from prefect import Task
 from prefect.artifacts import create_markdown_artifact
 
 from pivotrl.tasks import publish
-from pivotrl.tasks.stages import _run, _store, _task, result_storage
+from pivotrl.tasks.stages import run_stage_task, store_of, stage_task, result_storage
 
 
 def _summary_md(title: str, out: Mapping[str, Any]) -> str:
@@ -25,34 +25,34 @@ def _summary_md(title: str, out: Mapping[str, Any]) -> str:
     return f"## {title}\n\n{rows}\n\nledger: {cost}, wall {led['total_wall_s']:.1f} s\n"
 
 
-@_task("sft_baseline", retries=1)
+@stage_task("sft_baseline", retries=1)
 def sft_baseline(config: dict[str, Any], inputs: dict[str, Any]) -> dict[str, Any]:
     """SFT of π_ref on the pivot split's demonstrations, PivotRL's optimiser steps."""
-    out, computed = _run("sft_baseline", config, inputs)
+    out, computed = run_stage_task("sft_baseline", config, inputs)
     create_markdown_artifact(key="sft-baseline", markdown=_summary_md("SFT baseline", out), description="SFT baseline")
     if computed:
-        store = _store(config)
+        store = store_of(config)
         publish.emit_assets(store, [store.url(f"{out['key']}/summary.json"), store.url(f"{out['key']}/ledger.json")])
     return out
 
 
-@_task("e2e_baseline", retries=1)
+@stage_task("e2e_baseline", retries=1)
 def e2e_baseline(config: dict[str, Any], inputs: dict[str, Any]) -> dict[str, Any]:
     """End-to-end GRPO on whole pivot-split tasks, PivotRL's generated tokens."""
-    out, computed = _run("e2e_baseline", config, inputs)
+    out, computed = run_stage_task("e2e_baseline", config, inputs)
     create_markdown_artifact(key="e2e-baseline", markdown=_summary_md("End-to-end RL baseline", out),
                              description="End-to-end RL baseline")
     if computed:
-        store = _store(config)
+        store = store_of(config)
         publish.emit_assets(store, [store.url(f"{out['key']}/summary.json"), store.url(f"{out['key']}/ledger.json")])
     return out
 
 
-@_task("compare_evaluate", retries=1)
+@stage_task("compare_evaluate", retries=1)
 def compare_evaluate(config: dict[str, Any], inputs: dict[str, Any]) -> dict[str, Any]:
     """Evaluate π_ref, PivotRL, SFT and E2E RL on the same items; the comparison report."""
-    out, computed = _run("compare_evaluate", config, inputs)
-    store = _store(config)
+    out, computed = run_stage_task("compare_evaluate", config, inputs)
+    store = store_of(config)
     create_markdown_artifact(key="comparison-report", markdown=store.read_text(out["report_md"][len(store.root_url) + 1:]),
                              description="PivotRL vs SFT vs E2E RL")
     if computed:

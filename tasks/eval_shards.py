@@ -17,8 +17,8 @@ from prefect import task
 
 from pivotrl.pipeline.results import EvalResult
 from pivotrl.tasks import publish
-from pivotrl.tasks.shards import ShardTasks, _shard_cache_key, run_shard
-from pivotrl.tasks.stages import _config_obj, _once, _retry_unless_permanent, _store, result_storage
+from pivotrl.tasks.shards import ShardTasks, shard_cache_key, run_shard
+from pivotrl.tasks.stages import config_of, run_once, retry_unless_permanent, store_of, result_storage
 
 _INPUTS = ("demos", "reference", "probe", "train")
 
@@ -28,11 +28,11 @@ def eval_plan(config: dict[str, Any], inputs: dict[str, Any]) -> dict[str, Any]:
     """The shards of this run's evaluation (see ``plan_eval_shards``)."""
     from pivotrl.pipeline.evaluate_stage import plan_eval_shards
 
-    return plan_eval_shards(_config_obj(config), _store(config), *(inputs[k] for k in _INPUTS))
+    return plan_eval_shards(config_of(config), store_of(config), *(inputs[k] for k in _INPUTS))
 
 
-@task(name="eval-shard", retries=2, retry_delay_seconds=1, retry_condition_fn=_retry_unless_permanent,
-      cache_key_fn=_shard_cache_key, cache_expiration=timedelta(days=30), persist_result=True,
+@task(name="eval-shard", retries=2, retry_delay_seconds=1, retry_condition_fn=retry_unless_permanent,
+      cache_key_fn=shard_cache_key, cache_expiration=timedelta(days=30), persist_result=True,
       result_serializer="json")
 def eval_shard(config: dict[str, Any], inputs: dict[str, Any], shard: dict[str, Any]) -> dict[str, Any]:
     """Evaluate one shard for every policy: in this process with a warm engine on Ray, else in a
@@ -43,16 +43,16 @@ def eval_shard(config: dict[str, Any], inputs: dict[str, Any], shard: dict[str, 
         cfg, store, *(inputs[k] for k in _INPUTS), shard, warm_engine=True))
 
 
-@task(name="eval-merge", retries=2, retry_delay_seconds=5, retry_condition_fn=_retry_unless_permanent,
+@task(name="eval-merge", retries=2, retry_delay_seconds=5, retry_condition_fn=retry_unless_permanent,
       persist_result=True, result_serializer="json")
 def eval_merge(config: dict[str, Any], inputs: dict[str, Any]) -> dict[str, Any]:
     """Merge the shards' tables into the run's report (the unsharded evaluate stage's files)."""
     from pivotrl.pipeline.evaluate_stage import merge_eval_shards
 
-    out, computed = _once("eval-merge", config, {k: inputs[k] for k in _INPUTS},
-                          lambda: merge_eval_shards(_config_obj(config), _store(config), *(inputs[k] for k in _INPUTS),
+    out, computed = run_once("eval-merge", config, {k: inputs[k] for k in _INPUTS},
+                          lambda: merge_eval_shards(config_of(config), store_of(config), *(inputs[k] for k in _INPUTS),
                                                     inputs["plan"]))
-    res, store = EvalResult.of(out), _store(config)
+    res, store = EvalResult.of(out), store_of(config)
     publish.evaluate(out, store.read_text(f"{res.eval_key}/report.md"))
     if computed:
         publish.emit_assets(store, [res.report_json])
@@ -64,7 +64,7 @@ def eval_shard_tasks(config: Mapping[str, Any]) -> ShardTasks:
     storage = result_storage(config)
     return ShardTasks(plan=eval_plan,
                       shard=eval_shard.with_options(result_storage=storage,
-                                                    retries=_config_obj(config).scale_out.shard_retries),
+                                                    retries=config_of(config).scale_out.shard_retries),
                       merge=eval_merge.with_options(result_storage=storage))
 
 

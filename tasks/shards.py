@@ -25,21 +25,21 @@ from typing import Any, Callable, Iterator, Mapping
 from prefect import Task, task
 from pivotrl.errors import PivotRLError
 from pivotrl.tasks import publish
-from pivotrl.tasks.stages import RESULTS_DIR, _config_obj, _once, _retry_unless_permanent, _store, result_storage
+from pivotrl.tasks.stages import RESULTS_DIR, config_of, run_once, retry_unless_permanent, store_of, result_storage
 
 
 class ShardsFailed(PivotRLError, RuntimeError):
     """Some shard task runs ended Failed; the message names each one and why."""
 
 
-def _shard_cache_key(_ctx: Any, params: dict[str, Any]) -> str:
+def shard_cache_key(_ctx: Any, params: dict[str, Any]) -> str:
     # The shard's content address covers everything its output depends on; a cached result is only
     # trusted while that output still exists (a result recorded for a deleted output is a miss).
     shard, config = params["shard"], params["config"]
     key = f"pivotrl-{shard.get('kind', 'probe')}-shard-{shard['key'].rsplit('/', 1)[-1]}"
     output = shard.get("output") or f"{shard['key']}/probes.parquet"
     try:
-        store = _store(config)
+        store = store_of(config)
         if store.exists(f"{RESULTS_DIR}/{key}") and not store.exists(output):
             return f"{key}-rerun-{uuid.uuid4().hex}"
     except Exception:  # the check is an optimisation; the shard itself is idempotent
@@ -57,7 +57,7 @@ def run_shard(stage: str, config: dict[str, Any], inputs: dict[str, Any], shard:
     from pivotrl.pipeline.common import make_store, set_threads
     from pivotrl.pipeline.entry import run_stage_process
 
-    cfg = _config_obj(config)
+    cfg = config_of(config)
     attempt = max(0, int(task_run.run_count or 1) - 1)
     if cfg.scale_out.task_runner == "ray":
         import os
@@ -76,18 +76,18 @@ def probe_plan(config: dict[str, Any], inputs: dict[str, Any]) -> dict[str, Any]
     """The shards of this run's probing (see ``plan_probe_shards``)."""
     from pivotrl.pipeline.probe_stage import plan_probe_shards
 
-    return plan_probe_shards(_config_obj(config), _store(config), inputs["demos"], inputs["reference"])
+    return plan_probe_shards(config_of(config), store_of(config), inputs["demos"], inputs["reference"])
 
 
-@task(name="probe-shard", retries=2, retry_delay_seconds=1, retry_condition_fn=_retry_unless_permanent,
-      cache_key_fn=_shard_cache_key, cache_expiration=timedelta(days=30), persist_result=True,
+@task(name="probe-shard", retries=2, retry_delay_seconds=1, retry_condition_fn=retry_unless_permanent,
+      cache_key_fn=shard_cache_key, cache_expiration=timedelta(days=30), persist_result=True,
       result_serializer="json")
 def probe_shard(config: dict[str, Any], inputs: dict[str, Any], shard: dict[str, Any]) -> dict[str, Any]:
     """Probe one shard: in this process with a warm engine on Ray, else in a child process."""
     from pivotrl.pipeline.entry import StageError
     from pivotrl.pipeline.probe_stage import probe_shard as run_probe_shard, shard_failure
 
-    store = _store(config)
+    store = store_of(config)
     if store.exists(f"{shard['key']}/failed.json"):
         store.delete(f"{shard['key']}/failed.json")  # only this attempt's failure is reported
     try:
@@ -100,18 +100,18 @@ def probe_shard(config: dict[str, Any], inputs: dict[str, Any], shard: dict[str,
         raise
 
 
-@task(name="probe-merge", retries=2, retry_delay_seconds=5, retry_condition_fn=_retry_unless_permanent,
+@task(name="probe-merge", retries=2, retry_delay_seconds=5, retry_condition_fn=retry_unless_permanent,
       persist_result=True, result_serializer="json")
 def probe_merge(config: dict[str, Any], inputs: dict[str, Any]) -> dict[str, Any]:
     """Merge the shard tables into the run's probe table and select the pivot set."""
     from pivotrl.pipeline.probe_stage import merge_probe_shards
 
-    out, computed = _once("probe-merge", config, {k: inputs[k] for k in ("demos", "reference")},
-                          lambda: merge_probe_shards(_config_obj(config), _store(config), inputs["demos"],
+    out, computed = run_once("probe-merge", config, {k: inputs[k] for k in ("demos", "reference")},
+                          lambda: merge_probe_shards(config_of(config), store_of(config), inputs["demos"],
                                                      inputs["reference"], inputs["plan"]).to_dict())
     publish.probe(out)
     if computed:
-        publish.emit_assets(_store(config), [out["probes"], out["pivots"]])
+        publish.emit_assets(store_of(config), [out["probes"], out["pivots"]])
     return out
 
 
@@ -128,7 +128,7 @@ class ShardTasks:
 def shard_tasks(config: Mapping[str, Any]) -> ShardTasks:
     """The tasks bound to the run's result storage, the shard task with ``scale_out.shard_retries``."""
     storage = result_storage(config)
-    retries = _config_obj(config).scale_out.shard_retries
+    retries = config_of(config).scale_out.shard_retries
     return ShardTasks(plan=probe_plan,
                       shard=probe_shard.with_options(result_storage=storage, retries=retries),
                       merge=probe_merge.with_options(result_storage=storage))
@@ -138,7 +138,7 @@ def task_runner(config: Mapping[str, Any]) -> Any:
     """The Prefect task runner of ``scale_out.task_runner``: a ``ThreadPoolTaskRunner`` with
     ``max_parallel_shards`` threads, or a ``RayTaskRunner`` joining ``ray_address`` ('auto': the
     cluster this machine belongs to) or starting a local Ray instance when it is null."""
-    so = _config_obj(config).scale_out
+    so = config_of(config).scale_out
     if so.task_runner == "ray":
         from prefect_ray.task_runners import RayTaskRunner
 
@@ -155,7 +155,7 @@ def task_runner(config: Mapping[str, Any]) -> Any:
 @contextlib.contextmanager
 def shard_resources(config: Mapping[str, Any]) -> Iterator[None]:
     """Around the submission of shard tasks: on Ray, each asks for its CPUs/GPUs (one engine each)."""
-    so = _config_obj(config).scale_out
+    so = config_of(config).scale_out
     if so.task_runner != "ray":
         yield
         return

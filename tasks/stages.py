@@ -3,7 +3,7 @@
 Every task takes the run config (as JSON) and the small results of earlier tasks (URIs, hashes,
 counts — never tensors or tables; typed in ``pivotrl.pipeline.results``, passed between tasks and
 cached as their JSON dicts: ``to_dict`` / ``of``), runs one ``pivotrl.pipeline`` stage under a lease on
-its key (:func:`_once`: a concurrent run on the same root waits and reuses it), and publishes its
+its key (:func:`run_once`: a concurrent run on the same root waits and reuses it), and publishes its
 facts, Prefect artifacts and asset events (:mod:`pivotrl.tasks.publish`). A task's cache key is
 its stage's own content key (:func:`_base_key`, :mod:`pivotrl.pipeline.keys`; not Prefect's
 default policy, which includes the run id and never hits across runs), so a change to one stage's
@@ -57,9 +57,9 @@ def _base_key(stage: str, config: Mapping[str, Any], inputs: Any) -> str:
     inputs, the files the config points at and the package's code version."""
     from pivotrl.pipeline.keys import STAGE_INPUTS, stage_key
 
-    cfg = _config_obj(config)
+    cfg = config_of(config)
     if _KEYED_AS.get(stage, stage) in STAGE_INPUTS:
-        key = stage_key(_KEYED_AS.get(stage, stage), cfg, _store(config), inputs)
+        key = stage_key(_KEYED_AS.get(stage, stage), cfg, store_of(config), inputs)
         return f"pivotrl-{stage}-" + key.replace("/", ".").replace("-", ".")
     from pivotrl.data.schema import content_hash
     from pivotrl.fingerprints import inputs_fingerprint
@@ -92,7 +92,7 @@ def _cache_key(stage: str):
         # A cached result is only trusted while every artifact it points at still exists (a
         # lifecycle rule or a manual clean-up may delete some); otherwise the key misses.
         try:
-            store = _store(config)
+            store = store_of(config)
             listed = store.read_json(_index_key(base))["artifacts"] if store.exists(_index_key(base)) else []
             root = store.root_url + "/"
             if any(not store.exists(u[len(root):]) for u in listed):
@@ -105,7 +105,7 @@ def _cache_key(stage: str):
     return key
 
 
-def _retry_unless_permanent(_task: Any, _task_run: Any, state: Any) -> bool:
+def retry_unless_permanent(_task: Any, _task_run: Any, state: Any) -> bool:
     """Retry transient failures (storage, sandbox, crashes); never config/data/model errors or a
     broken training invariant, which would fail the same way again."""
     from pivotrl.pipeline.entry import is_permanent
@@ -117,25 +117,25 @@ def _retry_unless_permanent(_task: Any, _task_run: Any, state: Any) -> bool:
     return not (isinstance(exc, BaseException) and is_permanent(exc))
 
 
-def _task(stage: str, retries: int):
+def stage_task(stage: str, retries: int):
     return task(
         name=stage, retries=retries, retry_delay_seconds=[5, 30, 120][:retries] or 0,
-        retry_condition_fn=_retry_unless_permanent,
+        retry_condition_fn=retry_unless_permanent,
         cache_key_fn=_cache_key(stage), cache_expiration=timedelta(days=30), persist_result=True,
         result_serializer="json",
     )
 
 
-def _config_obj(config: Mapping[str, Any]):
+def config_of(config: Mapping[str, Any]):
     from pivotrl.config import parse_config
 
     return parse_config(config, source="the flow's config")  # validated once per process
 
 
-def _store(config: Mapping[str, Any]):
+def store_of(config: Mapping[str, Any]):
     from pivotrl.pipeline.common import make_store
 
-    return make_store(_config_obj(config))
+    return make_store(config_of(config))
 
 
 # ------------------------------------------------------------------------------ result storage
@@ -156,7 +156,7 @@ def result_storage(config: Mapping[str, Any]):
 
     import fsspec
 
-    cfg = _config_obj(config)
+    cfg = config_of(config)
     root = os.path.expanduser(cfg.run.storage_root)
     fs, path = fsspec.core.url_to_fs(root, **(cfg.run.storage_options or {}))
     protocols = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
@@ -191,7 +191,7 @@ def pipeline_tasks(config: Mapping[str, Any]) -> PipelineTasks:
 
 
 # ------------------------------------------------------------------------------------- lease
-def _once(stage: str, config: Mapping[str, Any], inputs: Any, compute: Any) -> tuple[dict[str, Any], bool]:
+def run_once(stage: str, config: Mapping[str, Any], inputs: Any, compute: Any) -> tuple[dict[str, Any], bool]:
     """``(result, computed)``: run ``compute()`` under the lease on the stage's key, or reuse the
     result another run computed meanwhile (two runs on one storage root never compute, or write,
     the same stage at once; see :mod:`pivotrl.lease`). The result and the artifacts it points at
@@ -200,7 +200,7 @@ def _once(stage: str, config: Mapping[str, Any], inputs: Any, compute: Any) -> t
 
     from pivotrl.lease import stage_lease
 
-    store, base = _store(config), _base_key(stage, config, inputs)
+    store, base = store_of(config), _base_key(stage, config, inputs)
     logger = get_run_logger()
 
     def waiting(holder: dict[str, Any]) -> None:
@@ -223,7 +223,7 @@ def _once(stage: str, config: Mapping[str, Any], inputs: Any, compute: Any) -> t
 
 
 # -------------------------------------------------------------------------------------- tasks
-@_task("demonstrations", retries=2)
+@stage_task("demonstrations", retries=2)
 def demonstrations(config: dict[str, Any], inputs: dict[str, Any] | None = None) -> dict[str, Any]:
     """Load + validate demonstrations, split by trajectory, extract turn-state candidates."""
     from pivotrl.pipeline.demos import build_demonstrations
@@ -231,12 +231,12 @@ def demonstrations(config: dict[str, Any], inputs: dict[str, Any] | None = None)
 
     def compute() -> dict[str, Any]:
         with announce("demonstrations"):
-            return build_demonstrations(_config_obj(config), _store(config))
+            return build_demonstrations(config_of(config), store_of(config))
 
-    out, computed = _once("demonstrations", config, inputs, compute)
+    out, computed = run_once("demonstrations", config, inputs, compute)
     publish.demonstrations(out)
     if computed:
-        publish.emit_assets(_store(config), [out["trajectories"], out["candidates"]] + ([out["flagged"]] if out.get("flagged") else []))
+        publish.emit_assets(store_of(config), [out["trajectories"], out["candidates"]] + ([out["flagged"]] if out.get("flagged") else []))
     return out
 
 
@@ -251,52 +251,52 @@ def _stage_process(stage: str, config: dict[str, Any], inputs: dict[str, Any]) -
     attempt = max(0, int(task_run.run_count or 1) - 1)
     # The stage's manifests record this flow run and task run (the stage process never imports Prefect).
     ids = {RUN_ID_ENV["flow_run_id"]: str(flow_run.id or ""), RUN_ID_ENV["task_run_id"]: str(task_run.id or "")}
-    return run_stage_process(stage, config, inputs, threads=_config_obj(config).rollout.num_threads, attempt=attempt,
+    return run_stage_process(stage, config, inputs, threads=config_of(config).rollout.num_threads, attempt=attempt,
                              env=ids)
 
 
-def _run(stage: str, config: dict[str, Any], inputs: dict[str, Any]) -> tuple[dict[str, Any], bool]:
-    return _once(stage, config, inputs, lambda: _stage_process(stage, config, inputs))
+def run_stage_task(stage: str, config: dict[str, Any], inputs: dict[str, Any]) -> tuple[dict[str, Any], bool]:
+    return run_once(stage, config, inputs, lambda: _stage_process(stage, config, inputs))
 
 
-@_task("reference", retries=1)
+@stage_task("reference", retries=1)
 def reference(config: dict[str, Any], inputs: dict[str, Any]) -> dict[str, Any]:
     """Resolve the base model; supervised warm start on the warm-start split → π_ref."""
-    out, computed = _run("reference", config, inputs)
+    out, computed = run_stage_task("reference", config, inputs)
     ref = ReferenceResult.of(out)
     publish.reference(out)
     if computed and ref.ref_key:
-        publish.emit_assets(_store(config), [_store(config).url(f"{ref.ref_key}.sft.json")])
+        publish.emit_assets(store_of(config), [store_of(config).url(f"{ref.ref_key}.sft.json")])
     return out
 
 
-@_task("probe", retries=2)
+@stage_task("probe", retries=2)
 def probe(config: dict[str, Any], inputs: dict[str, Any]) -> dict[str, Any]:
     """Probe π_ref (m samples per candidate, verifier-scored) and select the pivot set."""
-    out, computed = _run("probe", config, inputs)
+    out, computed = run_stage_task("probe", config, inputs)
     res = ProbeResult.of(out)
     publish.probe(out)
     if computed:
-        publish.emit_assets(_store(config), [res.probes, res.pivots])
+        publish.emit_assets(store_of(config), [res.probes, res.pivots])
     return out
 
 
-@_task("train", retries=2)
+@stage_task("train", retries=2)
 def train(config: dict[str, Any], inputs: dict[str, Any]) -> dict[str, Any]:
     """PivotRL epochs on the pivot set; resumes from the latest checkpoint on retry."""
-    out, computed = _run("train", config, inputs)
-    res, store = TrainResult.of(out), _store(config)
+    out, computed = run_stage_task("train", config, inputs)
+    res, store = TrainResult.of(out), store_of(config)
     publish.train(out, store.read_parquet(f"{res.train_key}/metrics.parquet"))
     if computed:
         publish.emit_assets(store, [res.metrics, store.url(f"{res.train_key}/summary.json")])
     return out
 
 
-@_task("evaluate", retries=1)
+@stage_task("evaluate", retries=1)
 def evaluate(config: dict[str, Any], inputs: dict[str, Any]) -> dict[str, Any]:
     """Full multi-turn task + local evaluation of base, π_ref and PivotRL; report."""
-    out, computed = _run("evaluate", config, inputs)
-    res, store = EvalResult.of(out), _store(config)
+    out, computed = run_stage_task("evaluate", config, inputs)
+    res, store = EvalResult.of(out), store_of(config)
     publish.evaluate(out, store.read_text(f"{res.eval_key}/report.md"))
     if computed:
         publish.emit_assets(store, [res.report_json])

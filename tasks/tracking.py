@@ -19,10 +19,10 @@ from prefect.cache_policies import NO_CACHE
 
 def _recorder(config: Mapping[str, Any], run_id: str | None):
     from pivotrl.pipeline.common import make_store
-    from pivotrl.tasks.stages import _config_obj
+    from pivotrl.tasks.stages import config_of
     from pivotrl.tracking import RunRecorder
 
-    cfg = _config_obj(config)
+    cfg = config_of(config)
     return RunRecorder(cfg, make_store(cfg), run_id)
 
 

@@ -36,9 +36,9 @@ def is_credential_key(name: str) -> bool:
     return any(lowered.endswith("_" + n) for n in _CREDENTIAL_NAMES)
 
 
-def _rule(key: str, value: Any, rule: str) -> PydanticCustomError:
+def bound_error(key: str, value: Any, rule: str) -> PydanticCustomError:
     """A cross-field error; ``key`` is relative to the model that raises it."""
-    ctx = {"key": key, "value": _fmt(value), "rule": rule}
+    ctx = {"key": key, "value": show_value(value), "rule": rule}
     return PydanticCustomError("pivotrl_rule", "{key} = {value}: {rule}", ctx)
 
 
@@ -52,7 +52,7 @@ class Section(BaseModel):
 # ----------------------------------------------------------------------------------------- run
 
 
-def _fmt(value: Any, limit: int = 80) -> str:
+def show_value(value: Any, limit: int = 80) -> str:
     if isinstance(value, str):
         text = repr(value)
     elif isinstance(value, float) and value != value or value in (float("inf"), float("-inf")):

@@ -10,7 +10,7 @@ from typing import Any, Mapping, Sequence
 import yaml
 
 from pivotrl.config.schema import RunConfig
-from pivotrl.config.validate import _item_type, _models_of, parse_config
+from pivotrl.config.validate import item_type, models_of, parse_config
 from pivotrl.data.schema import canonical_json
 from pivotrl.errors import ConfigError
 
@@ -97,7 +97,7 @@ def _apply_override(data: dict[str, Any], override: str) -> None:
             continue
         if not isinstance(node, dict):
             raise ConfigError(f"override {override!r}: {'.'.join(keys[:i])} is not a mapping")
-        models = _models_of(tp) if tp is not None else []
+        models = models_of(tp) if tp is not None else []
         if models:
             owner = next((m for m in models if key in m.model_fields), None)
             if owner is None:
@@ -112,7 +112,7 @@ def _apply_override(data: dict[str, Any], override: str) -> None:
             return
         child = node.get(key)
         if child is None:
-            if _item_type(tp) is not None:
+            if item_type(tp) is not None:
                 default = _default_of(keys[: i + 1])
                 child = default if isinstance(default, list) else []
             else:
@@ -208,7 +208,7 @@ def _scalar(value: Any) -> str:
 
 
 def _emit(tp: Any, data: Mapping[str, Any], indent: int, lines: list[str], comments: bool) -> None:
-    models = _models_of(tp)
+    models = models_of(tp)
     model = models[0]
     if len(models) > 1 and "kind" in data:
         model = next((m for m in models if m.model_fields["kind"].default == data["kind"]), model)
@@ -220,11 +220,11 @@ def _emit(tp: Any, data: Mapping[str, Any], indent: int, lines: list[str], comme
         if comments and info.description:
             for line in textwrap.wrap(info.description, width=max(40, 100 - indent - 2)):
                 lines.append(f"{pad}# {line}")
-        item = _item_type(info.annotation)
-        if _models_of(info.annotation) and isinstance(value, Mapping):
+        item = item_type(info.annotation)
+        if models_of(info.annotation) and isinstance(value, Mapping):
             lines.append(f"{pad}{name}:")
             _emit(info.annotation, value, indent + 2, lines, comments)
-        elif item is not None and _models_of(item) and value:
+        elif item is not None and models_of(item) and value:
             lines.append(f"{pad}{name}:")
             for entry in value:
                 start = len(lines)

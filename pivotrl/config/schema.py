@@ -6,7 +6,7 @@ from typing import Any, Mapping
 
 from pydantic import Field, model_validator
 
-from pivotrl.config.base import Section, _rule
+from pivotrl.config.base import Section, bound_error
 from pivotrl.config.sections import (
     DataSection, ModelSection, ProbingSection, PromptSection, RolloutSection, RunSection, VerifierSection,
     WarmStartSection,
@@ -58,16 +58,16 @@ class RunConfig(Section):
     @model_validator(mode="after")
     def _cross_section(self) -> "RunConfig":
         if self.warm_start.enabled and self.data.split.warm_start <= 0:
-            raise _rule(
+            raise bound_error(
                 "data.split.warm_start", self.data.split.warm_start, "must be > 0 when warm_start.enabled is true"
             )
         if self.rollout.max_tokens >= self.model.max_context:
-            raise _rule(
+            raise bound_error(
                 "rollout.max_tokens", self.rollout.max_tokens,
                 f"must be < model.max_context = {self.model.max_context}",
             )
         if self.warm_start.max_len > self.model.max_context:
-            raise _rule(
+            raise bound_error(
                 "warm_start.max_len", self.warm_start.max_len,
                 f"must be ≤ model.max_context = {self.model.max_context}",
             )
@@ -81,14 +81,14 @@ class RunConfig(Section):
             return
         span = tr.nproc_per_node if ro.engine_placement == "node" else ro.ranks_per_engine
         if ro.engine_placement == "ranks" and tr.nproc_per_node % span:
-            raise _rule("rollout.ranks_per_engine", span,
+            raise bound_error("rollout.ranks_per_engine", span,
                         f"must divide training.nproc_per_node = {tr.nproc_per_node} (an engine's ranks share a node)")
         engines = tr.world_size // span
         if ro.num_engines not in (1, engines):
-            raise _rule("rollout.num_engines", ro.num_engines,
+            raise bound_error("rollout.num_engines", ro.num_engines,
                         f"with engine_placement {ro.engine_placement} the layout gives {engines} engine(s) "
                         f"(one every {span} of the {tr.world_size} ranks): set it to 1 (the layout's count) or {engines}")
         if ro.engine != "vllm" or ro.tensor_parallel_size <= span:
             return
-        raise _rule("rollout.tensor_parallel_size", ro.tensor_parallel_size,
+        raise bound_error("rollout.tensor_parallel_size", ro.tensor_parallel_size,
                     f"must be ≤ the {span} GPUs of an engine's ranks (engine_placement {ro.engine_placement})")

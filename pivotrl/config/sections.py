@@ -7,7 +7,7 @@ from typing import Annotated, Any, Literal, Mapping, Union
 
 from pydantic import Field, model_validator
 
-from pivotrl.config.base import Float, Int, Section, _rule, is_credential_key
+from pivotrl.config.base import Float, Int, Section, bound_error, is_credential_key
 
 
 class RunSection(Section):
@@ -52,7 +52,7 @@ class RunSection(Section):
             if isinstance(obj, Mapping):
                 for k, v in obj.items():
                     if is_credential_key(k):
-                        raise _rule(
+                        raise bound_error(
                             f"{path}.{k}", "<hidden>",
                             "looks like a credential; set it in the environment (e.g. AWS_SECRET_ACCESS_KEY), "
                             "never in a config",
@@ -107,9 +107,9 @@ class SplitSection(Section):
     def _sums_to_one(self) -> "SplitSection":
         total = self.warm_start + self.pivot + self.heldout
         if abs(total - 1.0) > 1e-9:
-            raise _rule("warm_start + pivot + heldout", round(total, 12), "the three fractions must sum to 1")
+            raise bound_error("warm_start + pivot + heldout", round(total, 12), "the three fractions must sum to 1")
         if self.pivot <= 0:
-            raise _rule("pivot", self.pivot, "must be > 0 (no pivot candidates otherwise)")
+            raise bound_error("pivot", self.pivot, "must be > 0 (no pivot candidates otherwise)")
         return self
 
 

@@ -8,7 +8,7 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
-from pivotrl.config.base import Float, Int, Section, _rule
+from pivotrl.config.base import Float, Int, Section, bound_error
 
 
 class DeepSpeedSection(Section):
@@ -118,20 +118,20 @@ class TrainingSection(Section):
     @model_validator(mode="after")
     def _layout(self) -> "TrainingSection":
         if self.world_size != self.nnodes * self.nproc_per_node:
-            raise _rule(
+            raise bound_error(
                 "world_size", self.world_size,
                 f"must equal nnodes × nproc_per_node = {self.nnodes} × {self.nproc_per_node}",
             )
         per_step = self.micro_batch_groups * self.world_size
         if self.pivots_per_batch % per_step:
-            raise _rule(
+            raise bound_error(
                 "pivots_per_batch", self.pivots_per_batch,
                 f"must be a multiple of micro_batch_groups × world_size = {per_step}",
             )
         if self.launcher == "inprocess" and self.world_size > 1:
-            raise _rule("launcher", self.launcher, "inprocess runs one process; use torchrun or deepspeed")
+            raise bound_error("launcher", self.launcher, "inprocess runs one process; use torchrun or deepspeed")
         if self.launcher == "deepspeed" and self.nnodes > 1 and not self.hostfile:
-            raise _rule("hostfile", self.hostfile, "the deepspeed launcher needs a hostfile for more than one node")
+            raise bound_error("hostfile", self.hostfile, "the deepspeed launcher needs a hostfile for more than one node")
         return self
 
 
@@ -272,7 +272,7 @@ class TrackingSection(Section):
     @model_validator(mode="after")
     def _no_credentials_in_uri(self) -> "TrackingSection":
         if self.uri and re.match(r"^[A-Za-z][A-Za-z0-9+.-]*://[^/@]*:[^/@]*@", self.uri):
-            raise _rule("uri", "<hidden>", "contains a password; set MLFLOW_TRACKING_USERNAME and "
+            raise bound_error("uri", "<hidden>", "contains a password; set MLFLOW_TRACKING_USERNAME and "
                         "MLFLOW_TRACKING_PASSWORD in the environment instead")
         return self
 

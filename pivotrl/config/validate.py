@@ -9,7 +9,7 @@ from typing import Annotated, Any, Mapping, Sequence, Union
 
 from pydantic import BaseModel, ValidationError
 
-from pivotrl.config.base import _fmt
+from pivotrl.config.base import show_value
 from pivotrl.config.schema import RunConfig
 from pivotrl.data.schema import canonical_json
 from pivotrl.errors import ConfigError
@@ -28,11 +28,11 @@ def _type_members(tp: Any) -> list[Any]:
     return [tp]
 
 
-def _models_of(tp: Any) -> list[type[BaseModel]]:
+def models_of(tp: Any) -> list[type[BaseModel]]:
     return [t for t in _type_members(tp) if isinstance(t, type) and issubclass(t, BaseModel)]
 
 
-def _item_type(tp: Any) -> Any:
+def item_type(tp: Any) -> Any:
     for t in _type_members(tp):
         if typing.get_origin(t) in (list, Sequence) and typing.get_args(t):
             return typing.get_args(t)[0]
@@ -49,10 +49,10 @@ def _walk_loc(loc: Sequence[Any]) -> tuple[str, str, type[BaseModel] | None, Any
     for el in loc:
         if isinstance(el, int):
             path += f"[{el}]"
-            tp = _item_type(tp)
+            tp = item_type(tp)
             info = None
             continue
-        models = _models_of(tp)
+        models = models_of(tp)
         owner = next((m for m in models if el in m.model_fields), None)
         if owner is None:
             tagged = [m for m in models if "kind" in m.model_fields and m.model_fields["kind"].default == el]
@@ -116,7 +116,7 @@ def _describe(err: Mapping[str, Any]) -> str:
         name = path.rsplit(".", 1)[-1]
         hint = difflib.get_close_matches(name, valid, n=1)
         section = parent_path or "the top level"
-        text = f"{path} = {_fmt(value)}: unknown key; valid keys of {section}: {', '.join(valid)}"
+        text = f"{path} = {show_value(value)}: unknown key; valid keys of {section}: {', '.join(valid)}"
         return text + (f" (did you mean {hint[0]!r}?)" if hint else "")
     if etype in _RULES:
         try:
@@ -133,7 +133,7 @@ def _describe(err: Mapping[str, Any]) -> str:
         rule += f" ({why})"
     if etype == "missing":
         return f"{path}: {rule}"
-    return f"{path or '(top level)'} = {_fmt(value)}: {rule}"
+    return f"{path or '(top level)'} = {show_value(value)}: {rule}"
 
 
 def _file_path(loc: Sequence[Any], data: Any) -> tuple[Any, ...]:

@@ -135,10 +135,10 @@ def _is_storage_failure(e: BaseException) -> bool:
 def _read_error(url: str, e: BaseException) -> StorageError:
     """The one-line error of a source that cannot be read: StorageAccessError (never retried) when
     the store refuses us (no credentials, access denied), else StorageError."""
-    from pivotrl.storage_check import _HOW, access_problem
+    from pivotrl.storage_check import CREDENTIALS_HOW_TO, access_problem
 
     if (reason := access_problem(e)) is not None:
-        return StorageAccessError(f"{url}: cannot read: access refused ({reason}); {_HOW}")
+        return StorageAccessError(f"{url}: cannot read: access refused ({reason}); {CREDENTIALS_HOW_TO}")
     return StorageError(f"{url}: cannot read ({type(e).__name__}: {e})")
 
 

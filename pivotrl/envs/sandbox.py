@@ -44,7 +44,7 @@ import time
 from pathlib import Path
 from typing import Any, Mapping
 
-from pivotrl.envs.sandbox_worker import _HEADER, _write_msg
+from pivotrl.envs.sandbox_worker import FRAME_HEADER, write_message
 from pivotrl.errors import ConfigError, ToolExecutionError
 from pivotrl.faults import FAULT_EXIT_CODE, FaultInjector, ToolFault
 from pivotrl.storage.retry import RetryStats, call_with_retries  # re-exported: the one retry mechanism
@@ -108,13 +108,13 @@ class _Worker:
         if fault is not None:
             msg["fault"] = fault.to_dict()
         try:
-            _write_msg(self.proc.stdin, msg)
+            write_message(self.proc.stdin, msg)
         except (BrokenPipeError, OSError):
             raise self._died(fn) from None
         deadline = time.monotonic() + timeout_s
         fd = self.proc.stdout.fileno()
-        header = self._read_exact(fd, _HEADER.size, deadline, fn, timeout_s)
-        (n,) = _HEADER.unpack(header)
+        header = self._read_exact(fd, FRAME_HEADER.size, deadline, fn, timeout_s)
+        (n,) = FRAME_HEADER.unpack(header)
         body = self._read_exact(fd, n, deadline, fn, timeout_s)
         reply = json.loads(body.decode("utf-8"))
         if reply.get("ok"):

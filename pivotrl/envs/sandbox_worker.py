@@ -21,12 +21,12 @@ from typing import Any, Callable, Mapping
 
 from pivotrl.faults import FAULT_EXIT_CODE, ToolFault
 
-_HEADER = struct.Struct(">Q")  # 8-byte big-endian length prefix of every JSON message
+FRAME_HEADER = struct.Struct(">Q")  # 8-byte big-endian length prefix of every JSON message
 
 
-def _write_msg(stream: Any, obj: Any) -> None:
+def write_message(stream: Any, obj: Any) -> None:
     data = json.dumps(obj, ensure_ascii=False).encode("utf-8")
-    stream.write(_HEADER.pack(len(data)) + data)
+    stream.write(FRAME_HEADER.pack(len(data)) + data)
     stream.flush()
 
 
@@ -127,10 +127,10 @@ def _worker_main(settings: Mapping[str, Any]) -> None:
     base_dir = settings.get("base_dir") or tempfile.mkdtemp(prefix="pivotrl-sandbox-")
 
     while True:
-        header = proto_in.read(_HEADER.size)
-        if len(header) < _HEADER.size:
+        header = proto_in.read(FRAME_HEADER.size)
+        if len(header) < FRAME_HEADER.size:
             break  # the pool closed our stdin
-        (n,) = _HEADER.unpack(header)
+        (n,) = FRAME_HEADER.unpack(header)
         request = json.loads(proto_in.read(n).decode("utf-8"))
         fn_name = request.get("fn")
         if request.get("fault"):
@@ -163,9 +163,9 @@ def _worker_main(settings: Mapping[str, Any]) -> None:
             os.chdir(base_dir)
             shutil.rmtree(workdir, ignore_errors=True)
         try:
-            _write_msg(proto_out, reply)
+            write_message(proto_out, reply)
         except MemoryError:
-            _write_msg(proto_out, {"ok": False, "reason": "memory", "error": "out of memory writing the reply"})
+            write_message(proto_out, {"ok": False, "reason": "memory", "error": "out of memory writing the reply"})
     shutil.rmtree(base_dir, ignore_errors=True)
 
 

@@ -17,7 +17,7 @@ from typing import Any, Mapping
 from pivotrl.data.schema import content_hash
 from pivotrl.errors import StorageError
 from pivotrl.storage.files import atomic_dir, file_sha256, replace_path
-from pivotrl.storage.manifest import _now
+from pivotrl.storage.manifest import utc_now
 
 __all__ = ["COMPLETE_MARKER", "DirectoryMixin"]
 
@@ -55,7 +55,7 @@ class DirectoryMixin:
         for rel in files:
             listing[rel] = {"size": (src / rel).stat().st_size, "sha256": file_sha256(src / rel)}
         self._retrying(f"write {url}", lambda: self._put_dir_once(src, files, key))
-        marker_doc = {"files": listing, "tree_sha256": _tree_hash(listing), "created_at": _now()}
+        marker_doc = {"files": listing, "tree_sha256": _tree_hash(listing), "created_at": utc_now()}
         self.write_json(f"{key}/{COMPLETE_MARKER}", marker_doc)
         return url
 

@@ -126,7 +126,7 @@ def _prefect_run_ids() -> dict[str, str | None] | None:
     return None
 
 
-def _now() -> str:
+def utc_now() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="milliseconds")
 
 
@@ -286,7 +286,7 @@ class ManifestMixin:
             package_versions=package_versions(),
             seeds=seeds,
             prefect=_prefect_run_ids(),
-            created_at=_now(),
+            created_at=utc_now(),
             extra=extra_dict,
         )
         self.write_json(key + MANIFEST_SUFFIX, manifest.to_dict())

@@ -45,7 +45,7 @@ _T = TypeVar("_T")
 _TMP = ".tmp"
 
 
-def _storage_error(action: str, url: str, e: BaseException) -> StorageError:
+def storage_error(action: str, url: str, e: BaseException) -> StorageError:
     """The StorageError for a failed ``action`` on ``url``: StorageAccessError (never retried) when
     the store refuses access (no credentials, permission denied, no such bucket)."""
     from pivotrl.storage_check import access_problem
@@ -152,7 +152,7 @@ class ArtifactStore(ManifestMixin, DirectoryMixin):
         except PivotRLError:
             raise
         except Exception as e:  # fsspec drivers raise OSError subclasses and their own errors
-            raise _storage_error(action, url, e) from e
+            raise storage_error(action, url, e) from e
 
     def _fresh(self, path: str) -> None:
         if not self._local:
@@ -242,7 +242,7 @@ class ArtifactStore(ManifestMixin, DirectoryMixin):
             raise
         except OSError as e:
             self._discard(tmp)
-            raise _storage_error("write", url, e) from e
+            raise storage_error("write", url, e) from e
         except BaseException:
             self._discard(tmp)
             raise
