@@ -3,6 +3,7 @@ source tree, ``pivotrl.tasks`` and ``pivotrl.flows`` included, and each of them 
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -26,7 +27,11 @@ def _source_modules() -> set[str]:
 
 
 def test_the_wheel_holds_and_imports_every_module(tmp_path):
-    built = subprocess.run([sys.executable, "-m", "pip", "wheel", str(REPO), "--no-deps", "--no-build-isolation",
+    # Built from a copy of the checkout (a build writes build/ and *.egg-info beside its sources).
+    src = tmp_path / "src"
+    shutil.copytree(REPO, src, ignore=shutil.ignore_patterns(".git", ".venv*", "runs", "build", "dist", "*.egg-info",
+                                                            "__pycache__", ".pytest_cache", ".hypothesis"))
+    built = subprocess.run([sys.executable, "-m", "pip", "wheel", str(src), "--no-deps", "--no-build-isolation",
                             "-q", "-w", str(tmp_path / "dist")], capture_output=True, text=True, timeout=300,
                            cwd=tmp_path)
     assert built.returncode == 0, built.stderr[-3000:]
