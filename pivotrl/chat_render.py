@@ -22,7 +22,7 @@ from typing import Any, Sequence
 
 from pivotrl.data.schema import Message, ToolSpec, Trajectory, TurnState
 from pivotrl.errors import DataError, StateTooLongError
-from pivotrl.tool_parsers import get_tool_parser
+from pivotrl.tool_parsers import get_tool_parser, instruction_for
 
 __all__ = ["render_state_text", "sft_examples", "state_ids"]
 
@@ -68,7 +68,9 @@ def _convert(messages: Sequence[Message], tools: Sequence[ToolSpec], fmt: Any, *
                 out.append(d)
             else:
                 out.append({"role": m.role, "content": m.content})
-        return out, ([t.to_dict() for t in tools] if tools else None)
+        from pivotrl.tool_render import template_tools
+
+        return out, template_tools(tools, tool_style)  # compact schemas unless tool_style is json
     from pivotrl.prompts import render_tools
 
     parser = get_tool_parser(fmt.tool_parser)
@@ -76,7 +78,7 @@ def _convert(messages: Sequence[Message], tools: Sequence[ToolSpec], fmt: Any, *
     own = msgs.pop(0).content.strip() if msgs and msgs[0].role == "system" else ""
     system = [own] if own else []
     if tools:
-        system += [render_tools(tools, tool_style), parser.instruction]
+        system += [render_tools(tools, tool_style), instruction_for(parser, tools)]
     out = [{"role": "system", "content": "\n\n".join(system)}] if system else []
     for m in msgs:
         if m.role == "assistant":

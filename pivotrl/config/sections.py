@@ -154,7 +154,12 @@ class ModelSection(Section):
 # -------------------------------------------------------------------------------------- prompt
 class PromptSection(Section):
     tool_style: Literal["compact", "json"] = Field(
-        "compact", description="How tool schemas are rendered into the system prompt (compact saves ~15% tokens)."
+        "compact",
+        description=(
+            "How tool schemas are rendered: into the system prompt (pythonic; compact = one signature line per tool, "
+            "saves ~15% tokens), or handed to a chat template that renders tools= (compact = each schema with its "
+            "description cut to the first sentence and no parameter descriptions; json = the full schemas)."
+        ),
     )
     max_tool_output_chars: Int = Field(
         2000, ge=1, description="Tool outputs in the history are cut to this many characters (marked as cut)."

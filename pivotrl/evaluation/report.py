@@ -138,6 +138,7 @@ def build_report(
             "n_candidates": len(mus),
             "mu_mean": sum(mus) / len(mus) if mus else None,
             "mu_histogram": _histogram(mus, bins=10),
+            **_prompt_lengths(probe_df),
         },
         "plots": plots,
         "statistics": None if statistics is None else dict(statistics),
@@ -236,6 +237,18 @@ def _mu_values(df: pd.DataFrame | None, column: str | None) -> list[float] | Non
     return [float(v) for v in df[column] if _num(v) is not None]
 
 
+def _prompt_lengths(df: pd.DataFrame | None) -> dict[str, Any]:
+    """Mean / max prompt length in tokens of the probed states (the probe table's ``prompt_tokens``;
+    -1 marks a state never rendered), or {} when the table has no such column."""
+    if df is None or "prompt_tokens" not in df.columns:
+        return {}
+    tokens = [int(x) for x in pd.to_numeric(df["prompt_tokens"], errors="coerce").dropna() if x >= 0]
+    if not tokens:
+        return {}
+    return {"prompt_tokens_mean": sum(tokens) / len(tokens), "prompt_tokens_max": max(tokens),
+            "prompt_tokens_n": len(tokens)}
+
+
 def _histogram(values: Sequence[float], bins: int) -> dict[str, list[float] | list[int]]:
     """Counts of ``values`` in ``bins`` equal bins over [0, 1] (1.0 falls in the last bin)."""
     counts = [0] * bins
@@ -311,7 +324,10 @@ def _markdown(report: Mapping[str, Any], rows: list[dict[str, Any]], plots: Mapp
     probes = report["probes"]
     if probes is not None:
         lines += [f"Probed candidates: {probes['n_candidates']}, mean μ̂ "
-                  + ("n/a" if probes["mu_mean"] is None else f"{probes['mu_mean']:.3f}") + ".", ""]
+                  + ("n/a" if probes["mu_mean"] is None else f"{probes['mu_mean']:.3f}")
+                  + ("" if probes.get("prompt_tokens_mean") is None else
+                     f", mean prompt length {probes['prompt_tokens_mean']:.0f} tokens "
+                     f"(max {probes['prompt_tokens_max']}, over {probes['prompt_tokens_n']} states)") + ".", ""]
     if "mu_histogram" in plots:
         lines += [f"![histogram of reference success rate per candidate]({plots['mu_histogram']})", ""]
     lines += ["## Training", ""]
