@@ -180,6 +180,15 @@ class PromptSection(Section):
             "auto = the one that reads back the calls the template writes."
         ),
     )
+    untrained_tool_tags: Literal["text", "error", "keep"] = Field(
+        "text",
+        description=(
+            "When the tool parser's tags (hermes: <tool_call>, </tool_call>) are single tokens whose output rows "
+            "were never trained (cosine > 0.999 with the padding rows, or near-zero norm): text = spell them as "
+            "ordinary text pieces (same ids for every other text; recorded in the manifests and keys), "
+            "error = refuse to run, keep = warn only."
+        ),
+    )
     chat_template: str | None = Field(
         None,
         description=(
