@@ -121,6 +121,11 @@ def build_report(
         plots["mu_histogram"] = MU_PLOT
     _write_png(out / BARS_PLOT, lambda fig: _plot_bars(fig, rows))
     plots["local_vs_full_task"] = BARS_PLOT
+    from pivotrl.evaluation.learning_curve import write_learning_curve  # held-out curve, rolling reward
+
+    learning, learning_lines, learning_plot = write_learning_curve(metrics_df, out, pivots=(pivot_stats or {}).get("kept"))
+    if learning_plot:
+        plots["learning_curve"] = learning_plot
 
     report = {
         "meta": dict(meta),
@@ -141,6 +146,7 @@ def build_report(
             **_prompt_lengths(probe_df),
         },
         "plots": plots,
+        "learning_curve": learning,
         "statistics": None if statistics is None else dict(statistics),
         "verdict": verdict(statistics),  # PivotRL against π_ref, per measure (the markdown's opening)
         "known_limits": list(KNOWN_LIMITS) + floor_note(rows),
@@ -148,7 +154,7 @@ def build_report(
     json_path = out / "report.json"
     md_path = out / "report.md"
     _write_text(json_path, json.dumps(_jsonable(report), indent=2, sort_keys=True, allow_nan=False) + "\n")
-    _write_text(md_path, _markdown(report, rows, plots, sections))
+    _write_text(md_path, _markdown(report, rows, plots, sections, learning_lines))
     return json_path, md_path
 
 
@@ -269,7 +275,7 @@ def _md_cell(x: Any) -> str:
 
 
 def _markdown(report: Mapping[str, Any], rows: list[dict[str, Any]], plots: Mapping[str, str],
-              sections: Sequence[str] = ()) -> str:
+              sections: Sequence[str] = (), learning_lines: Sequence[str] = ()) -> str:
     lines = ["# PivotRL evaluation report", "", *verdict_lines(report.get("statistics"), names=POLICY_ALIASES)]
     meta = report["meta"]
     if meta:
@@ -343,6 +349,8 @@ def _markdown(report: Mapping[str, Any], rows: list[dict[str, Any]], plots: Mapp
         )
         if "reward_curve" in plots:
             lines += ["", f"![mean reward per training step]({plots['reward_curve']})"]
+    if learning_lines:
+        lines += ["", *learning_lines]
     lines += ["", "## Known limits", ""]
     lines += [f"- {limit}" for limit in report["known_limits"]]
     lines.append("")

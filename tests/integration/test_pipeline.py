@@ -64,6 +64,8 @@ def test_smoke_pipeline_end_to_end(smoke_run):
     assert len(m) == train.summary["steps"] > 0
     assert (m["refresh_max_abs_delta"] <= 1e-4).all()
     assert (m["groups"] + m["dropped_groups"] == m["pivots"]).all()
+    # The learning curve (training.eval_every): held-out accuracy before the first step and after the last.
+    assert m["heldout_before_n"].iloc[0] > 0 and m["heldout_n"].iloc[-1] > 0 and (m["rollout_tokens"] > 0).all()
     # The report states local and full-task numbers for all three policies.
     report = ev.report
     md = store.read_text(f"{ev.eval_key}/report.md")
@@ -71,6 +73,7 @@ def test_smoke_pipeline_end_to_end(smoke_run):
         assert name in md
     assert "full-task success" in md and "local accuracy (held-out states)" in md
     # Intervals, paired tests, the judge and the audit are in the report.
+    assert [p["step"] for p in report["learning_curve"]["heldout"]] == [0, len(m)]
     assert "95% CI" in md and "exact McNemar" in md and "## Judge and metric name" in md and "## Data audit" in md
     assert report["meta"]["full_task_metric"] == "full-task success (BFCL's checker)"
     assert report["statistics"]["full_task"]["pairs"]
