@@ -30,7 +30,8 @@ STAGE_CODE: dict[str, tuple[str, ...]] = {
     "demonstrations": ("pivotrl.data", *_ENVS, "pivotrl.pipeline.demos"),
     # The warm start only: an edit to the train or evaluate stage never re-runs it.
     "reference": _CORE + ("pivotrl.models", "pivotrl.training.sft", "pivotrl.training.logprobs",
-                          "pivotrl.training.settings", "pivotrl.model_pins", "pivotrl.pipeline.reference"),
+                          "pivotrl.training.settings", "pivotrl.model_pins", "pivotrl.pipeline.reference",
+                          "pivotrl.tool_tags"),
     "probe": _CORE + _ENVS + ("pivotrl.verifiers", "pivotrl.rollout", "pivotrl.filtering",
                               "pivotrl.pipeline.probe"),
     # pivotrl.training holds the loop (training.loop), its checkpoints and the trainer.
@@ -41,7 +42,7 @@ STAGE_CODE: dict[str, tuple[str, ...]] = {
                                                                   "launch", "logprobs", "loop", "offline", "rank_engines",
                                                                   "pivotrl", "rl_stage", "settings",
                                                                   "trainer_state")),
-                              "pivotrl.pipeline.train"),
+                              "pivotrl.pipeline.train", "pivotrl.pipeline.curve", "pivotrl.evaluation.local"),
     # The drift re-probe and the held-out state selection run pivotrl.pipeline.probe's code.
     "evaluate": _CORE + _ENVS + ("pivotrl.verifiers", "pivotrl.rollout", "pivotrl.evaluation",
                                  "pivotrl.pipeline.probe", "pivotrl.pipeline.evaluate", "pivotrl.pipeline.eval_shards"),
