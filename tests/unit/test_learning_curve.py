@@ -63,6 +63,8 @@ def test_the_loop_measures_heldout_accuracy_before_every_n_steps_and_after_the_l
     assert "heldout_before_accuracy" in rows[0] and "heldout_accuracy" not in rows[0]
     assert [("heldout_accuracy" in r) for r in rows] == [False, True, True]
     assert all(r["rollout_tokens"] >= 4 for r in rows)  # K = 4 actions of >= 1 token each
+    # The engine's sampled log-probs against the trainer's π_old, per step (fp32: the same numbers).
+    assert all(0.0 <= r["sampler_mismatch_mean_abs"] < 1e-4 for r in rows), [r.get("sampler_mismatch_mean_abs") for r in rows]
     curve = learning_curve(pd.DataFrame(rows))
     assert [p["step"] for p in curve["heldout"]] == [0, 2, 3]
     assert curve["heldout"][2]["rollout_tokens"] == sum(r["rollout_tokens"] for r in rows)
