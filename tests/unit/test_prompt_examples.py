@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -89,3 +90,23 @@ def test_a_template_prompt_is_shorter_with_compact_tools():
     compact = state_token_length(state, tok, tool_style="compact", **kw)
     full = state_token_length(state, tok, tool_style="json", **kw)
     assert compact < full / 2, (compact, full)  # 635 vs 1607 tokens with this tiny tokenizer
+
+
+@pytest.mark.data
+def test_on_real_bfcl_states_the_example_is_never_an_action_of_the_state():
+    """Every state of 20 records of each of BFCL's simple_python, multiple and multi_turn_base."""
+    import os
+
+    from pivotrl.data.bfcl import load_bfcl
+    from pivotrl.data.states import extract_turn_states
+
+    cache = Path(os.environ.get("PIVOTRL_CACHE_DIR") or Path.home() / ".cache" / "pivotrl")
+    trajs = load_bfcl(["simple_python", "multiple", "multi_turn_base"], cache, limit_per_category=20)
+    n = 0
+    for traj in trajs:
+        for state in extract_turn_states(traj):
+            example = _EXAMPLE.search(render_prompt(state.messages, state.tools)).group(1)
+            names = {t.name for t in state.tools}
+            assert not names.intersection(c.name for c in parse_action(example, state.tools).tool_calls), state.state_id
+            n += 1
+    assert n > 60
