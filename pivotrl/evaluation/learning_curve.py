@@ -9,7 +9,8 @@
   percentile-bootstrap interval over the window's steps as units, each weighted by its number of
   sampled actions (:func:`pivotrl.evaluation.stats.bootstrap_mean_interval`; steps, not actions, are
   resampled, because the K actions of a group are not independent).
-* **Pivots that left the filter**: with ``training.refilter_between_epochs``, the pivots the last
+* **Pivots**: how many came out of the filter (the pivot set trained on, of the probed candidates)
+  and, with ``training.refilter_between_epochs``, how many left it during training: the pivots the last
   re-filter dropped (pivot count − ``refilter_active``); otherwise None (the report's pivot-drift
   table re-probes the pivots after training).
 
@@ -131,14 +132,21 @@ def _draw(fig: Any, curve: Mapping[str, Any]) -> None:
 
 
 def write_learning_curve(metrics_df: pd.DataFrame | None, out_dir: str | Path, *, pivots: int | None = None,
+                         candidates: int | None = None,
                          window: int = DEFAULT_WINDOW) -> tuple[dict[str, Any] | None, list[str], str | None]:
     """``(numbers, markdown lines, plot file name | None)``: :func:`learning_curve` and, when held-out
     accuracy was measured, ``learning_curve.png`` in ``out_dir`` (written atomically): accuracy
-    against steps and against generated tokens, and the reward with its rolling mean and interval."""
+    against steps and against generated tokens, and the reward with its rolling mean and interval.
+    ``pivots``/``candidates``: the pivot set's size and the candidates probed (the probe stage's
+    ``kept``/``candidates``), stated first."""
     curve = learning_curve(metrics_df, pivots=pivots, window=window)
     if curve is None:
         return None, [], None
     lines: list[str] = []
+    if pivots is not None:
+        curve["candidates"] = candidates
+        lines.append(f"Pivots that came out of the filter and were trained on: {pivots}"
+                     + (f" of {candidates} probed candidates." if candidates is not None else "."))
     held = curve["heldout"]
     if held:
         pts = ", ".join(f"step {p['step']}: {p['accepted']}/{p['n']} ({p['low']:.2f}–{p['high']:.2f})" for p in held)

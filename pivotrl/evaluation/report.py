@@ -123,7 +123,9 @@ def build_report(
     plots["local_vs_full_task"] = BARS_PLOT
     from pivotrl.evaluation.learning_curve import write_learning_curve  # held-out curve, rolling reward
 
-    learning, learning_lines, learning_plot = write_learning_curve(metrics_df, out, pivots=(pivot_stats or {}).get("kept"))
+    totals = (pivot_stats or {}).get("total") or pivot_stats or {}  # the probe stage's stats, or a flat mapping
+    learning, learning_lines, learning_plot = write_learning_curve(metrics_df, out, pivots=totals.get("kept"),
+                                                                   candidates=totals.get("candidates"))
     if learning_plot:
         plots["learning_curve"] = learning_plot
 

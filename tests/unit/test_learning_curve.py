@@ -90,7 +90,8 @@ def test_curve_numbers_intervals_rolling_reward_and_pivots_that_left(tmp_path: P
                                                               proportion=True)[1:]
     assert curve["reward"][0]["rolling_mean"] == 0.25
     assert (curve["pivots_active"], curve["pivots_left_filter"]) == (2, 3)
-    _, lines, plot = write_learning_curve(df, tmp_path, pivots=5, window=2)
+    _, lines, plot = write_learning_curve(df, tmp_path, pivots=5, candidates=40, window=2)
+    assert lines[0] == "Pivots that came out of the filter and were trained on: 5 of 40 probed candidates."
     assert plot == CURVE_PLOT and (tmp_path / CURVE_PLOT).read_bytes()[:4] == b"\x89PNG"
     assert any("step 2: 4/10" in line for line in lines)
     assert any("left the filter during training: 3 of 5" in line for line in lines)
@@ -99,13 +100,13 @@ def test_curve_numbers_intervals_rolling_reward_and_pivots_that_left(tmp_path: P
 def test_the_report_carries_the_curve(tmp_path: Path):
     df = pd.DataFrame({"step": [1, 2], "reward_mean": [0.2, 0.4], "heldout_before_n": [20, None],
                        "heldout_before_accepted": [3, None], "heldout_n": [None, 20], "heldout_accepted": [None, 6]})
-    json_path, md_path = build_report({}, metrics_df=df, probe_df=None, pivot_stats={"kept": 4}, meta={},
-                                      out_dir=tmp_path)
+    stats = {"total": {"candidates": 17, "kept": 4}, "lambda_diff": 0.5}  # as the probe stage writes them
+    json_path, md_path = build_report({}, metrics_df=df, probe_df=None, pivot_stats=stats, meta={}, out_dir=tmp_path)
     report = json.loads(json_path.read_text())
     assert [p["accepted"] for p in report["learning_curve"]["heldout"]] == [3, 6]
     assert report["plots"]["learning_curve"] == CURVE_PLOT
     md = md_path.read_text()
-    assert "step 0: 3/20" in md and f"]({CURVE_PLOT})" in md
+    assert "step 0: 3/20" in md and f"]({CURVE_PLOT})" in md and "trained on: 4 of 17 probed candidates" in md
     # No held-out columns (eval_every = 0): said, and no curve plot.
     json_path, md_path = build_report({}, metrics_df=df[["step", "reward_mean"]], probe_df=None, pivot_stats=None,
                                       meta={}, out_dir=tmp_path / "b")
