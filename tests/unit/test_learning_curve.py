@@ -13,7 +13,7 @@ import pytest
 
 from pivotrl.evaluation.learning_curve import CURVE_PLOT, learning_curve, write_learning_curve
 from pivotrl.evaluation.report import build_report
-from pivotrl.evaluation.stats import bootstrap_mean_interval, wilson_interval
+from pivotrl.evaluation.stats import wilson_interval
 from pivotrl.rollout import SamplingConfig, make_engine
 from pivotrl.testing import save_tiny_checkpoint
 from pivotrl.training.loop import LoopHooks, LoopSettings, pivot_schedule, run_rl_loop
@@ -72,7 +72,7 @@ def test_the_loop_measures_heldout_accuracy_before_every_n_steps_and_after_the_l
 
 def test_curve_numbers_intervals_rolling_reward_and_pivots_that_left(tmp_path: Path):
     df = pd.DataFrame({
-        "step": [1, 2, 3, 4], "reward_mean": [0.25, 0.5, 0.75, 0.5], "actions": [8, 8, 16, 8],
+        "step": [1, 2, 3, 4], "reward_mean": [0.25, 0.5, 0.75, 0.5], "actions": [8, 8, 16, 8], "groups": [2, 2, 4, 2],
         "rollout_tokens": [10, 20, 30, 40],
         "heldout_before_n": [10, None, None, None], "heldout_before_accepted": [2, None, None, None],
         "heldout_n": [None, 10, None, 10], "heldout_accepted": [None, 4, None, 7],
@@ -86,8 +86,10 @@ def test_curve_numbers_intervals_rolling_reward_and_pivots_that_left(tmp_path: P
     # Rolling mean at step 3 over steps 2–3, weighted by actions: (0.5·8 + 0.75·16) / 24.
     r3 = curve["reward"][2]
     assert r3["rolling_mean"] == pytest.approx((0.5 * 8 + 0.75 * 16) / 24)
-    assert (r3["low"], r3["high"]) == bootstrap_mean_interval([4.0, 12.0], [8.0, 16.0], n_boot=1000, seed=2,
-                                                              proportion=True)[1:]
+    # Its interval: Wilson at the window's 6 groups (the units), 2/3 of them → 4 of 6.
+    assert (r3["low"], r3["high"]) == wilson_interval(4, 6)
+    flat = learning_curve(pd.DataFrame({"step": [1, 2], "reward_mean": [0.5, 0.5], "groups": [4, 4]}))["reward"][1]
+    assert flat["low"] < 0.5 < flat["high"]  # equal steps: no zero-width interval
     assert curve["reward"][0]["rolling_mean"] == 0.25
     assert (curve["pivots_active"], curve["pivots_left_filter"]) == (2, 3)
     _, lines, plot = write_learning_curve(df, tmp_path, pivots=5, candidates=40, window=2)
