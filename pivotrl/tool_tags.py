@@ -180,7 +180,8 @@ def spell_tags_as_text(directory: str | os.PathLike[str], tags: Sequence[str], c
                 raise ModelError(f"checkpoint {src}: the tokenizer still encodes {tag!r} as {ids} after its "
                                  "added-token entry was removed; set prompt.untrained_tool_tags: keep, or "
                                  "prompt.tool_parser: pythonic")
-        if before(_PROBE_TEXT, add_special_tokens=False)["input_ids"] != after(_PROBE_TEXT, add_special_tokens=False)["input_ids"]:
+        probe_before = before(_PROBE_TEXT, add_special_tokens=False)["input_ids"]
+        if probe_before != after(_PROBE_TEXT, add_special_tokens=False)["input_ids"]:
             raise ModelError(f"checkpoint {src}: removing the tool-call tags changed the ids of other text")
         record = {"spelled_as_text": list(tags), "old_ids": old_ids, "reasons": dict(reasons or {}),
                   "source": str(src)}

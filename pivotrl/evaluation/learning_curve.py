@@ -71,7 +71,8 @@ def learning_curve(metrics_df: pd.DataFrame | None, *, pivots: int | None = None
         point(0, 0.0, df["heldout_before_accepted"].iloc[0], df["heldout_before_n"].iloc[0])
     if "heldout_n" in df.columns:
         for i, r in df.iterrows():
-            point(r["step"], None if tokens is None else float(tokens.iloc[i]), r.get("heldout_accepted"), r["heldout_n"])
+            tok = None if tokens is None else float(tokens.iloc[i])
+            point(r["step"], tok, r.get("heldout_accepted"), r["heldout_n"])
 
     reward: list[dict[str, Any]] = []
     if "reward_mean" in df.columns:
@@ -113,8 +114,8 @@ def _draw(fig: Any, curve: Mapping[str, Any]) -> None:
             if pts:
                 xs = [p[x_key] for p in pts]
                 ys = [p["accuracy"] for p in pts]
-                ax.errorbar(xs, ys, yerr=[[y - p["low"] for y, p in zip(ys, pts)], [p["high"] - y for y, p in zip(ys, pts)]],
-                            marker="o", markersize=3, capsize=3)
+                err = [[y - p["low"] for y, p in zip(ys, pts)], [p["high"] - y for y, p in zip(ys, pts)]]
+                ax.errorbar(xs, ys, yerr=err, marker="o", markersize=3, capsize=3)
             ax.set_ylim(0, 1)
             ax.set_xlabel(label)
             ax.set_ylabel("held-out accuracy (greedy)")

@@ -40,7 +40,8 @@ def sampler_mismatch(old_logprobs: Tensor, sampler_logprobs: Tensor, action_mask
     micro-batches and ranks add up; mean per token = abs_sum / tokens.
     """
     mask = _check(old_logprobs, sampler_logprobs, action_mask)
-    d = torch.where(mask, old_logprobs.detach().double() - sampler_logprobs.detach().double(), torch.zeros((), dtype=torch.float64))
+    d = old_logprobs.detach().double() - sampler_logprobs.detach().double()
+    d = torch.where(mask, d, torch.zeros((), dtype=torch.float64))
     return {"abs_sum": float(d.abs().sum()), "tokens": float(mask.sum()), "max_abs": float(d.abs().max()),
             "log_ratio_sum": float(d.sum()), "actions": float(mask.shape[0])}
 
@@ -61,6 +62,7 @@ def truncated_is_weights(old_logprobs: Tensor, sampler_logprobs: Tensor, action_
     if not cap > 0:
         raise ConfigError(f"training.tis_cap = {cap!r}: must be > 0")
     mask = _check(old_logprobs, sampler_logprobs, action_mask)
-    d = torch.where(mask, old_logprobs.detach().double() - sampler_logprobs.detach().double(), torch.zeros((), dtype=torch.float64))
+    d = old_logprobs.detach().double() - sampler_logprobs.detach().double()
+    d = torch.where(mask, d, torch.zeros((), dtype=torch.float64))
     log_w = d.sum(dim=-1).clamp(-log_ratio_clamp, log_ratio_clamp)
     return torch.exp(log_w).clamp(max=float(cap))

@@ -102,7 +102,7 @@ def test_untrained_tags_refused_with_the_fix_named(ckpts, tmp_path):
         fix_untrained_tags(ckpts["padding"], "hermes", "error", tmp_path)
 
 
-def test_spelling_a_tag_that_is_not_an_added_token_fails_loudly(ckpts, tmp_path):
+def test_spelling_a_tag_that_stays_one_token_fails_loudly(ckpts, tmp_path):
     with pytest.raises(ModelError, match="still encodes"):
         spell_tags_as_text(ckpts["trained"], ("<|im_end|>",), tmp_path)  # a special token stays one id
 
