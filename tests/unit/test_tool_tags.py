@@ -160,3 +160,17 @@ def test_the_base_model_of_a_run_gets_the_tags_as_text_and_its_keys_say_so(ckpts
     with pytest.raises(ModelError, match="untrained"):
         resolve_base_model(load_config(None, [*over, "prompt.untrained_tool_tags=error"]), tmp_path / "cache")
     assert resolve_base_model(load_config(None, [f"model.source={ckpts['trained']}"]), tmp_path / "cache") == ckpts["trained"]
+
+
+def test_the_reference_stage_records_the_spelled_tags(ckpts, tmp_path):
+    from pivotrl.config import load_config
+    from pivotrl.pipeline.reference import prompt_identity, stage_reference
+    from pivotrl.storage import ArtifactStore
+
+    cfg = load_config(None, [f"model.source={ckpts['padding']}", f"run.storage_root={tmp_path / 'root'}",
+                             f"run.cache_dir={tmp_path / 'cache'}", "warm_start.enabled=false", "model.dtype=fp32"])
+    ref = stage_reference(cfg, ArtifactStore(str(tmp_path / "root")), {"key": "demos/none", "trajectories": ""})
+    assert Path(ref.base_dir).name.startswith("tags-")
+    assert ref.prompt_format["tool_parser"] == "hermes"
+    assert ref.prompt_format["tool_tags"]["spelled_as_text"] == list(TAGS)
+    assert prompt_identity(cfg, ref)["tool_tags"] == list(TAGS)  # every later stage's key
