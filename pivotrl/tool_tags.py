@@ -167,7 +167,7 @@ def spell_tags_as_text(directory: str | os.PathLike[str], tags: Sequence[str], c
                 continue
             if p.name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
                 data = _without_tags(json.loads(p.read_text(encoding="utf-8")), set(tags))
-                (tmp / p.name).write_text(json.dumps(data, ensure_ascii=False, indent=2), encoding="utf-8")
+                (tmp / p.name).write_text(json.dumps(data, ensure_ascii=False), encoding="utf-8")
                 continue
             try:
                 os.link(p, tmp / p.name)
