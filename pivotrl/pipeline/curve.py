@@ -44,8 +44,8 @@ def curve_states(cfg: RunConfig, store: ArtifactStore, probe: ProbeResult) -> li
 def heldout_curve_hook(cfg: RunConfig, store: ArtifactStore, probe: ProbeResult, tokenizer: Any, engine: Any,
                        verifier: Any) -> Callable[[int], dict[str, float]] | None:
     """``evaluate(step) -> {heldout_n, heldout_accepted, heldout_accuracy, heldout_tokens}`` on the
-    engine (greedy, ``rollout.max_tokens``), or None when ``training.eval_every`` is 0 or there are
-    no held-out states (logged)."""
+    engine (greedy, ``rollout.max_tokens``; no accuracy when no state could be evaluated), or None
+    when ``training.eval_every`` is 0 or there are no held-out states (logged)."""
     from pivotrl.evaluation.local import evaluate_local
     from pivotrl.rollout.base import SamplingConfig
 
@@ -64,7 +64,10 @@ def heldout_curve_hook(cfg: RunConfig, store: ArtifactStore, probe: ProbeResult,
                                     **prompt_kwargs(cfg))
         n, k = int(summary.get("n_samples") or 0), int(summary.get("n_accepted") or 0)
         log.info("held-out accuracy after step %d: %d/%d", step, k, n)
-        return {"heldout_n": float(n), "heldout_accepted": float(k), "heldout_accuracy": k / n if n else float("nan"),
-                "heldout_tokens": float(summary.get("tokens_generated") or 0)}
+        out = {"heldout_n": float(n), "heldout_accepted": float(k),
+               "heldout_tokens": float(summary.get("tokens_generated") or 0)}
+        if n:  # no NaN for the trackers: a step where nothing could be evaluated has no accuracy
+            out["heldout_accuracy"] = k / n
+        return out
 
     return evaluate
