@@ -22,8 +22,8 @@ from typing import Any, Sequence
 
 from pivotrl.data.schema import Message, ToolSpec, Trajectory, TurnState
 from pivotrl.errors import DataError, StateTooLongError
-from pivotrl.tool_parsers import get_tool_parser
-from pivotrl.tool_render import render_tools, truncate_tool_output
+from pivotrl.tool_parsers import get_tool_parser, instruction_for
+from pivotrl.tool_render import render_tools, template_tools, truncate_tool_output
 
 __all__ = ["render_state_text", "sft_examples", "state_ids"]
 
@@ -63,13 +63,13 @@ def _convert(messages: Sequence[Message], tools: Sequence[ToolSpec], fmt: Any, *
                 out.append(d)
             else:
                 out.append({"role": m.role, "content": m.content})
-        return out, ([t.to_dict() for t in tools] if tools else None)
+        return out, template_tools(tools, tool_style)  # compact schemas unless tool_style is json
     parser = get_tool_parser(fmt.tool_parser)
     msgs = list(messages)
     own = msgs.pop(0).content.strip() if msgs and msgs[0].role == "system" else ""
     system = [own] if own else []
     if tools:
-        system += [render_tools(tools, tool_style), parser.instruction]
+        system += [render_tools(tools, tool_style), instruction_for(parser, tools)]
     out = [{"role": "system", "content": "\n\n".join(system)}] if system else []
     for m in msgs:
         if m.role == "assistant":

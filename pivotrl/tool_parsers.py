@@ -42,7 +42,7 @@ from pivotrl.data.schema import Message, ToolCall, ToolSpec
 from pivotrl.errors import ActionParseError, DataError
 from pivotrl.registry import Registry
 
-__all__ = ["TOOL_PARSERS", "ToolParser", "get_tool_parser"]
+__all__ = ["TOOL_PARSERS", "ToolParser", "get_tool_parser", "instruction_for"]
 
 
 class ToolParser(Protocol):
@@ -65,6 +65,13 @@ def get_tool_parser(name: str) -> ToolParser:
     Raises ConfigError listing the valid names for an unknown one.
     """
     return TOOL_PARSERS.get(name)()
+
+
+def instruction_for(parser: ToolParser, tools: Sequence[ToolSpec] | None = None) -> str:
+    """The format instruction of ``parser`` for a state offering ``tools`` (its ``instruction_for``
+    where it has one, else its ``instruction``); its example is never a valid action of that state."""
+    own = getattr(parser, "instruction_for", None)
+    return own(tools) if callable(own) else parser.instruction
 
 
 def _text_action(text: str) -> Message:
@@ -125,11 +132,28 @@ class PythonicParser:
     """``[f(x=1), g(y='a')]`` (see :mod:`pivotrl.actions`); vLLM's ``pythonic`` parser reads the same."""
 
     name = "pythonic"
+    # The example is built from placeholder names, never from real tools: small models copy an
+    # example that looks like an answer (a base Qwen2.5-Coder-0.5B wrote the former example
+    # ``[cd(folder='docs'), ls(a=True)]`` on 27 of 29 single-turn states). ``instruction_for(tools)``
+    # renames a placeholder that one of the state's own tools happens to be called.
+    example_names = ("tool_a", "tool_b")
     instruction = (
         "To call tools, reply with only a Python list of calls with keyword arguments, e.g. "
-        "[cd(folder='docs'), ls(a=True)]. The results come back as tool messages. "
+        "[tool_a(arg='value'), tool_b()] (with the names and arguments of the tools above). "
+        "The results come back as tool messages. "
         "To answer or to end your turn, reply with plain text that does not start with '['."
     )
+
+    def instruction_for(self, tools: Sequence[ToolSpec] | None = None) -> str:
+        """The instruction for a state offering ``tools``: its example never calls one of them
+        (a placeholder name that collides gets a numeric suffix, e.g. ``tool_a_2``)."""
+        taken = {t.name for t in tools or ()}
+        text = self.instruction
+        for name in self.example_names:
+            if name in taken:
+                fresh = next(f"{name}_{i}" for i in range(2, 2 + len(taken) + 1) if f"{name}_{i}" not in taken)
+                text = text.replace(f"[{name}(", f"[{fresh}(").replace(f" {name}(", f" {fresh}(")
+        return text
 
     def format(self, message: Message) -> str:
         return actions.format_action(message)

@@ -154,7 +154,12 @@ class ModelSection(Section):
 # -------------------------------------------------------------------------------------- prompt
 class PromptSection(Section):
     tool_style: Literal["compact", "json"] = Field(
-        "compact", description="How tool schemas are rendered into the system prompt (compact saves ~15% tokens)."
+        "compact",
+        description=(
+            "How tool schemas are rendered: into the system prompt (pythonic; compact = one signature line per tool, "
+            "saves ~15% tokens), or handed to a chat template that renders tools= (compact = each schema with its "
+            "description cut to the first sentence and no parameter descriptions; json = the full schemas)."
+        ),
     )
     max_tool_output_chars: Int = Field(
         2000, ge=1, description="Tool outputs in the history are cut to this many characters (marked as cut)."
@@ -173,6 +178,15 @@ class PromptSection(Section):
             "Tool-call parser of every sampled action (vLLM --tool-call-parser names): hermes = <tool_call>{json}"
             "</tool_call>, llama3_json = {\"name\": ..., \"parameters\": ...}, pythonic = [f(x=1)]; "
             "auto = the one that reads back the calls the template writes."
+        ),
+    )
+    untrained_tool_tags: Literal["text", "error", "keep"] = Field(
+        "text",
+        description=(
+            "When the tool parser's tags (hermes: <tool_call>, </tool_call>) are single tokens whose output rows "
+            "were never trained (cosine > 0.999 with the padding rows, or near-zero norm): text = spell them as "
+            "ordinary text pieces (same ids for every other text; recorded in the manifests and keys), "
+            "error = refuse to run, keep = warn only."
         ),
     )
     chat_template: str | None = Field(

@@ -85,6 +85,22 @@ class TrainingSection(Section):
             "and sampling) and train the epoch only on those still inside the filter (seed §5: pivots drift)."
         ),
     )
+    eval_every: Int = Field(
+        4, ge=0,
+        description=(
+            "Held-out accuracy (greedy, eval_states held-out states) measured with the rollout engine before the "
+            "first step and every N steps and after the last (the learning curve of the report); 0 = off."
+        ),
+    )
+    eval_states: Int = Field(20, ge=1, description="Held-out states of the learning curve (a fixed seeded choice).")
+    tis_cap: Float | None = Field(
+        None, gt=0,
+        description=(
+            "Truncated importance sampling against the sampler: weight each action's surrogate by "
+            "min(π_old/π_sampler, C) over its tokens (π_old from the trainer, π_sampler the engine's log-probs); "
+            "null = off (π_old is the trainer's, the default)."
+        ),
+    )
     refresh_tolerance: Float | None = Field(
         None,
         gt=0,

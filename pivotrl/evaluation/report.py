@@ -121,6 +121,13 @@ def build_report(
         plots["mu_histogram"] = MU_PLOT
     _write_png(out / BARS_PLOT, lambda fig: _plot_bars(fig, rows))
     plots["local_vs_full_task"] = BARS_PLOT
+    from pivotrl.evaluation.learning_curve import write_learning_curve  # held-out curve, rolling reward
+
+    totals = (pivot_stats or {}).get("total") or pivot_stats or {}  # the probe stage's stats, or a flat mapping
+    learning, learning_lines, learning_plot = write_learning_curve(metrics_df, out, pivots=totals.get("kept"),
+                                                                   candidates=totals.get("candidates"))
+    if learning_plot:
+        plots["learning_curve"] = learning_plot
 
     report = {
         "meta": dict(meta),
@@ -138,8 +145,10 @@ def build_report(
             "n_candidates": len(mus),
             "mu_mean": sum(mus) / len(mus) if mus else None,
             "mu_histogram": _histogram(mus, bins=10),
+            **_prompt_lengths(probe_df),
         },
         "plots": plots,
+        "learning_curve": learning,
         "statistics": None if statistics is None else dict(statistics),
         "verdict": verdict(statistics),  # PivotRL against π_ref, per measure (the markdown's opening)
         "known_limits": list(KNOWN_LIMITS) + floor_note(rows),
@@ -147,7 +156,7 @@ def build_report(
     json_path = out / "report.json"
     md_path = out / "report.md"
     _write_text(json_path, json.dumps(_jsonable(report), indent=2, sort_keys=True, allow_nan=False) + "\n")
-    _write_text(md_path, _markdown(report, rows, plots, sections))
+    _write_text(md_path, _markdown(report, rows, plots, sections, learning_lines))
     return json_path, md_path
 
 
@@ -236,6 +245,18 @@ def _mu_values(df: pd.DataFrame | None, column: str | None) -> list[float] | Non
     return [float(v) for v in df[column] if _num(v) is not None]
 
 
+def _prompt_lengths(df: pd.DataFrame | None) -> dict[str, Any]:
+    """Mean / max prompt length in tokens of the probed states (the probe table's ``prompt_tokens``;
+    -1 marks a state never rendered), or {} when the table has no such column."""
+    if df is None or "prompt_tokens" not in df.columns:
+        return {}
+    tokens = [int(x) for x in pd.to_numeric(df["prompt_tokens"], errors="coerce").dropna() if x >= 0]
+    if not tokens:
+        return {}
+    return {"prompt_tokens_mean": sum(tokens) / len(tokens), "prompt_tokens_max": max(tokens),
+            "prompt_tokens_n": len(tokens)}
+
+
 def _histogram(values: Sequence[float], bins: int) -> dict[str, list[float] | list[int]]:
     """Counts of ``values`` in ``bins`` equal bins over [0, 1] (1.0 falls in the last bin)."""
     counts = [0] * bins
@@ -256,7 +277,7 @@ def _md_cell(x: Any) -> str:
 
 
 def _markdown(report: Mapping[str, Any], rows: list[dict[str, Any]], plots: Mapping[str, str],
-              sections: Sequence[str] = ()) -> str:
+              sections: Sequence[str] = (), learning_lines: Sequence[str] = ()) -> str:
     lines = ["# PivotRL evaluation report", "", *verdict_lines(report.get("statistics"), names=POLICY_ALIASES)]
     meta = report["meta"]
     if meta:
@@ -311,7 +332,10 @@ def _markdown(report: Mapping[str, Any], rows: list[dict[str, Any]], plots: Mapp
     probes = report["probes"]
     if probes is not None:
         lines += [f"Probed candidates: {probes['n_candidates']}, mean μ̂ "
-                  + ("n/a" if probes["mu_mean"] is None else f"{probes['mu_mean']:.3f}") + ".", ""]
+                  + ("n/a" if probes["mu_mean"] is None else f"{probes['mu_mean']:.3f}")
+                  + ("" if probes.get("prompt_tokens_mean") is None else
+                     f", mean prompt length {probes['prompt_tokens_mean']:.0f} tokens "
+                     f"(max {probes['prompt_tokens_max']}, over {probes['prompt_tokens_n']} states)") + ".", ""]
     if "mu_histogram" in plots:
         lines += [f"![histogram of reference success rate per candidate]({plots['mu_histogram']})", ""]
     lines += ["## Training", ""]
@@ -327,6 +351,8 @@ def _markdown(report: Mapping[str, Any], rows: list[dict[str, Any]], plots: Mapp
         )
         if "reward_curve" in plots:
             lines += ["", f"![mean reward per training step]({plots['reward_curve']})"]
+    if learning_lines:
+        lines += ["", *learning_lines]
     lines += ["", "## Known limits", ""]
     lines += [f"- {limit}" for limit in report["known_limits"]]
     lines.append("")

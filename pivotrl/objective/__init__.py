@@ -5,6 +5,8 @@
 - :mod:`~pivotrl.objective.surrogate`: PPO's clipped surrogate and where the clip binds.
 - :mod:`~pivotrl.objective.kl`: KL estimators (default ``½ℓ²``: unbiased reverse-KL gradient).
 - :mod:`~pivotrl.objective.loss`: :func:`pivotrl_loss`, the single loss entry point.
+- :mod:`~pivotrl.objective.tis`: sampler–trainer mismatch and truncated importance sampling
+  against the sampler's log-probs (``training.tis_cap``, off by default).
 
 Every choice a config string makes is a :class:`~pivotrl.registry.Registry`:
 ``ADVANTAGE_ESTIMATORS``, ``RATIO_TYPES``, ``KL_ESTIMATORS``.
@@ -35,6 +37,7 @@ from pivotrl.objective.ratios import (
     sequence_log_ratio,
 )
 from pivotrl.objective.surrogate import DEFAULT_EPSILON, clipped_surrogate
+from pivotrl.objective.tis import sampler_mismatch, truncated_is_weights
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
@@ -54,5 +57,7 @@ __all__ = [
     "k3_value",
     "kl_terms",
     "pivotrl_loss",
+    "sampler_mismatch",
     "sequence_log_ratio",
+    "truncated_is_weights",
 ]

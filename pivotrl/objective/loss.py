@@ -68,6 +68,7 @@ def pivotrl_loss(
     ratio_type: str = DEFAULT_RATIO_TYPE,
     num_actions: int | None = None,
     log_ratio_clamp: float = DEFAULT_LOG_RATIO_CLAMP,
+    action_weights: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """PivotRL's turn-level loss ``−J`` for a batch of sampled actions (PivotRL §3, Stage 2).
 
@@ -92,6 +93,10 @@ def pivotrl_loss(
         num_actions: N, the global number of actions the loss is averaged over (all ranks
             together, for sharding invariance); default B.
         log_ratio_clamp: log-ratios are clamped to ± this before ``exp`` (default 20.0).
+        action_weights: (B,) optional non-negative weight of each action's surrogate (no grad), e.g.
+            the truncated importance weights against the sampler
+            (:func:`pivotrl.objective.tis.truncated_is_weights`, ``training.tis_cap``); None = 1.
+            The KL term is not weighted.
 
     Returns:
         ``(loss, metrics)``: a scalar tensor (float32 or wider) to minimise, and Python floats
@@ -142,6 +147,10 @@ def pivotrl_loss(
         stat_ratio = ratio.detach()
         stat_high, stat_low = clip_high, clip_low
 
+    if action_weights is not None:
+        if action_weights.shape != (b,):
+            raise ValueError(f"action_weights must have shape (B,) = ({b},), got {tuple(action_weights.shape)}")
+        surr_action = surr_action * action_weights.detach().to(compute_dtype)
     task_loss = -surr_action.sum() / n
     kl_term = kl_terms(lp, ref, mask, kl_estimator)  # (B,)
     beta_f = float(beta)

@@ -170,7 +170,9 @@ def prompt_kwargs(cfg: RunConfig) -> dict[str, Any]:
 
 def resolve_base_model(cfg: RunConfig, cache: Path) -> Path:
     """The base policy's checkpoint directory: ``model.source`` resolved (downloaded, converted),
-    carrying ``prompt.chat_template`` when one is configured (``pivotrl.chat_format.attach_chat_template``)."""
+    carrying ``prompt.chat_template`` when one is configured (``pivotrl.chat_format.attach_chat_template``),
+    with the tool parser's tags spelled as text when their output rows are untrained
+    (``prompt.untrained_tool_tags``, :func:`pivotrl.tool_tags.fix_untrained_tags`)."""
     from pivotrl.models import resolve_model
 
     base_dir = Path(resolve_model(cfg.model.source, cache))
@@ -180,6 +182,12 @@ def resolve_base_model(cfg: RunConfig, cache: Path) -> Path:
         from pivotrl.chat_format import attach_chat_template
 
         base_dir = attach_chat_template(base_dir, cfg.prompt.chat_template, cache)
+    if base_dir.is_dir() and cfg.prompt.tool_parser in ("auto", "hermes"):  # tags whose rows are untrained
+        from pivotrl.models import load_tokenizer
+        from pivotrl.tool_tags import fix_untrained_tags
+
+        parser = prompt_format(cfg, load_tokenizer(base_dir)).tool_parser
+        base_dir = fix_untrained_tags(base_dir, parser, cfg.prompt.untrained_tool_tags, cache)
     return base_dir
 
 

@@ -42,6 +42,10 @@ def stage_reference(cfg: RunConfig, store: ArtifactStore, demos: Mapping[str, An
     base_hash = checkpoint_hash(base_dir)
     tok = load_tokenizer(base_dir)
     fmt = prompt_format(cfg, tok).to_dict()  # checked once here: format, parser, template hash, stability
+    from pivotrl.tool_tags import tool_tags_record
+
+    if tool_tags_record(base_dir):  # tags spelled as text (untrained rows): in the manifests and the keys
+        fmt["tool_tags"] = tool_tags_record(base_dir)
     log.info("prompt format %s, tool parser %s, chat template %s (%s)", fmt["format"], fmt["tool_parser"],
              fmt["template_hash"], "prefix-stable" if fmt["prefix_stable"] else
              "not prefix-stable: per-turn examples")
@@ -115,7 +119,8 @@ def prompt_identity(cfg: RunConfig, ref: ReferenceResult | Mapping[str, Any]) ->
     """What a stage key needs of the prompt: the config section and the chat template's hash."""
     fmt = ReferenceResult.of(ref).prompt_format or {}
     return {**cfg.prompt.model_dump(mode="json"), "template_hash": fmt.get("template_hash"),
-            "resolved": [fmt.get("format"), fmt.get("tool_parser")]}
+            "resolved": [fmt.get("format"), fmt.get("tool_parser")],
+            **({"tool_tags": fmt["tool_tags"]["spelled_as_text"]} if fmt.get("tool_tags") else {})}
 
 
 def reference_dir(cfg: RunConfig, store: ArtifactStore, ref: ReferenceResult | Mapping[str, Any]) -> Path:

@@ -149,12 +149,16 @@ def stage_train(cfg: RunConfig, store: ArtifactStore, probe: ProbeResult | Mappi
         checkpoint_every=tr.checkpoint_every, dtype=cfg.model.dtype,
         refresh_tolerance=tr.refresh_tolerance if tr.refresh_tolerance is not None
         else (1e-4 if cfg.model.dtype == "fp32" else 0.3),
-        pivots_per_batch=tr.pivots_per_batch, updates_per_batch=tr.updates_per_batch,
+        pivots_per_batch=tr.pivots_per_batch, updates_per_batch=tr.updates_per_batch, eval_every=tr.eval_every,
         refilter=None if not tr.refilter_between_epochs else Refilter(
             num_probes=cfg.probing.num_probes, temperature=cfg.probing.temperature, top_p=cfg.probing.top_p,
             top_k=cfg.probing.top_k, seed=cfg.probing.seed, lambda_diff=cfg.probing.lambda_diff,
             steps_per_epoch=-(-len(pivots) // tr.pivots_per_batch)))
+    from pivotrl.pipeline.curve import heldout_curve_hook
+
+    curve = heldout_curve_hook(cfg, store, probe, tok, engine, verifier) if lead else None  # the learning curve
     hooks = LoopHooks(
+        evaluate=curve or (lambda step: {}),
         before_step=lambda step: _maybe_kill(cfg, store, tkey, step),
         record_step=lambda step, scored, groups: record_train_step(
             store, tkey, step, scored, trainer, groups, world, tr.advantage_estimator, tr.delta),

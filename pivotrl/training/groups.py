@@ -27,12 +27,16 @@ class Group:
     # model call of an episode carries the episode's group-normalised advantage (pivotrl.training.e2e);
     # such a group may hold any number ≥ 1 of actions.
     advantages: list[float] | None = None
+    # K × (T_i,) the rollout engine's log-probs of each action's tokens (temperature 1, the sampler's
+    # own numbers), or None: for the sampler–trainer mismatch metrics and ``training.tis_cap``.
+    sampler_logprobs: list[list[float]] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-able dict with the fields (the record format of a batches file)."""
         d = asdict(self)
-        if d["advantages"] is None:
-            del d["advantages"]
+        for optional in ("advantages", "sampler_logprobs"):
+            if d[optional] is None:
+                del d[optional]
         return d
 
     @classmethod
@@ -45,6 +49,8 @@ class Group:
                 actions=[[int(x) for x in a] for a in d["actions"]],
                 rewards=[float(x) for x in d["rewards"]],
                 advantages=None if d.get("advantages") is None else [float(x) for x in d["advantages"]],
+                sampler_logprobs=None if d.get("sampler_logprobs") is None
+                else [[float(x) for x in a] for a in d["sampler_logprobs"]],
             )
         except KeyError as err:
             raise DataError(f"group record {d.get('state_id', '?')!r} lacks key {err}") from None
@@ -89,5 +95,9 @@ def check_groups(groups: Sequence[Group], group_size: int) -> None:
         for i, a in enumerate(g.actions):
             if len(a) == 0:
                 raise DataError(f"group {g.state_id!r}: action {i} has no tokens")
+            if g.sampler_logprobs is not None and (len(g.sampler_logprobs) != len(g.actions)
+                                                   or len(g.sampler_logprobs[i]) != len(a)):
+                raise DataError(f"group {g.state_id!r}: action {i} has {len(a)} tokens but its sampler log-probs "
+                                "do not match (one per token of every action)")
         if not all(math.isfinite(r) for r in g.rewards):
             raise DataError(f"group {g.state_id!r}: rewards must be finite, got {g.rewards}")

@@ -87,6 +87,7 @@ class LoopSettings:
     pivots_per_batch: int
     updates_per_batch: int
     refilter: "Refilter | None" = None
+    eval_every: int = 0  # held-out accuracy every N steps (LoopHooks.evaluate); 0 = never
 
 
 @dataclass(frozen=True)
@@ -164,12 +165,17 @@ class LoopHooks:
         log_row: ``(row)`` on rank 0 with each step's metrics row (the experiment tracker).
         save_checkpoint: ``(key_step, rows)`` on every rank when a checkpoint is due (1-based step,
             the metrics rows so far).
+        evaluate: ``(step) -> {column: value}`` on rank 0 with the engine serving the policy after
+            ``step`` steps (0: before the first), when ``LoopSettings.eval_every`` asks (every N
+            steps and after the last); its columns join that step's row (step 0's, prefixed
+            ``heldout_before_`` in place of ``heldout_``, join the first row).
     """
 
     before_step: Callable[[int], Any] = _noop
     record_step: Callable[[int, list, list], Any] = _noop
     log_row: Callable[[dict], Any] = _noop
     save_checkpoint: Callable[[int, list[dict]], Any] = _noop
+    evaluate: Callable[[int], dict] = lambda step: {}
 
 
 def run_rl_loop(trainer: Any, engine: Any, verifier: Any, pivots: Sequence[Any], prompts: Sequence[list[int]],
@@ -198,7 +204,9 @@ def run_rl_loop(trainer: Any, engine: Any, verifier: Any, pivots: Sequence[Any],
     Each row: step (1-based), pivots, groups, dropped_groups, verifier_retries, the trainer's
     metrics (reward_mean, kl, ...), rollout_s, step_time_s, refresh_max_abs_delta and
     refresh_mean_abs_delta (engine vs trainer log-probs of a fixed action, nats per token; the
-    largest over the engines of a pool, whose per-engine columns the module docstring lists).
+    largest over the engines of a pool, whose per-engine columns the module docstring lists),
+    rollout_tokens (tokens generated for the step's trained groups), and the columns of
+    ``hooks.evaluate`` at the steps ``settings.eval_every`` names (see :class:`LoopHooks`).
 
     Raises:
         TrainingError: the engine does not serve the trainer's weights after a refresh
@@ -223,6 +231,9 @@ def run_rl_loop(trainer: Any, engine: Any, verifier: Any, pivots: Sequence[Any],
     # re-filter decision from its rows).
     active = next((json.loads(r["refilter_active"]) for r in reversed(rows)
                    if isinstance(r.get("refilter_active"), str)), list(range(len(pivots))))
+    before: dict[str, Any] = {}  # held-out accuracy of the starting policy (the learning curve's step 0)
+    if lead and settings.eval_every and start == 0:
+        before = {k.replace("heldout_", "heldout_before_", 1): v for k, v in hooks.evaluate(0).items()}
     try:
         for step in range(start, len(schedule)):
             t0 = time.time()
@@ -265,7 +276,12 @@ def run_rl_loop(trainer: Any, engine: Any, verifier: Any, pivots: Sequence[Any],
                    "verifier_retries": retries,
                    **{k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))},
                    "rollout_s": round(t_roll, 3), "step_time_s": round(time.time() - t0, 3),
-                   "refresh_max_abs_delta": d_max, "refresh_mean_abs_delta": d_mean, **engines_row, **refiltered}
+                   "refresh_max_abs_delta": d_max, "refresh_mean_abs_delta": d_mean, **engines_row, **refiltered,
+                   "rollout_tokens": sum(len(a) for g in groups for a in g.actions)}  # generated, trained groups
+            if step == 0:
+                row.update(before)
+            if lead and settings.eval_every and ((step + 1) % settings.eval_every == 0 or step + 1 == len(schedule)):
+                row.update(hooks.evaluate(step + 1))  # the engine serves the policy after this step
             rows.append(row)
             if lead:
                 hooks.log_row(row)

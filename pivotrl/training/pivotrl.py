@@ -45,8 +45,8 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 import torch
 
 from pivotrl.config import TrainingSection
-from pivotrl.errors import TrainingError
-from pivotrl.objective import compute_advantages, pivotrl_loss
+from pivotrl.errors import DataError, TrainingError
+from pivotrl.objective import compute_advantages, pivotrl_loss, sampler_mismatch, truncated_is_weights
 from pivotrl.training.deepspeed_utils import (
     build_engine,
     data_parallel_loss_scale,
@@ -187,7 +187,11 @@ class PivotRLTrainer:
             ``ratio_max``, ``clip_frac_high``, ``clip_frac_low``, ``clip_frac``,
             ``log_ratio_clamped`` (count); ``loss_last`` (last update); ``grad_norm`` (mean over
             updates, before clipping), ``grad_norm_max``; work: ``action_tokens``, ``tokens``
-            (policy forward+backward tokens), ``ref_tokens``, ``step_time_s``, ``tokens_per_s``.
+            (policy forward+backward tokens), ``ref_tokens``, ``step_time_s``, ``tokens_per_s``;
+            when the groups carry the rollout engine's log-probs: ``sampler_mismatch_mean_abs``
+            (mean |log π_old − log π_sampler| per action token, nats; π_old is the trainer's) and
+            ``sampler_log_ratio_mean`` (mean whole-action Σ_t of that difference); with
+            ``training.tis_cap``: ``tis_weight_mean`` (:mod:`pivotrl.objective.tis`).
             All values are global (reduced over ranks).
 
         Raises:
@@ -223,6 +227,7 @@ class PivotRLTrainer:
                 sums.add("ref_tokens", sum(p.tokens_processed for p in parts))
 
         old_lp: list[torch.Tensor | None] = [None] * n_micro
+        tis_w: list[torch.Tensor | None] = [None] * n_micro  # truncated IS weights (training.tis_cap), per micro-batch
         grad_norms: list[float] = []
         for update in range(s.updates_per_batch if micro else 0):
             first = update == 0
@@ -241,6 +246,7 @@ class PivotRLTrainer:
                 mask = pad_cat([p.action_mask for p in parts])  # (B, T)
                 if first:
                     old_lp[j] = logprobs.detach().clone()  # π_old = the weights before this batch's first update
+                    tis_w[j] = self._sampler_terms(groups, mb, old_lp[j], mask, sums)
                 ref, old = ref_lp[j], old_lp[j]
                 if ref is None or old is None:
                     raise TrainingError(f"micro-batch {j} lost its π_ref/π_old log-probs (internal error)")
@@ -259,6 +265,7 @@ class PivotRLTrainer:
                     ratio_type=s.ratio_type,
                     num_actions=num_actions,
                     log_ratio_clamp=LOG_RATIO_CLAMP,
+                    action_weights=tis_w[j],
                 )
                 self.engine.backward(loss * loss_scale, scale_wrt_gas=False)
                 if self.on_groups is not None:
@@ -326,7 +333,41 @@ class PivotRLTrainer:
             "step_time_s": elapsed,
             "tokens_per_s": (tot["tokens"] + tot["ref_tokens"]) / elapsed if elapsed > 0 else 0.0,
         }
+        if tot["mismatch_tokens"]:  # sampler (engine) vs trainer π_old on the sampled tokens
+            metrics["sampler_mismatch_mean_abs"] = tot["mismatch_abs"] / tot["mismatch_tokens"]
+            metrics["sampler_log_ratio_mean"] = tot["mismatch_log_ratio"] / max(tot["mismatch_actions"], 1.0)
+        if tot["tis_actions"]:
+            metrics["tis_weight_mean"] = tot["tis_weight_sum"] / tot["tis_actions"]
         return metrics
+
+    def _sampler_terms(self, groups: Sequence[Group], mb: Sequence[int], old: torch.Tensor, mask: torch.Tensor,
+                       sums: MetricSums) -> torch.Tensor | None:
+        """Mismatch sums of one micro-batch between the engine's sampled log-probs and the trainer's
+        π_old (when every group of it carries them), and its TIS weights (B,) when ``tis_cap`` is set.
+        Raises DataError when ``tis_cap`` is set and a group lacks the sampler's log-probs."""
+        cap = getattr(self.settings, "tis_cap", None)
+        missing = [groups[i].state_id for i in mb if groups[i].sampler_logprobs is None]
+        if missing:
+            if cap is not None:
+                raise DataError(f"training.tis_cap is set but group {missing[0]!r} has no sampler log-probs "
+                                "(the rollout engine's per-token log-probs of its actions)")
+            return None
+        rows = [torch.tensor(lp, dtype=torch.float64) for i in mb for lp in groups[i].sampler_logprobs]
+        sampler = torch.zeros(old.shape, dtype=torch.float64)
+        for r, lp in enumerate(rows):
+            sampler[r, : min(len(lp), old.shape[1])] = lp[: old.shape[1]]
+        sampler = sampler.to(old.device)
+        m = sampler_mismatch(old, sampler, mask)
+        sums.add("mismatch_abs", m["abs_sum"])
+        sums.add("mismatch_tokens", m["tokens"])
+        sums.add("mismatch_log_ratio", m["log_ratio_sum"])
+        sums.add("mismatch_actions", m["actions"])
+        if cap is None:
+            return None
+        w = truncated_is_weights(old, sampler, mask, cap, log_ratio_clamp=LOG_RATIO_CLAMP)
+        sums.add("tis_weight_sum", float(w.sum()))
+        sums.add("tis_actions", float(w.numel()))
+        return w
 
     # ------------------------------------------------------------------ inspection / export
     def old_policy_logprobs(self, prompt_ids: Sequence[int], action_ids: Sequence[int]) -> list[float]:

@@ -119,10 +119,17 @@ def rollout_batch(engine: Any, verifier: Any, pivots: Sequence[Any], prompts: Se
             log.warning("dropping pivot %s at step %d: %s", g.state.state_id, step, g.error)
             continue
         batch.groups.append(Group(state_id=g.state.state_id, prompt_ids=g.prompt_ids,
-                                  actions=[list(x.token_ids) for x in g.samples], rewards=g.rewards))
+                                  actions=[list(x.token_ids) for x in g.samples], rewards=g.rewards,
+                                  sampler_logprobs=_sampler_logprobs(g.samples)))
         batch.scored.append((g.state.state_id, g.samples, g.results))
     batch.retries = verifier_retries(verifier) - retries0
     return batch
+
+
+def _sampler_logprobs(samples: Sequence[Any]) -> list[list[float]] | None:
+    """The engine's per-token log-probs of each sample (None unless one per token of every sample)."""
+    out = [list(x.rollout_logprobs) for x in samples]
+    return out if all(len(lp) == len(x.token_ids) for lp, x in zip(out, samples)) else None
 
 
 def rollout_step(engine: Any, verifier: Any, pivots: Sequence[Any], prompts: Sequence[list[int]], idx: list[int],

@@ -80,6 +80,8 @@ class MetricSums:
         "action_tokens",
         "tokens",
         "ref_tokens",
+        # sampler–trainer mismatch (pivotrl.objective.tis) and truncated importance weights
+        "mismatch_abs", "mismatch_tokens", "mismatch_log_ratio", "mismatch_actions", "tis_weight_sum", "tis_actions",
     )
 
     def __init__(self) -> None:

@@ -7,7 +7,9 @@ from pathlib import Path
 import pytest
 
 from pivotrl.errors import ModelError
-from pivotrl.models import DEFAULT_MODEL_SOURCE, check_model_source, checkpoint_hash, load_tokenizer, resolve_model
+from pivotrl.models import (
+    DEFAULT_MODEL_SOURCE, check_model_source, checkpoint_hash, converted_name, load_tokenizer, resolve_model,
+)
 from pivotrl.testing import save_tiny_checkpoint
 
 
@@ -162,7 +164,8 @@ def test_default_model_from_pinned_wheel(tmp_path, monkeypatch) -> None:
     path = resolve_model(DEFAULT_MODEL_SOURCE, cache)
     assert len(parsed) == 1, parsed  # transformers asks three times: config, weights, tokenizer
     assert gguf.GGUFReader is counting  # restored after the conversion
-    assert path.name == "pypi-bcc81830d10ce7d9"
+    assert path.name == converted_name("pypi", "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70")
+    assert path.name.startswith("pypi-bcc81830d10ce7d9-")  # + the converter versions' tag
     cfg = AutoConfig.from_pretrained(path)
     assert (cfg.num_hidden_layers, cfg.hidden_size, cfg.vocab_size) == (30, 576, 49152)
     assert (cfg.num_attention_heads, cfg.num_key_value_heads) == (9, 3)

@@ -64,6 +64,8 @@ def test_smoke_pipeline_end_to_end(smoke_run):
     assert len(m) == train.summary["steps"] > 0
     assert (m["refresh_max_abs_delta"] <= 1e-4).all()
     assert (m["groups"] + m["dropped_groups"] == m["pivots"]).all()
+    # The learning curve (training.eval_every): held-out accuracy before the first step and after the last.
+    assert m["heldout_before_n"].iloc[0] > 0 and m["heldout_n"].iloc[-1] > 0 and (m["rollout_tokens"] > 0).all()
     # The report states local and full-task numbers for all three policies.
     report = ev.report
     md = store.read_text(f"{ev.eval_key}/report.md")
@@ -71,6 +73,7 @@ def test_smoke_pipeline_end_to_end(smoke_run):
         assert name in md
     assert "full-task success" in md and "local accuracy (held-out states)" in md
     # Intervals, paired tests, the judge and the audit are in the report.
+    assert [p["step"] for p in report["learning_curve"]["heldout"]] == [0, len(m)]
     assert "95% CI" in md and "exact McNemar" in md and "## Judge and metric name" in md and "## Data audit" in md
     assert report["meta"]["full_task_metric"] == "full-task success (BFCL's checker)"
     assert report["statistics"]["full_task"]["pairs"]
@@ -218,7 +221,11 @@ def test_training_stage_two_ranks_matches_one_rank(smoke_run, tmp_path, placemen
     assert list(m2["reward_mean"]) == list(m1["reward_mean"])  # identical rollouts (seeds by batch position)
     if placement == "ranks":  # 2 pivots per batch: one on each rank's engine, both engines checked
         assert list(m2["engines"]) == [2, 2] and list(m2["refresh_verified_engines"]) == [2, 2]
-        assert list(m2["rollout_states_e0"]) == [1, 1] and list(m2["rollout_states_e1"]) == [1, 1]
+        # Each engine samples its block of the batch (one pivot each; a last batch of one pivot, when
+        # the pivot set is odd, leaves one engine idle).
+        e0, e1 = list(m2["rollout_states_e0"]), list(m2["rollout_states_e1"])
+        assert (e0[0], e1[0]) == (1, 1) and [a + b for a, b in zip(e0, e1)] == list(m2["pivots"])
+        assert max(e0 + e1) == 1
         assert (m2["refresh_max_abs_delta_e1"] <= 1e-4).all()
     else:
         assert "engines" not in m2

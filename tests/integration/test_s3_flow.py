@@ -215,7 +215,7 @@ def test_prefect_flow_on_s3_matches_the_local_run(s3, local_run, tiny_model, tmp
                          overrides=[f"run.storage_root={root}", f"model.source={tiny_model}"])
     store = ArtifactStore(root)
     assert result["report_json"].startswith(store.root_url + "/eval/")
-    assert store.read_json(result["report_json"].removeprefix(store.root_url + "/"))["meta"]["pivots"] == 4
+    assert store.read_json(result["report_json"].removeprefix(store.root_url + "/"))["meta"]["pivots"] == 3  # the smoke pivot set
     assert _payload_digests(store) == _payload_digests(local_store)
     assert _manifest_hashes(store) == _manifest_hashes(local_store)
     results = [k for k in store.list(".prefect-results") if not k.startswith(".prefect-results/outputs/")]

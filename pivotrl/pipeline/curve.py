@@ -1,0 +1,73 @@
+"""The train stage's held-out learning curve (``training.eval_every``): greedy accuracy on a fixed
+seeded choice of ``training.eval_states`` held-out states, measured by the training rollout engine
+(which serves the current policy after every refresh) before the first step, every N steps and after
+the last (:class:`pivotrl.training.loop.LoopHooks` ``evaluate``). The states come from the held-out
+split of the demonstrations the pivot set was probed from (named in the pivot set's manifest), never
+from the pivot set; the verifier is the training verifier. Plotted by
+:mod:`pivotrl.evaluation.learning_curve`.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable
+
+from pivotrl.config import RunConfig
+from pivotrl.pipeline.common import prompt_kwargs
+from pivotrl.pipeline.results import ProbeResult
+from pivotrl.storage import ArtifactStore
+
+log = logging.getLogger("pivotrl.pipeline")
+
+__all__ = ["curve_states", "heldout_curve_hook"]
+
+
+def curve_states(cfg: RunConfig, store: ArtifactStore, probe: ProbeResult) -> list[Any]:
+    """The held-out turn states of the curve: ``training.eval_states`` call/text-rule states of the
+    held-out split (seeded by ``run.seed``), from the demonstrations named in the pivot set's
+    manifest (``inputs.candidates``). [] when that manifest names none."""
+    from pivotrl.data.states import frame_to_states
+    from pivotrl.pipeline.demos import read_histories
+    from pivotrl.pipeline.probe import select_candidates
+
+    uri = (store.read_manifest(f"{probe.pivots_key}/pivots.parquet").inputs.get("candidates") or {}).get("uri")
+    root = store.url("x")[:-1]
+    if not uri or not uri.startswith(root):
+        return []
+    key = uri[len(root):]
+    cand = store.read_parquet(key)
+    demos_key = key.rsplit("/", 1)[0]
+    chosen = select_candidates(cand, "heldout", cfg.training.eval_states, cfg.run.seed, kinds=("call", "text_rule"))
+    return frame_to_states(chosen, read_histories(store, demos_key, chosen["trajectory_id"]))
+
+
+def heldout_curve_hook(cfg: RunConfig, store: ArtifactStore, probe: ProbeResult, tokenizer: Any, engine: Any,
+                       verifier: Any) -> Callable[[int], dict[str, float]] | None:
+    """``evaluate(step) -> {heldout_n, heldout_accepted, heldout_accuracy, heldout_tokens}`` on the
+    engine (greedy, ``rollout.max_tokens``; no accuracy when no state could be evaluated), or None
+    when ``training.eval_every`` is 0 or there are no held-out states (logged)."""
+    from pivotrl.evaluation.local import evaluate_local
+    from pivotrl.rollout.base import SamplingConfig
+
+    if not cfg.training.eval_every or engine is None:
+        return None
+    states = curve_states(cfg, store, probe)
+    if not states:
+        log.warning("training.eval_every = %d, but the demonstrations have no held-out state: no learning curve",
+                    cfg.training.eval_every)
+        return None
+    sampling = SamplingConfig(n=1, temperature=0.0, max_tokens=cfg.rollout.max_tokens, seed=cfg.run.seed)
+
+    def evaluate(step: int) -> dict[str, float]:
+        _, summary = evaluate_local(engine, tokenizer, states, verifier, sampling=sampling,
+                                    max_context=cfg.model.max_context, label=f"held-out curve after step {step}",
+                                    **prompt_kwargs(cfg))
+        n, k = int(summary.get("n_samples") or 0), int(summary.get("n_accepted") or 0)
+        log.info("held-out accuracy after step %d: %d/%d", step, k, n)
+        out = {"heldout_n": float(n), "heldout_accepted": float(k),
+               "heldout_tokens": float(summary.get("tokens_generated") or 0)}
+        if n:  # no NaN for the trackers: a step where nothing could be evaluated has no accuracy
+            out["heldout_accuracy"] = k / n
+        return out
+
+    return evaluate
