@@ -132,8 +132,9 @@ DIGEST_CASES = {
     "training/e2e.py": set(),
     # sample → score decides probing, training and local evaluation alike
     "rollout/scoring.py": {"probe", "train", "evaluate"},
-    # the drift re-probe and the held-out state selection of the evaluation run probe.py's code
-    "pipeline/probe.py": {"probe", "evaluate"},
+    # the drift re-probe and the held-out state selection of the evaluation (and of the training's
+    # learning curve) run probe.py's code
+    "pipeline/probe.py": {"probe", "train", "evaluate"},
     # the tool-call parsers: how every sampled action and every demonstration is read
     "tool_parsers.py": {"reference", "probe", "train", "evaluate"},
     # the template renderer: what every model sees
