@@ -155,9 +155,13 @@ def signed(x: float) -> str:
 
 
 def _pair_line(label: str, d: dict[str, Any]) -> str:
-    extra = difference_ci(d) + (f"; only A {d['only_a']}, only B {d['only_b']}" if "only_a" in d else "")
-    return (f"| {label} | {d['n']} | {signed(d['difference'])} | {extra} | {d['test']} | {d['p_value']:.3g} | "
+    """One comparison in four columns (a wider table is cut off in the Prefect UI)."""
+    extra = f"n = {d['n']}" + (f"; only A {d['only_a']}, only B {d['only_b']}" if "only_a" in d else "")
+    return (f"| {label} | {signed(d['difference'])}, {difference_ci(d)} ({extra}) | {d['test']}, p = {d['p_value']:.3g} | "
             f"{d['verdict']} |")
+
+
+_PAIR_HEADER = ["| A vs B{} | A − B, 95% CI (n; discordant pairs) | test, p | verdict |", "|---|---|---|---|"]
 
 
 def comparison_markdown(stats: dict[str, Any]) -> list[str]:
@@ -170,7 +174,7 @@ def comparison_markdown(stats: dict[str, Any]) -> list[str]:
         lines += [f"### Full task (seeds: {full['seeds']})", "", "| policy | task success | turns passed / turns |", "|---|---|---|"]
         for p, r in full["per_policy"].items():
             lines.append(f"| {p} | {_ci(r['task_success'])} | {_ci(r['turn_pass'])} |")
-        lines += ["", "| A vs B (measure) | n | A − B | interval; discordant | test | p | verdict |", "|---|---|---|---|---|---|---|"]
+        lines += ["", _PAIR_HEADER[0].format(" (measure)"), _PAIR_HEADER[1]]
         for pair in full["pairs"]:
             lines.append(_pair_line(f"{pair['a']} vs {pair['b']} (task success)", pair["task_success"]))
             lines.append(_pair_line(f"{pair['a']} vs {pair['b']} (turn fraction)", pair["turn_fraction"]))
@@ -183,7 +187,7 @@ def comparison_markdown(stats: dict[str, Any]) -> list[str]:
             continue
         lines += [f"### Local accuracy: {kind}", "", "| policy | accuracy |", "|---|---|"]
         lines += [f"| {p} | {_ci(r)} |" for p, r in block["per_policy"].items()]
-        lines += ["", "| A vs B | n | A − B | interval; discordant | test | p | verdict |", "|---|---|---|---|---|---|---|"]
+        lines += ["", _PAIR_HEADER[0].format(""), _PAIR_HEADER[1]]
         lines += [_pair_line(f"{pair['a']} vs {pair['b']}", pair) for pair in block["pairs"]]
         lines.append("")
     return lines

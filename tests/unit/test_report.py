@@ -37,12 +37,17 @@ RESULTS = {
 }
 
 
-def _table_rows(md: str) -> dict[str, list[str]]:
-    rows = {}
+def _table_rows(md: str, table: int = 0) -> dict[str, list[str]]:
+    """The policy rows of the ``table``-th results table (0: local accuracy, full-task success, turns
+    passed; 1: format error rate, [local accuracy on the training pivots,] states skipped)."""
+    tables: list[dict[str, list[str]]] = []
     for line in md.splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if line.startswith("| ") and cells[0] in POLICIES and cells[0] not in rows:
-            rows[cells[0]] = [c.split(", 95% CI")[0] for c in cells[1:]]
+        if line.startswith("| ") and cells[0] in POLICIES:
+            if not tables or cells[0] in tables[-1]:
+                tables.append({})
+            tables[-1][cells[0]] = [c.split(", 95% CI")[0] for c in cells[1:]]
+    rows = tables[table]
     return rows
 
 
@@ -108,7 +113,8 @@ def test_report_alias_and_pivot_set_column(tmp_path):
     rows = _table_rows(md)
     assert list(rows) == list(POLICIES)  # "reference" is the SFT warm-start row, no extra row
     assert rows["reference (SFT warm start)"][:2] == ["0.300 (12/40)", "0.100 (2/20)"]
-    assert rows["pivotrl"][4] == "0.625 (5/8)" and rows["base"][4] == "not evaluated"
+    second = _table_rows(md, 1)
+    assert second["pivotrl"][1] == "0.625 (5/8)" and second["base"][1] == "not evaluated"
 
 
 def test_report_rejects_bad_input(tmp_path):
