@@ -127,6 +127,9 @@ def plot_mu(fig: Any, mus: Sequence[float], lambda_diff: Any) -> None:
         ax.legend(fontsize=8)
     ax.set_xlabel("μ̂: share of the reference's probes the verifier accepted")
     ax.set_ylabel("candidate states")
+    from matplotlib.ticker import MaxNLocator
+
+    ax.yaxis.set_major_locator(MaxNLocator(integer=True))  # counts: no 0.25-state ticks
     ax.set_title(f"Reference success rate μ̂ per probed candidate state (n = {len(mus)})", fontsize=10)
 
 

@@ -25,7 +25,7 @@ from pivotrl.evaluation.comparison import (
 )
 from pivotrl.storage.files import atomic_file
 
-__all__ = ["KNOWN_LIMITS", "POLICIES", "POLICY_ALIASES", "build_report"]
+__all__ = ["KNOWN_LIMITS", "POLICIES", "POLICY_ALIASES", "build_report", "pivot_stats_markdown", "published_markdown"]
 
 # The three policies every report compares, in table order.
 POLICIES: tuple[str, ...] = ("base", "reference (SFT warm start)", "pivotrl")
@@ -262,28 +262,40 @@ def _md_cell(x: Any) -> str:
 
 
 def _results_tables(rows: list[dict[str, Any]], statistics: Mapping[str, Any] | None) -> list[str]:
-    """The per-policy results as two tables of at most four columns (a wider one is cut off in the
-    Prefect UI): local accuracy beside full-task success and turns passed, then the rest."""
-    lines = ["| policy | local accuracy (held-out states) | full-task success | turns passed |", "|---|---|---|---|"]
-    for r in rows:
-        turns = _fmt_rate(r["turn_pass_rate"], r["turns_passed"], r["turns_total"],
-                          turn_interval(dict(statistics or {}), stats_name(r["policy"], POLICY_ALIASES)),
-                          over=f"{r['tasks']} task{'s' if r['tasks'] != 1 else ''}")  # bootstrap over tasks
-        lines.append(f"| {_md_cell(r['policy'])} | "
-                     f"{_fmt_rate(r['local_pivot_accuracy'], r['local_accepted'], r['local_samples'])} | "
-                     f"{_fmt_rate(r['full_task_success'], r['tasks_succeeded'], r['tasks'])} | {turns} |")
-    with_pivots = any(r["local_pivot_set_accuracy"] is not None for r in rows)
-    header = ["policy", "format error rate"] + (["local accuracy on the training pivots"] if with_pivots else [])
-    header.append("held-out states skipped (too long)")
-    lines += ["", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    for r in rows:
-        cells = [_md_cell(r["policy"]),
-                 "n/a" if r["format_error_rate"] is None else _fmt_rate(r["format_error_rate"], r["format_errors"], r["model_calls"])]
-        if with_pivots:
-            cells.append(_fmt_rate(r["local_pivot_set_accuracy"], r["local_pivot_set_accepted"], r["local_pivot_set_samples"]))
-        cells.append("n/a" if r.get("local_too_long") is None else str(r["local_too_long"]))
-        lines.append("| " + " | ".join(cells) + " |")
-    return lines + [""]
+    """The per-policy results as narrow tables of three columns (the Prefect UI neither wraps a cell nor
+    shows a table's scroll bar, so a wider table is cut off): local accuracy beside full-task success,
+    then turns passed and format errors, then the pivot set and the skipped states."""
+    def turns(r: dict[str, Any]) -> str:  # bootstrap over tasks
+        return _fmt_rate(r["turn_pass_rate"], r["turns_passed"], r["turns_total"],
+                         turn_interval(dict(statistics or {}), stats_name(r["policy"], POLICY_ALIASES)),
+                         over=f"{r['tasks']} task{'s' if r['tasks'] != 1 else ''}")
+
+    def errors(r: dict[str, Any]) -> str:
+        return "n/a" if r["format_error_rate"] is None else _fmt_rate(r["format_error_rate"], r["format_errors"],
+                                                                       r["model_calls"])
+
+    tables: list[tuple[tuple[str, str], Callable[[dict[str, Any]], str], Callable[[dict[str, Any]], str]]] = [
+        (("local accuracy (held-out states)", "full-task success"),
+         lambda r: _fmt_rate(r["local_pivot_accuracy"], r["local_accepted"], r["local_samples"]),
+         lambda r: _fmt_rate(r["full_task_success"], r["tasks_succeeded"], r["tasks"])),
+        (("turns passed", "format error rate"), turns, errors)]
+    if any(r["local_pivot_set_accuracy"] is not None for r in rows):
+        tables.append((("local accuracy on the training pivots", "held-out states skipped (too long)"),
+                       lambda r: _fmt_rate(r["local_pivot_set_accuracy"], r["local_pivot_set_accepted"],
+                                           r["local_pivot_set_samples"]),
+                       lambda r: "n/a" if r.get("local_too_long") is None else str(r["local_too_long"])))
+    else:
+        tables[-1] = (("turns passed", "format error rate", "held-out states skipped (too long)"), turns, errors)
+    lines: list[str] = []
+    for header, first, second in tables:
+        lines += [f"| policy | {' | '.join(header)} |", "|---" * (len(header) + 1) + "|"]
+        for r in rows:
+            cells = [_md_cell(r["policy"]), first(r), second(r)]
+            if len(header) == 3:
+                cells.append("n/a" if r.get("local_too_long") is None else str(r["local_too_long"]))
+            lines.append("| " + " | ".join(cells) + " |")
+        lines.append("")
+    return lines
 
 
 _COUNT_NAMES = {"candidates": "candidates", "kept": "kept", "all_fail": "all fail", "all_pass": "all pass",
@@ -435,3 +447,16 @@ def _write_text(path: Path, text: str) -> None:
 def _write_png(path: Path, draw: Callable[[Any], None]) -> None:
     data = P.png_bytes(draw)
     _atomic(path, lambda tmp: Path(tmp).write_bytes(data))
+
+
+def published_markdown(store: Any, eval_key: str) -> str:
+    """The text of ``<eval_key>/report.md`` as published to the Prefect UI: each plot beside it
+    (``![…](name.png)``) embedded as a PNG data URI (:func:`pivotrl.evaluation.plots.embed_images`),
+    since the UI cannot resolve a path relative to the report. ``store``: an
+    :class:`~pivotrl.storage.store.ArtifactStore` (``read_text``, ``read_bytes``, ``exists``).
+    A plot that is not in the store stays a link. Raises StorageError if report.md cannot be read."""
+    def read(name: str) -> bytes | None:
+        key = f"{eval_key}/{name}"
+        return store.read_bytes(key) if store.exists(key) else None
+
+    return P.embed_images(store.read_text(f"{eval_key}/report.md"), read)

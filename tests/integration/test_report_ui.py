@@ -1,0 +1,167 @@
+"""The report as a person sees it in the Prefect UI: a real ``prefect server``, the markdown artifact
+the evaluate stage publishes (:func:`pivotrl.evaluation.report.published_markdown`), opened in
+headless Chromium (driven over the DevTools protocol): every plot loads as an image, no table is
+wider than its box (the UI hides the scroll bar, so a wider table is cut off).
+
+Needs a Chromium binary (Debian: ``apt-get install -y chromium``); skipped, saying so, without one.
+``PIVOTRL_UI_SCREENSHOT=<file.png>`` keeps a screenshot of the artifact page.
+"""
+
+from __future__ import annotations
+
+import base64
+import itertools
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from servers import free_port, server, stop
+
+pytestmark = pytest.mark.integration
+
+PREFECT = str(Path(sys.executable).with_name("prefect"))
+CHROMIUM = next((p for p in map(shutil.which, ("chromium", "chromium-headless-shell", "chromium-browser",
+                                                "google-chrome")) if p), None)
+
+
+def _json(url: str, body: object | None = None) -> object:
+    req = urllib.request.Request(url, data=None if body is None else json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"}, method="GET" if body is None else "POST")
+    with urllib.request.urlopen(req, timeout=10) as r:
+        return json.loads(r.read() or b"null")
+
+
+class _Page:
+    """One Chromium tab over the DevTools protocol (a websocket; ``websockets`` comes with Prefect)."""
+
+    def __init__(self, ws_url: str):
+        from websockets.sync.client import connect
+
+        self.ws = connect(ws_url, max_size=64 * 2 ** 20, open_timeout=10)
+        self.ids = itertools.count(1)
+
+    def call(self, method: str, **params: object) -> dict:
+        i = next(self.ids)
+        self.ws.send(json.dumps({"id": i, "method": method, "params": params}))
+        while True:
+            msg = json.loads(self.ws.recv(timeout=30))
+            if msg.get("id") == i:
+                if "error" in msg:
+                    raise RuntimeError(f"{method}: {msg['error']}")
+                return msg["result"]
+
+    def eval(self, expr: str) -> object:
+        return self.call("Runtime.evaluate", expression=expr, returnByValue=True)["result"].get("value")
+
+
+def _report(tmp_path: Path) -> tuple[Path, str]:
+    """A report built from small real inputs and stored as the pipeline stores it; its published text."""
+    from pivotrl.evaluation.comparison import compare_policies
+    from pivotrl.evaluation.report import build_report, published_markdown
+    from pivotrl.storage.store import ArtifactStore
+
+    def local(k, n):
+        return {"accuracy": k / n, "n_accepted": k, "n_samples": n, "n_states": n}
+
+    def full(k, n):
+        return {"success_rate": k / n, "n_success": k, "n_tasks": n, "turn_pass_rate": (k + 3) / (2 * n),
+                "turns_passed": k + 3, "turns_total": 2 * n, "format_error_rate": 0.1, "format_errors": 2,
+                "model_calls": 20}
+
+    results = {"base": {"local": local(1, 40), "full_task": full(0, 10)},
+               "reference": {"local": local(12, 40), "full_task": full(1, 10)},
+               "pivotrl": {"local": local(19, 40), "full_task": full(2, 10), "local_pivots": local(5, 8)}}
+    metrics = pd.DataFrame({"step": range(1, 9), "reward_mean": [0.1875, 0.15625, 0.0, 0.1875, 0.1875, 0.09375,
+                                                                 0.09375, 0.40625]})
+    probes = pd.DataFrame({"mu": [0.0, 0.125, 0.25, 0.25, 0.5, 0.625, 1.0, 1.0]})
+    counts = {"candidates": 8, "all_fail": 1, "all_pass": 2, "above_threshold": 2, "kept": 3, "skipped_too_long": 0,
+              "skipped_verifier_error": 0}
+    stats = {"lambda_diff": 0.5, "total": counts, "per_category": {"multi_turn_base": counts},
+             "per_turn_index": {0: counts}, "mu_histogram": {"bin_centers": [0.0, 0.5, 1.0], "counts": [1, 5, 2]},
+             "mu_mean": 0.43, "verifier_retries": 0}
+    per_task = pd.DataFrame([{"policy": p, "seed": 0, "task_id": f"t{i}", "success": i < k, "turns_passed": i % 2,
+                              "n_turns": 2} for p, k in (("pivotrl", 2), ("reference", 1), ("base", 0))
+                             for i in range(10)])
+    local_df = pd.DataFrame([{"policy": p, "seed": 0, "kind": "heldout_greedy", "state_id": f"s{i}", "status": "ok",
+                              "n_samples": 1, "n_accepted": int(i < k)} for p, k in (("pivotrl", 19), ("reference", 12),
+                                                                                      ("base", 1)) for i in range(40)])
+    comparison = compare_policies(per_task, local_df, ["pivotrl", "reference", "base"])
+    build_report(results, metrics_df=metrics, probe_df=probes, pivot_stats=stats, statistics=comparison,
+                 meta={"run": "ui-check", "model_source": "tiny"}, out_dir=tmp_path / "rep")
+    store = ArtifactStore(str(tmp_path / "store"))
+    for f in (tmp_path / "rep").iterdir():
+        store.write_bytes(f"eval/ui/{f.name}", f.read_bytes())
+    return tmp_path / "rep", published_markdown(store, "eval/ui")
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="no Chromium binary (Debian: apt-get install -y chromium)")
+def test_report_artifact_shows_every_plot_and_fits_in_the_prefect_ui(tmp_path):
+    rep, markdown = _report(tmp_path)
+    home = tmp_path / "prefect-home"
+    home.mkdir()
+    port = free_port()
+    api = f"http://127.0.0.1:{port}/api"
+    env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_API_URL": api, "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+           "DO_NOT_TRACK": "1"}
+    cmd = [PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(port)]
+    with server(cmd, home / "server.log", ready=f"{api}/health", what="prefect server", timeout_s=120, env=env):
+        art = _json(f"{api}/artifacts/", {"key": "report", "type": "markdown", "data": markdown,
+                                          "description": "PivotRL report"})
+        dport = free_port()
+        browser = subprocess.Popen(
+            [CHROMIUM, "--headless=new", "--no-sandbox", "--disable-gpu", "--no-first-run", "--hide-scrollbars",
+             f"--remote-debugging-port={dport}", "--remote-debugging-address=127.0.0.1",
+             f"--user-data-dir={tmp_path / 'chromium'}", "--window-size=1400,6000", "about:blank"],
+            stdout=subprocess.DEVNULL, stderr=open(tmp_path / "chromium.log", "wb"), start_new_session=True)
+        try:
+            deadline = time.time() + 60
+            while True:
+                try:
+                    targets = _json(f"http://127.0.0.1:{dport}/json/list")
+                    ws = next(t["webSocketDebuggerUrl"] for t in targets if t.get("type") == "page")
+                    break
+                except (OSError, StopIteration):
+                    if time.time() > deadline or browser.poll() is not None:
+                        raise RuntimeError("chromium did not start: " + (tmp_path / "chromium.log").read_text()[-2000:])
+                    time.sleep(0.5)
+            page = _Page(ws)
+            page.call("Page.enable")
+            page.call("Page.navigate", url=f"http://127.0.0.1:{port}/artifacts/artifact/{art['id']}")
+            probe = ("(() => { const imgs = [...document.querySelectorAll('img.markdown-renderer__image')];"
+                     " return {imgs: imgs.map(i => ({src: i.src.slice(0, 22), complete: i.complete,"
+                     " w: i.naturalWidth, h: i.naturalHeight, shown: i.getBoundingClientRect().width})),"
+                     " tables: [...document.querySelectorAll('.markdown-renderer__table')].map(t =>"
+                     " ({scroll: t.scrollWidth, client: t.clientWidth})),"
+                     " text: document.body.innerText.includes('Results per policy')}; })()")
+            seen: dict = {}
+            while time.time() < deadline + 60:
+                seen = page.eval(probe) or {}
+                if seen.get("text") and len(seen.get("imgs", [])) == 3 and all(i["complete"] for i in seen["imgs"]):
+                    break
+                time.sleep(1)
+            shot = os.environ.get("PIVOTRL_UI_SCREENSHOT")
+            if shot:
+                # (the window is tall from the start: the page scrolls inside its content column, and
+                # resizing it afterwards re-renders the artifact)
+                Path(shot).write_bytes(base64.b64decode(page.call("Page.captureScreenshot", format="png",
+                                                                  captureBeyondViewport=True)["data"]))
+            page.ws.close()
+        finally:
+            stop(browser, timeout_s=10)
+    assert seen.get("text"), f"the artifact page did not render the report: {seen}"
+    imgs = seen["imgs"]
+    assert len(imgs) == 3, imgs
+    for img in imgs:  # decoded by the browser at the size the PNG has (700 × 400), and laid out
+        assert img["src"] == "data:image/png;base64," and img["complete"], img
+        assert (img["w"], img["h"]) == (700, 400) and img["shown"] > 300, img
+    assert len(seen["tables"]) >= 9  # run, 3 results, 2 comparisons, 3 pivot statistics
+    too_wide = [t for t in seen["tables"] if t["scroll"] > t["client"] + 1]
+    assert not too_wide, f"tables cut off (content width > box width): {too_wide}"
