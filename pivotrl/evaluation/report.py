@@ -355,8 +355,9 @@ def _trend_lines(training: Mapping[str, Any]) -> list[str]:
     95 % intervals), not the first and last single steps."""
     col, n, t = training["reward_column"], training["steps"], training.get("trend")
     if t is None:
-        return [f"{n} logged step{'s' if n != 1 else ''} of `{col}`: too few for a trend (a quarter of the "
-                "run needs at least one step of 4); the values are in report.json."]
+        values = ", ".join(f"{v:.3f}" for _, v in training["curve"])
+        return [f"{n} logged step{'s' if n != 1 else ''} of `{col}` ({values}): too few for a trend (the first "
+                "and the last quarter of the run need 4 steps at least)."]
 
     def ci(lo: Any, hi: Any) -> str:
         return "no interval" if lo is None or hi is None or lo != lo or hi != hi else f"95% CI {lo:.3f}–{hi:.3f}"

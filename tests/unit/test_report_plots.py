@@ -113,7 +113,7 @@ def test_report_training_summary_is_a_trend_not_two_steps(tmp_path):
     assert training["rolling_window"] == 2 and len(training["rolling_mean"]) == 7
     short = build_report(results, metrics_df=metrics.head(3), probe_df=None, pivot_stats=None, meta={},
                          out_dir=tmp_path / "short")[1].read_text()
-    assert "3 logged steps of `reward_mean`: too few for a trend" in short
+    assert "3 logged steps of `reward_mean` (0.188, 0.156, 0.000): too few for a trend" in short
 
 
 PIVOT_STATS = {
