@@ -40,9 +40,10 @@ smoke: $(STAMP)
 	test -f $(SMOKE_MODEL)/config.json || $(BIN)/python -c "from pivotrl.testing import save_tiny_checkpoint as s; s('$(SMOKE_MODEL)')"
 	$(BIN)/pivotrl run --config configs/smoke.yaml $(ARGS)
 
-# A local Prefect server and a worker serving the nightly deployment (UI on 127.0.0.1:4200).
+# A local Prefect server and a worker serving the nightly deployment (UI on 127.0.0.1:4200); the
+# deployment's runs use CONFIG; full logs in runs/serve/.
 serve: $(STAMP)
-	./infra/serve.sh
+	PIVOTRL_CONFIG=$(CONFIG) ./infra/serve.sh
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/run_all.py
