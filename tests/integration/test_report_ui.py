@@ -9,27 +9,21 @@ Needs a Chromium binary (Debian: ``apt-get install -y chromium``); skipped, sayi
 
 from __future__ import annotations
 
-import base64
-import itertools
 import json
 import os
-import shutil
-import subprocess
 import sys
-import time
 import urllib.request
 from pathlib import Path
 
 import pandas as pd
 import pytest
 
-from servers import free_port, server, stop
+from browser import CHROMIUM, NO_CHROMIUM, chromium_page
+from servers import free_port, server
 
 pytestmark = pytest.mark.integration
 
 PREFECT = str(Path(sys.executable).with_name("prefect"))
-CHROMIUM = next((p for p in map(shutil.which, ("chromium", "chromium-headless-shell", "chromium-browser",
-                                                "google-chrome")) if p), None)
 
 
 def _json(url: str, body: object | None = None) -> object:
@@ -37,29 +31,6 @@ def _json(url: str, body: object | None = None) -> object:
                                  headers={"Content-Type": "application/json"}, method="GET" if body is None else "POST")
     with urllib.request.urlopen(req, timeout=10) as r:
         return json.loads(r.read() or b"null")
-
-
-class _Page:
-    """One Chromium tab over the DevTools protocol (a websocket; ``websockets`` comes with Prefect)."""
-
-    def __init__(self, ws_url: str):
-        from websockets.sync.client import connect
-
-        self.ws = connect(ws_url, max_size=64 * 2 ** 20, open_timeout=10)
-        self.ids = itertools.count(1)
-
-    def call(self, method: str, **params: object) -> dict:
-        i = next(self.ids)
-        self.ws.send(json.dumps({"id": i, "method": method, "params": params}))
-        while True:
-            msg = json.loads(self.ws.recv(timeout=30))
-            if msg.get("id") == i:
-                if "error" in msg:
-                    raise RuntimeError(f"{method}: {msg['error']}")
-                return msg["result"]
-
-    def eval(self, expr: str) -> object:
-        return self.call("Runtime.evaluate", expression=expr, returnByValue=True)["result"].get("value")
 
 
 def _report(tmp_path: Path) -> tuple[Path, str]:
@@ -102,7 +73,7 @@ def _report(tmp_path: Path) -> tuple[Path, str]:
     return tmp_path / "rep", published_markdown(store, "eval/ui")
 
 
-@pytest.mark.skipif(CHROMIUM is None, reason="no Chromium binary (Debian: apt-get install -y chromium)")
+@pytest.mark.skipif(CHROMIUM is None, reason=NO_CHROMIUM)
 def test_report_artifact_shows_every_plot_and_fits_in_the_prefect_ui(tmp_path):
     rep, markdown = _report(tmp_path)
     home = tmp_path / "prefect-home"
@@ -115,47 +86,20 @@ def test_report_artifact_shows_every_plot_and_fits_in_the_prefect_ui(tmp_path):
     with server(cmd, home / "server.log", ready=f"{api}/health", what="prefect server", timeout_s=120, env=env):
         art = _json(f"{api}/artifacts/", {"key": "report", "type": "markdown", "data": markdown,
                                           "description": "PivotRL report"})
-        dport = free_port()
-        browser = subprocess.Popen(
-            [CHROMIUM, "--headless=new", "--no-sandbox", "--disable-gpu", "--no-first-run", "--hide-scrollbars",
-             f"--remote-debugging-port={dport}", "--remote-debugging-address=127.0.0.1",
-             f"--user-data-dir={tmp_path / 'chromium'}", "--window-size=1400,6000", "about:blank"],
-            stdout=subprocess.DEVNULL, stderr=open(tmp_path / "chromium.log", "wb"), start_new_session=True)
-        try:
-            deadline = time.time() + 60
-            while True:
-                try:
-                    targets = _json(f"http://127.0.0.1:{dport}/json/list")
-                    ws = next(t["webSocketDebuggerUrl"] for t in targets if t.get("type") == "page")
-                    break
-                except (OSError, StopIteration):
-                    if time.time() > deadline or browser.poll() is not None:
-                        raise RuntimeError("chromium did not start: " + (tmp_path / "chromium.log").read_text()[-2000:])
-                    time.sleep(0.5)
-            page = _Page(ws)
-            page.call("Page.enable")
-            page.call("Page.navigate", url=f"http://127.0.0.1:{port}/artifacts/artifact/{art['id']}")
+        with chromium_page(tmp_path) as page:
+            page.goto(f"http://127.0.0.1:{port}/artifacts/artifact/{art['id']}")
             probe = ("(() => { const imgs = [...document.querySelectorAll('img.markdown-renderer__image')];"
                      " return {imgs: imgs.map(i => ({src: i.src.slice(0, 22), complete: i.complete,"
                      " w: i.naturalWidth, h: i.naturalHeight, shown: i.getBoundingClientRect().width})),"
                      " tables: [...document.querySelectorAll('.markdown-renderer__table')].map(t =>"
                      " ({scroll: t.scrollWidth, client: t.clientWidth})),"
                      " text: document.body.innerText.includes('Results per policy')}; })()")
-            seen: dict = {}
-            while time.time() < deadline + 60:
-                seen = page.eval(probe) or {}
-                if seen.get("text") and len(seen.get("imgs", [])) == 3 and all(i["complete"] for i in seen["imgs"]):
-                    break
-                time.sleep(1)
+            page.wait_for(f"(() => {{ const s = {probe}; return s.text && s.imgs.length === 3 && "
+                          "s.imgs.every(i => i.complete); }})()", timeout_s=120)
+            seen = page.eval(probe) or {}
             shot = os.environ.get("PIVOTRL_UI_SCREENSHOT")
             if shot:
-                # (the window is tall from the start: the page scrolls inside its content column, and
-                # resizing it afterwards re-renders the artifact)
-                Path(shot).write_bytes(base64.b64decode(page.call("Page.captureScreenshot", format="png",
-                                                                  captureBeyondViewport=True)["data"]))
-            page.ws.close()
-        finally:
-            stop(browser, timeout_s=10)
+                page.screenshot(shot)
     assert seen.get("text"), f"the artifact page did not render the report: {seen}"
     imgs = seen["imgs"]
     assert len(imgs) == 3, imgs
