@@ -381,9 +381,10 @@ def _markdown(report: Mapping[str, Any], rows: list[dict[str, Any]], plots: Mapp
               sections: Sequence[str] = ()) -> str:
     lines = ["# PivotRL evaluation report", "", *verdict_lines(report.get("statistics"), names=POLICY_ALIASES)]
     meta = report["meta"]
-    if meta:
-        lines += ["## Run", "", "| key | value |", "|---|---|"]
-        lines += [f"| {_md_cell(k)} | {_md_cell(format_meta_value(v))} |" for k, v in meta.items()]
+    if meta:  # a list, not a table: its values (hashes, lists of notes) are long, and a list item wraps
+        lines += ["## Run", ""]
+        lines += [f"- {_md_cell(k)}: {_md_cell(format_meta_value(v))}" for k, v in meta.items()
+                  if format_meta_value(v) != ""]
         lines.append("")
     lines += [
         "## Results per policy",

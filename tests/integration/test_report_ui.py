@@ -66,7 +66,11 @@ def _report(tmp_path: Path) -> tuple[Path, str]:
                                                                                       ("base", 1)) for i in range(40)])
     comparison = compare_policies(per_task, local_df, ["pivotrl", "reference", "base"])
     build_report(results, metrics_df=metrics, probe_df=probes, pivot_stats=stats, statistics=comparison,
-                 meta={"run": "ui-check", "model_source": "tiny"}, out_dir=tmp_path / "rep")
+                 meta={"run": "ui-check", "model_source": "tiny", "config_hash": "5b22" * 16,
+                       "full_task_metric_differs_from_bfcl": [
+                           "step limit: 2 per turn, BFCL's is 20", "subset: 1 held-out task of the 200",
+                           "prompt: pivotrl's renderer and action format, not BFCL's system prompt and handler"]},
+                 out_dir=tmp_path / "rep")
     store = ArtifactStore(str(tmp_path / "store"))
     for f in (tmp_path / "rep").iterdir():
         store.write_bytes(f"eval/ui/{f.name}", f.read_bytes())
@@ -106,6 +110,6 @@ def test_report_artifact_shows_every_plot_and_fits_in_the_prefect_ui(tmp_path):
     for img in imgs:  # decoded by the browser at the size the PNG has (700 × 400), and laid out
         assert img["src"] == "data:image/png;base64," and img["complete"], img
         assert (img["w"], img["h"]) == (700, 400) and img["shown"] > 300, img
-    assert len(seen["tables"]) >= 9  # run, 3 results, 2 comparisons, 3 pivot statistics
+    assert len(seen["tables"]) >= 8  # 3 results, 2 comparisons, 3 pivot statistics (the run is a list)
     too_wide = [t for t in seen["tables"] if t["scroll"] > t["client"] + 1]
     assert not too_wide, f"tables cut off (content width > box width): {too_wide}"

@@ -166,8 +166,14 @@ def test_every_table_of_the_report_is_narrow(tmp_path):
     per_task = pd.DataFrame([{"policy": p, "seed": 0, "task_id": f"t{i}", "success": i < k, "turns_passed": i % 2,
                               "n_turns": 2} for p, k in (("pivotrl", 2), ("reference", 1)) for i in range(6)])
     stats = compare_policies(per_task, None, ["pivotrl", "reference"])
-    md = build_report(results, metrics_df=None, probe_df=None, pivot_stats=PIVOT_STATS, meta={"run": "x"},
+    meta = {"run": "x", "config_hash": "5b22" * 16, "note": "",
+            "full_task_metric_differs_from_bfcl": ["step limit: 2 per turn, BFCL's is 20", "subset: 1 held-out task "
+                                                   "of the 200", "prompt: pivotrl's renderer and action format"]}
+    md = build_report(results, metrics_df=None, probe_df=None, pivot_stats=PIVOT_STATS, meta=meta,
                       out_dir=tmp_path, statistics=stats)[1].read_text()
+    # the run's description is a list (its values are long), an empty value left out
+    assert f"- config_hash: {'5b22' * 16}" in md.splitlines() and "- note:" not in md
+    assert "- full_task_metric_differs_from_bfcl: [\"step limit: 2 per turn" in md
     table_lines = [line for line in md.splitlines() if line.startswith("|")]
     assert len(table_lines) > 20 and max(len(line) for line in table_lines) <= 110
     assert "- pivotrl vs reference (task success): A − B +0.167 (95% CI " in md
