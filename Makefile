@@ -14,7 +14,7 @@ export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
 export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS ?= 120
 export DO_NOT_TRACK ?= 1
 
-.PHONY: install test test-fast run smoke serve bench clean
+.PHONY: install test test-fast run smoke serve tracking bench clean
 
 $(STAMP): pyproject.toml setup.py infra/install.sh infra/constraints-cpu.txt
 	PYTHON=$(PYTHON) ./infra/install.sh $(VENV) $(EXTRA)
@@ -34,18 +34,36 @@ test-fast: $(STAMP)
 run: $(STAMP)
 	$(BIN)/pivotrl run --config $(CONFIG) $(ARGS)
 
-# Every stage end to end on a tiny random model (under a minute); creates the model once.
+# Every stage end to end on a tiny random model (2–3 minutes on 2 cores); creates the model once.
 SMOKE_MODEL := runs/models/tiny
 smoke: $(STAMP)
 	test -f $(SMOKE_MODEL)/config.json || $(BIN)/python -c "from pivotrl.testing import save_tiny_checkpoint as s; s('$(SMOKE_MODEL)')"
 	$(BIN)/pivotrl run --config configs/smoke.yaml $(ARGS)
 
-# A local Prefect server and a worker serving the nightly deployment (UI on 127.0.0.1:4200).
+# A local Prefect server and a worker serving the nightly deployment (UI on 127.0.0.1:4200); the
+# deployment's runs use CONFIG; full logs in runs/serve/.
 serve: $(STAMP)
-	./infra/serve.sh
+	PIVOTRL_CONFIG=$(CONFIG) ./infra/serve.sh
+
+# The MLflow web UI (http://127.0.0.1:5000) over a run root's local tracking store. The full mlflow
+# package lives in its own environment (.venv-tracking, created on first use from
+# infra/constraints-tracking.txt): the project's pins (pyarrow 26) exclude it from .venv.
+TRACKING_VENV ?= .venv-tracking
+TRACKING_ROOT ?= runs
+TRACKING_PORT ?= 5000
+$(TRACKING_VENV)/.installed: infra/constraints-tracking.txt
+	$(PYTHON) -m venv $(TRACKING_VENV)
+	$(TRACKING_VENV)/bin/pip install -q -c infra/constraints-tracking.txt mlflow==3.17.2
+	touch $@
+
+tracking: $(TRACKING_VENV)/.installed
+	mkdir -p $(TRACKING_ROOT)/mlflow
+	@echo "MLflow UI on http://127.0.0.1:$(TRACKING_PORT) (store: $(TRACKING_ROOT)/mlflow/mlflow.db); Ctrl-C stops it"
+	cd $(TRACKING_ROOT)/mlflow && exec $(abspath $(TRACKING_VENV))/bin/mlflow server --host 127.0.0.1 \
+		--port $(TRACKING_PORT) --workers 1 --backend-store-uri sqlite:///mlflow.db --default-artifact-root ./artifacts
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/run_all.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) $(TRACKING_VENV) .pytest_cache

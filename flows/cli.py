@@ -23,6 +23,35 @@ import typer
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="PivotRL post-training pipeline.")
 
 
+def _help_without_type_tags() -> None:
+    """``--help`` as a person reads it: Typer 0.29 prints a ``<bool>`` beside every flag (``--help``
+    included), ``<str>``/``<list[str]>`` beside every value, and a required argument as ``{uri}`` in
+    the usage line. Flags get no tag, a value its metavar (``PATH``, ``KEY=VALUE``) when it has one
+    and none otherwise, an argument its upper-case name (``URI``, as click writes it). Applied to
+    Typer's parameter classes in this (command-line) process only; a Typer without these hooks is
+    left as it is."""
+    from typer import core
+
+    def display_type_rich(self: Any, ctx: Any) -> str | None:
+        if getattr(self, "is_flag", False) or getattr(self, "count", False):
+            return None
+        return self.metavar
+
+    def usage_name(self: Any) -> str:
+        name = (self.metavar or self.name or "").upper()
+        name = name if self.required else f"[{name}]"
+        return name + ("..." if self.nargs != 1 else "")
+
+    for cls in (getattr(core, "TyperOption", None), getattr(core, "TyperArgument", None)):
+        if cls is not None and hasattr(cls, "display_type_rich"):
+            cls.display_type_rich = display_type_rich
+    if hasattr(getattr(core, "TyperArgument", None), "_usage_display_name"):
+        core.TyperArgument._usage_display_name = usage_name
+
+
+_help_without_type_tags()
+
+
 def _version(value: bool) -> None:
     if value:
         from importlib.metadata import version
@@ -46,8 +75,10 @@ def _default_config() -> str:
     return str(here) if here.is_file() or not shipped.is_file() else str(shipped)
 
 
-ConfigOpt = typer.Option(_default_config(), "--config", "-c", help="YAML run config (path or fsspec URL).")
-SetOpt = typer.Option(None, "--set", "-s", help="Override a config key: --set training.beta=0.01 (repeatable).")
+ConfigOpt = typer.Option(_default_config(), "--config", "-c", metavar="PATH",
+                         help="YAML run config (path or fsspec URL).")
+SetOpt = typer.Option(None, "--set", "-s", metavar="KEY=VALUE",
+                      help="Override a config key: --set training.beta=0.01 (repeatable).")
 
 
 def _load(config: str, overrides: Optional[list[str]]):
@@ -197,10 +228,11 @@ def _state_lengths(cfg: Any, store: Any, key: str) -> dict[str, Any]:
 
 @app.command("config")
 def show_config(config: str = ConfigOpt, overrides: Optional[list[str]] = SetOpt) -> None:
-    """Validate a config, check that its model source and local demonstration files exist, and
-    print the values a run on this machine would use (with its hash):
-    sized by ``run.sizing`` (the calibration kept in <cache_dir>/calibration.json, or measured in
-    about a second), each scaled size marked with what the config said and why."""
+    """Validate a config and print the values a run on this machine would use, with its hash.
+
+    Checks that the model source and the local demonstration files exist; sizes the config by
+    run.sizing (the calibration kept in CACHE_DIR/calibration.json, or measured in about a second)
+    and marks each scaled size with what the config said and why."""
     from pivotrl.config import config_hash, dump_config
     from pivotrl.pipeline.console import precision_lines
     from pivotrl.sizing import annotate_dump, apply_sizing

@@ -13,11 +13,12 @@ import typer
 
 
 def rollouts(uri: str = typer.Argument(..., help="Run root, or any artifact folder under it (e.g. train/<key>)."),
-             step: Optional[int] = typer.Option(None, "--step", help="Only this step (0 = probing)."),
-             state: Optional[str] = typer.Option(None, "--state", help="Only this state id (e.g. 'multi_turn_base_3#2')."),
+             step: Optional[int] = typer.Option(None, "--step", metavar="N", help="Only this step (0 = probing)."),
+             state: Optional[str] = typer.Option(None, "--state", metavar="ID", help="Only this state id (e.g. 'multi_turn_base_3#2')."),
              as_json: bool = typer.Option(False, "--json", help="Print JSON Lines instead of a table.")) -> None:
-    """Print rollout records: every sampled action of probing, training and evaluation, with its
-    reward, verifier reason, advantage, ratio and the policy step that sampled it."""
+    """Print rollout records: every sampled action of probing, training and evaluation.
+
+    Each with its reward, verifier reason, advantage, ratio and the policy step that sampled it."""
     import os
 
     from pivotrl.errors import StorageError
@@ -38,12 +39,13 @@ def rollouts(uri: str = typer.Argument(..., help="Run root, or any artifact fold
 
 
 def export(pivots: str = typer.Argument(..., help="URI of a pivots.parquet (its manifest sits beside it)."),
-           out: str = typer.Option(..., "--out", "-o", help="Where to write the JSONL rows (path or fsspec URL)."),
-           config: str = typer.Option("configs/default.yaml", "--config", "-c",
+           out: str = typer.Option(..., "--out", "-o", metavar="PATH", help="Where to write the JSONL rows (path or fsspec URL)."),
+           config: str = typer.Option("configs/default.yaml", "--config", "-c", metavar="PATH",
                                       help="Run config whose verifier, prompt and model the rows are checked against."),
-           overrides: Optional[list[str]] = typer.Option(None, "--set", "-s", help="Override a config key (repeatable)."),
-           agent: str = typer.Option("single_step_tool_use_with_argument_comparison_agent", "--agent",
+           overrides: Optional[list[str]] = typer.Option(None, "--set", "-s", metavar="KEY=VALUE", help="Override a config key (repeatable)."),
+           agent: str = typer.Option("single_step_tool_use_with_argument_comparison_agent", "--agent", metavar="NAME",
                                      help="agent_ref.name of every row."),
+<<<<<<< HEAD
            tokenizer: Optional[str] = typer.Option(None, "--tokenizer",
                                                    help="Tokenizer of the model to be trained (default: model.source)."),
            allow_stop_decisions: bool = typer.Option(
@@ -52,6 +54,12 @@ def export(pivots: str = typer.Argument(..., help="URI of a pivots.parquet (its 
     """Write a pivot set as NeMo Gym / NeMo RL PivotRL rows, after checking it (inputs as their
     manifests record them, more than one reward per pivot, same verifier and chat template as at
     probing, expert actions only, no stop decisions unless --allow-stop-decisions)."""
+=======
+           tokenizer: Optional[str] = typer.Option(None, "--tokenizer", metavar="PATH",
+                                                   help="Tokenizer of the model to be trained (default: model.source).")) -> None:
+    """Write a pivot set as NeMo Gym / NeMo RL PivotRL rows, after checking it (more than one reward
+    per pivot, same verifier and chat template as at probing, expert actions only)."""
+>>>>>>> ux
     from pivotrl.config import load_config
     from pivotrl.errors import ConfigError, DataError, ModelError, StorageError
     from pivotrl.interop.export import export_pivots

@@ -53,7 +53,9 @@ def eval_merge(config: dict[str, Any], inputs: dict[str, Any]) -> dict[str, Any]
                           lambda: merge_eval_shards(config_of(config), store_of(config), *(inputs[k] for k in _INPUTS),
                                                     inputs["plan"]))
     res, store = EvalResult.of(out), store_of(config)
-    publish.evaluate(out, store.read_text(f"{res.eval_key}/report.md"))
+    from pivotrl.evaluation.report import published_markdown  # matplotlib: only when a report is published
+
+    publish.evaluate(out, published_markdown(store, res.eval_key))
     if computed:
         publish.emit_assets(store, [res.report_json])
     return out

@@ -111,7 +111,8 @@ def train(out: Mapping[str, Any], metrics: "Any") -> None:
 
 
 def evaluate(out: Mapping[str, Any], report_md: str) -> None:
-    """``report_md``: the text of report.md, published as is (its tables render in the UI)."""
+    """``report_md``: the text of report.md with its plots embedded as data URIs
+    (:func:`pivotrl.evaluation.report.published_markdown`), published as is (its tables render in the UI)."""
     from pivotrl.pipeline.results import EvalResult
 
     result_artifact("evaluate", EvalResult.of(out))

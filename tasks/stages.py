@@ -297,7 +297,9 @@ def evaluate(config: dict[str, Any], inputs: dict[str, Any]) -> dict[str, Any]:
     """Full multi-turn task + local evaluation of base, π_ref and PivotRL; report."""
     out, computed = run_stage_task("evaluate", config, inputs)
     res, store = EvalResult.of(out), store_of(config)
-    publish.evaluate(out, store.read_text(f"{res.eval_key}/report.md"))
+    from pivotrl.evaluation.report import published_markdown  # matplotlib: only when a report is published
+
+    publish.evaluate(out, published_markdown(store, res.eval_key))
     if computed:
         publish.emit_assets(store, [res.report_json])
     return out

@@ -155,9 +155,10 @@ def signed(x: float) -> str:
 
 
 def _pair_line(label: str, d: dict[str, Any]) -> str:
-    extra = difference_ci(d) + (f"; only A {d['only_a']}, only B {d['only_b']}" if "only_a" in d else "")
-    return (f"| {label} | {d['n']} | {signed(d['difference'])} | {extra} | {d['test']} | {d['p_value']:.3g} | "
-            f"{d['verdict']} |")
+    """One comparison as a list item (a table of it is too wide for the Prefect UI, which cuts it off)."""
+    extra = f"n = {d['n']}" + (f"; only A {d['only_a']}, only B {d['only_b']}" if "only_a" in d else "")
+    return (f"- {label}: A − B {signed(d['difference'])} ({difference_ci(d)}; {extra}); {d['test']} "
+            f"p = {d['p_value']:.3g}: {d['verdict']}")
 
 
 def comparison_markdown(stats: dict[str, Any]) -> list[str]:
@@ -170,7 +171,7 @@ def comparison_markdown(stats: dict[str, Any]) -> list[str]:
         lines += [f"### Full task (seeds: {full['seeds']})", "", "| policy | task success | turns passed / turns |", "|---|---|---|"]
         for p, r in full["per_policy"].items():
             lines.append(f"| {p} | {_ci(r['task_success'])} | {_ci(r['turn_pass'])} |")
-        lines += ["", "| A vs B (measure) | n | A − B | interval; discordant | test | p | verdict |", "|---|---|---|---|---|---|---|"]
+        lines += ["", "Paired comparisons (A vs B):", ""]
         for pair in full["pairs"]:
             lines.append(_pair_line(f"{pair['a']} vs {pair['b']} (task success)", pair["task_success"]))
             lines.append(_pair_line(f"{pair['a']} vs {pair['b']} (turn fraction)", pair["turn_fraction"]))
@@ -183,7 +184,7 @@ def comparison_markdown(stats: dict[str, Any]) -> list[str]:
             continue
         lines += [f"### Local accuracy: {kind}", "", "| policy | accuracy |", "|---|---|"]
         lines += [f"| {p} | {_ci(r)} |" for p, r in block["per_policy"].items()]
-        lines += ["", "| A vs B | n | A − B | interval; discordant | test | p | verdict |", "|---|---|---|---|---|---|---|"]
+        lines += ["", "Paired comparisons (A vs B):", ""]
         lines += [_pair_line(f"{pair['a']} vs {pair['b']}", pair) for pair in block["pairs"]]
         lines.append("")
     return lines

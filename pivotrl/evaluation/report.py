@@ -2,8 +2,10 @@
 
 The report states, for every policy, local pivot accuracy and full-task success side by side and
 never one without the other (PivotRL's known limits: local correctness is not task success).
-Plots are written with matplotlib's Agg canvas (no display, no global pyplot state). Every file is
-written to a temporary name in ``out_dir`` first and then renamed, so a present file is complete.
+Plots (:mod:`pivotrl.evaluation.plots`) show every rate with its 95 % interval; the training reward is
+summarised by its trend (first vs last quarter of the steps, with an interval), never by two single
+steps. Every file is written to a temporary name in ``out_dir`` first and then renamed, so a present
+file is complete.
 """
 
 from __future__ import annotations
@@ -17,12 +19,13 @@ from typing import Any, Callable, Mapping, Sequence
 import pandas as pd
 
 from pivotrl.errors import ConfigError, StorageError
+from pivotrl.evaluation import plots as P
 from pivotrl.evaluation.comparison import (
     comparison_markdown, floor_note, format_meta_value, format_rate, stats_name, turn_interval, verdict, verdict_lines,
 )
 from pivotrl.storage.files import atomic_file
 
-__all__ = ["KNOWN_LIMITS", "POLICIES", "POLICY_ALIASES", "build_report"]
+__all__ = ["KNOWN_LIMITS", "POLICIES", "POLICY_ALIASES", "build_report", "pivot_stats_markdown", "published_markdown"]
 
 # The three policies every report compares, in table order.
 POLICIES: tuple[str, ...] = ("base", "reference (SFT warm start)", "pivotrl")
@@ -111,15 +114,17 @@ def build_report(
 
     plots: dict[str, str] = {}
     curve = _reward_series(metrics_df, reward_column)
+    window = P.rolling_window(len(curve[0])) if curve is not None else 0
+    rolling = P.rolling_mean(curve[0], curve[1], window) if curve is not None else []
     if curve is not None:
-        _write_png(out / REWARD_PLOT, lambda fig: _plot_curve(fig, curve))
+        _write_png(out / REWARD_PLOT, lambda fig: P.plot_curve(fig, curve[0], curve[1], curve[2], rolling, window))
         plots["reward_curve"] = REWARD_PLOT
     mus = _mu_values(probe_df, mu_column)
     lam = (pivot_stats or {}).get("lambda_diff")
     if mus is not None:
-        _write_png(out / MU_PLOT, lambda fig: _plot_mu(fig, mus, lam))
+        _write_png(out / MU_PLOT, lambda fig: P.plot_mu(fig, mus, lam))
         plots["mu_histogram"] = MU_PLOT
-    _write_png(out / BARS_PLOT, lambda fig: _plot_bars(fig, rows))
+    _write_png(out / BARS_PLOT, lambda fig: P.plot_bars(fig, rows))
     plots["local_vs_full_task"] = BARS_PLOT
     from pivotrl.evaluation.learning_curve import write_learning_curve  # held-out curve, rolling reward
 
@@ -137,8 +142,9 @@ def build_report(
         "training": None if curve is None else {
             "reward_column": curve[2],
             "steps": len(curve[0]),
-            "first_reward": curve[1][0] if curve[1] else None,
-            "last_reward": curve[1][-1] if curve[1] else None,
+            "trend": P.reward_trend(curve[0], curve[1]),
+            "rolling_window": window,
+            "rolling_mean": rolling,
             "curve": [[s, r] for s, r in zip(curve[0], curve[1])],
         },
         "probes": None if mus is None else {
@@ -276,13 +282,130 @@ def _md_cell(x: Any) -> str:
 
 
 
+def _results_tables(rows: list[dict[str, Any]], statistics: Mapping[str, Any] | None) -> list[str]:
+    """The per-policy results as narrow tables of three columns (the Prefect UI neither wraps a cell nor
+    shows a table's scroll bar, so a wider table is cut off): local accuracy beside full-task success,
+    then turns passed and format errors, then the pivot set and the skipped states."""
+    def turns(r: dict[str, Any]) -> str:  # bootstrap over tasks
+        return _fmt_rate(r["turn_pass_rate"], r["turns_passed"], r["turns_total"],
+                         turn_interval(dict(statistics or {}), stats_name(r["policy"], POLICY_ALIASES)),
+                         over=f"{r['tasks']} task{'s' if r['tasks'] != 1 else ''}")
+
+    def errors(r: dict[str, Any]) -> str:
+        return "n/a" if r["format_error_rate"] is None else _fmt_rate(r["format_error_rate"], r["format_errors"],
+                                                                       r["model_calls"])
+
+    tables: list[tuple[tuple[str, str], Callable[[dict[str, Any]], str], Callable[[dict[str, Any]], str]]] = [
+        (("local accuracy (held-out states)", "full-task success"),
+         lambda r: _fmt_rate(r["local_pivot_accuracy"], r["local_accepted"], r["local_samples"]),
+         lambda r: _fmt_rate(r["full_task_success"], r["tasks_succeeded"], r["tasks"])),
+        (("turns passed", "format error rate"), turns, errors)]
+    if any(r["local_pivot_set_accuracy"] is not None for r in rows):
+        tables.append((("local accuracy on the training pivots", "held-out states skipped (too long)"),
+                       lambda r: _fmt_rate(r["local_pivot_set_accuracy"], r["local_pivot_set_accepted"],
+                                           r["local_pivot_set_samples"]),
+                       lambda r: "n/a" if r.get("local_too_long") is None else str(r["local_too_long"])))
+    else:
+        tables[-1] = (("turns passed", "format error rate", "held-out states skipped (too long)"), turns, errors)
+    lines: list[str] = []
+    for header, first, second in tables:
+        lines += [f"| policy | {' | '.join(header)} |", "|---" * (len(header) + 1) + "|"]
+        for r in rows:
+            cells = [_md_cell(r["policy"]), first(r), second(r)]
+            if len(header) == 3:
+                cells.append("n/a" if r.get("local_too_long") is None else str(r["local_too_long"]))
+            lines.append("| " + " | ".join(cells) + " |")
+        lines.append("")
+    return lines
+
+
+_COUNT_NAMES = {"candidates": "candidates", "kept": "kept", "all_fail": "all fail", "all_pass": "all pass",
+                "above_threshold": "above λ_diff", "skipped_too_long": "too long",
+                "skipped_verifier_error": "verifier error"}
+
+
+def _value(v: Any) -> str:
+    v = _jsonable(v)
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return "n/a" if v is None else _md_cell(v)
+
+
+def pivot_stats_markdown(stats: Mapping[str, Any]) -> list[str]:
+    """Pivot statistics as markdown tables (never a raw dict in a cell): scalars as ``statistic |
+    value``; the filter's decision counts (``total``, ``per_category``, ``per_turn_index``: mappings
+    of count name → int) as one table with a row per group; the μ̂ histogram (``bin_centers``,
+    ``counts``) as ``μ̂ | states``; any other mapping as its own ``key | value`` table."""
+    scalars = {k: v for k, v in stats.items() if not isinstance(v, Mapping)}
+    nested = {k: v for k, v in stats.items() if isinstance(v, Mapping)}
+    lines: list[str] = []
+    if scalars:
+        lines += ["| statistic | value |", "|---|---|"]
+        lines += [f"| {_md_cell(k)} | {_value(v)} |" for k, v in scalars.items()]
+        lines.append("")
+    groups: list[tuple[str, Mapping[str, Any]]] = []
+    if isinstance(nested.get("total"), Mapping):
+        groups.append(("all", nested.pop("total")))
+    for key, label in (("per_category", "{}"), ("per_turn_index", "turn {}")):
+        block = nested.get(key)
+        if isinstance(block, Mapping) and all(isinstance(c, Mapping) for c in block.values()):
+            nested.pop(key)
+            groups += [(label.format(g), c) for g, c in block.items()]
+    if groups:
+        cols = [c for c in _COUNT_NAMES if any(c in g for _, g in groups)]
+        cols += sorted({c for _, g in groups for c in g} - set(cols))
+        lines += ["Filter decisions per group of candidate states:", "",
+                  "| group | " + " | ".join(_COUNT_NAMES.get(c, c) for c in cols) + " |", "|---" * (len(cols) + 1) + "|"]
+        lines += [f"| {_md_cell(name)} | " + " | ".join(_value(g.get(c, 0)) for c in cols) + " |" for name, g in groups]
+        lines.append("")
+    hist = nested.pop("mu_histogram", None)
+    if isinstance(hist, Mapping) and "counts" in hist:
+        centers = hist.get("bin_centers") or [(a + b) / 2 for a, b in zip(hist.get("edges", []), hist.get("edges", [])[1:])]
+        lines += ["| μ̂ (bin centre) | states |", "|---|---|"]
+        lines += [f"| {_value(c)} | {_value(n)} |" for c, n in zip(centers, hist["counts"])]
+        lines.append("")
+    for key, block in nested.items():
+        lines += [f"{_md_cell(key)}:", "", "| key | value |", "|---|---|"]
+        lines += [f"| {_md_cell(k)} | {_md_cell(format_meta_value(v))} |" for k, v in block.items()]
+        lines.append("")
+    return lines[:-1] if lines and lines[-1] == "" else lines
+
+
+def _trend_lines(training: Mapping[str, Any]) -> list[str]:
+    """The training summary: the reward's trend over the run (first vs last quarter of the steps with
+    95 % intervals), not the first and last single steps."""
+    col, n, t = training["reward_column"], training["steps"], training.get("trend")
+    if t is None:
+        values = ", ".join(f"{v:.3f}" for _, v in training["curve"])
+        return [f"{n} logged step{'s' if n != 1 else ''} of `{col}` ({values}): too few for a trend (the first "
+                "and the last quarter of the run need 4 steps at least)."]
+
+    def ci(lo: Any, hi: Any) -> str:
+        return "no interval" if lo is None or hi is None or lo != lo or hi != hi else f"95% CI {lo:.3f}–{hi:.3f}"
+
+    def span(p: Mapping[str, Any]) -> str:
+        a, b = int(p["first_step"]), int(p["last_step"])
+        return f"step {a}" if a == b else f"steps {a}–{b}"
+
+    f, la, q = t["first"], t["last"], t["quarter_steps"]
+    d = t["difference"]
+    return [f"{n} logged steps; each step samples its own pivots, so a single step's `{col}` is a noisy draw. "
+            f"Trend (mean over a quarter of the run, {q} step{'s' if q != 1 else ''} each; intervals by bootstrap "
+            f"over steps): first quarter ({span(f)}) {f['mean']:.3f} ({ci(f['low'], f['high'])}), last quarter "
+            f"({span(la)}) {la['mean']:.3f} ({ci(la['low'], la['high'])}); last − first "
+            f"{'+' if d >= 0 else '−'}{abs(d):.3f} ({ci(t['low'], t['high'])})."
+            + (f" A bootstrap over {q} step{'s' if q != 1 else ''} per quarter understates the uncertainty: take "
+               "the trend as a rough indication." if q < 5 else "")]
+
+
 def _markdown(report: Mapping[str, Any], rows: list[dict[str, Any]], plots: Mapping[str, str],
               sections: Sequence[str] = (), learning_lines: Sequence[str] = ()) -> str:
     lines = ["# PivotRL evaluation report", "", *verdict_lines(report.get("statistics"), names=POLICY_ALIASES)]
     meta = report["meta"]
-    if meta:
-        lines += ["## Run", "", "| key | value |", "|---|---|"]
-        lines += [f"| {_md_cell(k)} | {_md_cell(format_meta_value(v))} |" for k, v in meta.items()]
+    if meta:  # a list, not a table: its values (hashes, lists of notes) are long, and a list item wraps
+        lines += ["## Run", ""]
+        lines += [f"- {_md_cell(k)}: {_md_cell(format_meta_value(v))}" for k, v in meta.items()
+                  if format_meta_value(v) != ""]
         lines.append("")
     lines += [
         "## Results per policy",
@@ -295,37 +418,17 @@ def _markdown(report: Mapping[str, Any], rows: list[dict[str, Any]], plots: Mapp
         "runs whose output the action parser rejected (a malformed tool call), over all their model calls.",
         "",
     ]
-    with_pivots = any(r["local_pivot_set_accuracy"] is not None for r in rows)
-    header = ["policy", "local accuracy (held-out states)", "full-task success", "turns passed", "format error rate"]
-    if with_pivots:
-        header.append("local accuracy on the training pivots")
-    header.append("held-out states skipped (too long)")
-    lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    for r in rows:
-        cells = [
-            _md_cell(r["policy"]),
-            _fmt_rate(r["local_pivot_accuracy"], r["local_accepted"], r["local_samples"]),
-            _fmt_rate(r["full_task_success"], r["tasks_succeeded"], r["tasks"]),
-            _fmt_rate(r["turn_pass_rate"], r["turns_passed"], r["turns_total"],
-                      turn_interval(report.get("statistics"), stats_name(r["policy"], POLICY_ALIASES)),
-                      over=f"{r['tasks']} task{'s' if r['tasks'] != 1 else ''}"),  # bootstrap over tasks
-            "n/a" if r["format_error_rate"] is None else _fmt_rate(r["format_error_rate"], r["format_errors"], r["model_calls"]),
-        ]
-        if with_pivots:
-            cells.append(_fmt_rate(r["local_pivot_set_accuracy"], r["local_pivot_set_accepted"], r["local_pivot_set_samples"]))
-        cells.append("n/a" if r.get("local_too_long") is None else str(r["local_too_long"]))
-        lines.append("| " + " | ".join(cells) + " |")
-    lines.append("")
+    lines += _results_tables(rows, report.get("statistics"))
     if "local_vs_full_task" in plots:
-        lines += [f"![local pivot accuracy vs full-task success]({plots['local_vs_full_task']})", ""]
+        lines += [f"![held-out local accuracy and full-task success per policy, 95% intervals]"
+                  f"({plots['local_vs_full_task']})", ""]
     if report.get("statistics"):
         lines += comparison_markdown(dict(report["statistics"]))
     lines += list(sections)
     stats = report["pivot_stats"]
     lines += ["## Pivot statistics", ""]
     if stats:
-        lines += ["| statistic | value |", "|---|---|"]
-        lines += [f"| {_md_cell(k)} | {_md_cell(_jsonable(v))} |" for k, v in stats.items()]
+        lines += pivot_stats_markdown(stats)
     else:
         lines.append("No pivot statistics were given.")
     lines.append("")
@@ -337,66 +440,25 @@ def _markdown(report: Mapping[str, Any], rows: list[dict[str, Any]], plots: Mapp
                      f", mean prompt length {probes['prompt_tokens_mean']:.0f} tokens "
                      f"(max {probes['prompt_tokens_max']}, over {probes['prompt_tokens_n']} states)") + ".", ""]
     if "mu_histogram" in plots:
-        lines += [f"![histogram of reference success rate per candidate]({plots['mu_histogram']})", ""]
+        lines += [f"![reference success rate per probed candidate]({plots['mu_histogram']})", ""]
     lines += ["## Training", ""]
     training = report["training"]
     if training is None:
         lines.append("No training metrics were given.")
     else:
-        first, last = training["first_reward"], training["last_reward"]
-        lines.append(
-            f"{training['steps']} logged steps; `{training['reward_column']}` "
-            f"{'n/a' if first is None else f'{first:.3f}'} at the first step, "
-            f"{'n/a' if last is None else f'{last:.3f}'} at the last."
-        )
+        lines += _trend_lines(training)
         if "reward_curve" in plots:
+<<<<<<< HEAD
             lines += ["", f"![mean reward per training step]({plots['reward_curve']})"]
     if learning_lines:
         lines += ["", *learning_lines]
+=======
+            lines += ["", f"![training reward per step with its rolling mean and 95% interval]({plots['reward_curve']})"]
+>>>>>>> ux
     lines += ["", "## Known limits", ""]
     lines += [f"- {limit}" for limit in report["known_limits"]]
     lines.append("")
     return "\n".join(lines)
-
-
-# ------------------------------------------------------------------------------------------- plots
-
-
-def _plot_curve(fig: Any, curve: tuple[list[float], list[float], str]) -> None:
-    ax = fig.add_subplot(1, 1, 1)
-    ax.plot(curve[0], curve[1], marker="o", markersize=3)
-    ax.set_xlabel("training step")
-    ax.set_ylabel(curve[2])
-    ax.set_title("Mean reward of sampled actions per step")
-    ax.grid(True, alpha=0.3)
-
-
-def _plot_mu(fig: Any, mus: list[float], lambda_diff: Any) -> None:
-    ax = fig.add_subplot(1, 1, 1)
-    ax.hist(mus, bins=[i / 10 for i in range(11)], edgecolor="black")
-    if _num(lambda_diff) is not None:
-        ax.axvline(float(lambda_diff), color="red", linestyle="--", label=f"lambda_diff = {float(lambda_diff):g}")
-        ax.legend()
-    ax.set_xlabel("μ̂ (reference success rate over probes)")
-    ax.set_ylabel("candidate states")
-    ax.set_title("Reference success rate per candidate")
-
-
-def _plot_bars(fig: Any, rows: list[dict[str, Any]]) -> None:
-    ax = fig.add_subplot(1, 1, 1)
-    x = list(range(len(rows)))
-    width = 0.38
-    for offset, key, label in ((-width / 2, "local_pivot_accuracy", "local pivot accuracy"),
-                               (width / 2, "full_task_success", "full-task success")):
-        values = [r[key] for r in rows]
-        bars = ax.bar([i + offset for i in x], [v or 0.0 for v in values], width, label=label)
-        ax.bar_label(bars, labels=["n/a" if v is None else f"{v:.2f}" for v in values], fontsize=7)
-    ax.set_xticks(x)
-    ax.set_xticklabels([r["policy"] for r in rows], fontsize=8)
-    ax.set_ylim(0, 1)
-    ax.set_ylabel("rate")
-    ax.set_title("Local pivot accuracy vs full-task success per policy")
-    ax.legend()
 
 
 # ------------------------------------------------------------------------------------ atomic files
@@ -415,11 +477,18 @@ def _write_text(path: Path, text: str) -> None:
 
 
 def _write_png(path: Path, draw: Callable[[Any], None]) -> None:
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
+    data = P.png_bytes(draw)
+    _atomic(path, lambda tmp: Path(tmp).write_bytes(data))
 
-    fig = Figure(figsize=(7, 4), dpi=100)
-    FigureCanvasAgg(fig)
-    draw(fig)
-    fig.tight_layout()
-    _atomic(path, lambda tmp: fig.savefig(tmp, format="png"))
+
+def published_markdown(store: Any, eval_key: str) -> str:
+    """The text of ``<eval_key>/report.md`` as published to the Prefect UI: each plot beside it
+    (``![…](name.png)``) embedded as a PNG data URI (:func:`pivotrl.evaluation.plots.embed_images`),
+    since the UI cannot resolve a path relative to the report. ``store``: an
+    :class:`~pivotrl.storage.store.ArtifactStore` (``read_text``, ``read_bytes``, ``exists``).
+    A plot that is not in the store stays a link. Raises StorageError if report.md cannot be read."""
+    def read(name: str) -> bytes | None:
+        key = f"{eval_key}/{name}"
+        return store.read_bytes(key) if store.exists(key) else None
+
+    return P.embed_images(store.read_text(f"{eval_key}/report.md"), read)

@@ -4,6 +4,8 @@
   rate over independent units (tasks, greedy states).
 * :func:`bootstrap_mean_interval` - percentile bootstrap over units for a mean (or a ratio of sums,
   e.g. turns passed / turns over tasks), resampling whole units (tasks), seeded.
+* :func:`bootstrap_difference_interval` - the same for the difference of the means of two
+  independent samples (each resampled on its own).
 * :func:`mcnemar_exact` - exact (binomial) McNemar test on paired binary outcomes: with b = pairs
   where only A succeeds and c = pairs where only B does, p = min(1, 2·P[X ≤ min(b, c)]),
   X ~ Binomial(b + c, 1/2); p = 1 when b + c = 0.
@@ -30,6 +32,7 @@ from pivotrl.errors import ConfigError
 __all__ = [
     "PAIRED_TEST",
     "PairedResult",
+    "bootstrap_difference_interval",
     "bootstrap_mean_interval",
     "mcnemar_exact",
     "paired_binary",
@@ -244,3 +247,30 @@ def paired_bootstrap(
 
 #: The name of :func:`paired_bootstrap`'s test in reports.
 PAIRED_TEST = "paired sign-flip test (bootstrap interval)"
+
+
+def bootstrap_difference_interval(
+    a: Sequence[float], b: Sequence[float], *, n_boot: int = 2000, seed: int = 0, confidence: float = 0.95
+) -> tuple[float, float, float]:
+    """``(mean(a) − mean(b), low, high)`` for two independent samples (e.g. the training steps of the
+    last and the first quarter of a run): a percentile bootstrap that resamples ``a`` and ``b``
+    separately, ``n_boot`` times from ``random.Random(seed)``.
+
+    NaN bounds when either sample has fewer than two units, or when every unit of both samples has
+    the same value (the bootstrap would return a zero-width interval, a certainty it does not have);
+    NaN for everything when either sample is empty.
+    """
+    va, vb = [float(x) for x in a], [float(x) for x in b]
+    if not va or not vb:
+        return float("nan"), float("nan"), float("nan")
+    est = sum(va) / len(va) - sum(vb) / len(vb)
+    if len(va) < 2 or len(vb) < 2 or len(set(va) | set(vb)) == 1:
+        return est, float("nan"), float("nan")
+    _z(confidence)  # validates confidence
+    rng = random.Random(seed)
+    boots = sorted(sum(rng.choice(va) for _ in va) / len(va) - sum(rng.choice(vb) for _ in vb) / len(vb)
+                   for _ in range(n_boot))
+    alpha = (1 - confidence) / 2
+    lo = boots[min(n_boot - 1, int(math.floor(alpha * n_boot)))]
+    hi = boots[min(n_boot - 1, int(math.ceil((1 - alpha) * n_boot)) - 1)]
+    return est, lo, hi

@@ -176,7 +176,13 @@ def test_nightly_schedule_fires_and_the_run_completes(prefect_server, tmp_path):
     # The report is a markdown artifact with the text of report.md; training has a per-step table.
     arts = {a["key"]: a for a in _api(f"{api}/artifacts/filter",
                                       {"artifacts": {"flow_run_id": {"any_": [run["id"]]}}})}
-    assert arts["report"]["type"] == "markdown" and arts["report"]["data"] == reports[0].read_text()
+    # (its plots inlined as PNG data URIs: the UI cannot resolve the paths relative to report.md)
+    published = arts["report"]["data"]
+    assert arts["report"]["type"] == "markdown"
+    assert re.sub(r"\(data:image/png;base64,[^)]+\)", "()", published) == re.sub(r"\([^)]+\.png\)", "()",
+                                                                                  reports[0].read_text())
+    images = re.findall(r"!\[[^\]]*\]\(([^)]+)\)", published)
+    assert len(images) == 3 and all(i.startswith("data:image/png;base64,") for i in images)
     assert "### Per step" in arts["training"]["data"] and arts["training-steps"]["type"] == "table"
     assert {"demonstrations", "pivot-set", "pivot-counts"} <= set(arts)
     # each typed stage result, field by field with its documented meaning (pivotrl.pipeline.results)

@@ -168,6 +168,10 @@ def test_compare_policies_pairs_on_the_same_tasks_and_states():
     assert (lp["only_a"], lp["only_b"], lp["p_value"], lp["verdict"]) == (0, 0, 1.0, "no significant difference")
     md = "\n".join(comparison_markdown(stats))
     assert "| pivotrl | 0.500 (5/10, 95% CI 0.237–0.763) |" in md and "no significant difference" in md
+    lo, hi = paired_difference_interval(1, 4, 0, 5)
+    assert (f"- pivotrl vs reference (task success): A − B +0.400 (95% CI {lo:+.3f}–{hi:+.3f}; n = 10; only A 4, "
+            "only B 0); exact McNemar p = 0.125: no significant difference") in md.splitlines()
+    assert max(len(line) for line in md.splitlines() if line.startswith("|")) <= 100  # fits the Prefect UI
     # The report's opening verdict: PivotRL against the reference, each measure with Δ, interval, test, p, n.
     lo, hi = paired_difference_interval(1, 4, 0, 5)
     opening = verdict_lines(stats, names={"reference": "π_ref"})
@@ -216,3 +220,22 @@ def test_turn_pass_of_a_policy_that_passed_nothing_says_which_interval():
     assert base["rate"] == 0.0 and base["high"] == pytest.approx(wilson_interval(0, 12)[1])
     assert base["interval"].startswith("Wilson over units")
     assert stats["full_task"]["per_policy"]["pivotrl"]["turn_pass"]["interval"] == "bootstrap over units 95%"
+
+
+def test_bootstrap_difference_of_two_independent_samples():
+    from pivotrl.evaluation.stats import bootstrap_difference_interval
+
+    # Two units a side: a resampled mean takes min, mid or max (p = 1/4, 1/2, 1/4), so the 2.5 % and
+    # 97.5 % points of the difference are (min a − max b) and (max a − min b), each of probability 1/16.
+    est, lo, hi = bootstrap_difference_interval([0.09375, 0.40625], [0.15625, 0.1875])
+    assert est == pytest.approx(0.25 - 0.171875)
+    assert (lo, hi) == (pytest.approx(0.09375 - 0.1875), pytest.approx(0.40625 - 0.15625))
+    # Fewer than two units, or no spread at all: no interval (a zero-width one would claim certainty).
+    assert math.isnan(bootstrap_difference_interval([0.5], [0.1, 0.2])[1])
+    est, lo, hi = bootstrap_difference_interval([0.0, 0.0, 0.0], [0.0, 0.0])
+    assert est == 0.0 and math.isnan(lo) and math.isnan(hi)
+    assert all(math.isnan(x) for x in bootstrap_difference_interval([], [1.0]))
+    # Seeded: the same call gives the same interval; a clear shift excludes 0.
+    a, b = [0.6, 0.7, 0.8, 0.65, 0.75], [0.1, 0.2, 0.15, 0.05, 0.1]
+    assert bootstrap_difference_interval(a, b, seed=3) == bootstrap_difference_interval(a, b, seed=3)
+    assert bootstrap_difference_interval(a, b)[1] > 0
