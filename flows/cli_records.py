@@ -45,8 +45,7 @@ def export(pivots: str = typer.Argument(..., help="URI of a pivots.parquet (its 
            overrides: Optional[list[str]] = typer.Option(None, "--set", "-s", metavar="KEY=VALUE", help="Override a config key (repeatable)."),
            agent: str = typer.Option("single_step_tool_use_with_argument_comparison_agent", "--agent", metavar="NAME",
                                      help="agent_ref.name of every row."),
-<<<<<<< HEAD
-           tokenizer: Optional[str] = typer.Option(None, "--tokenizer",
+           tokenizer: Optional[str] = typer.Option(None, "--tokenizer", metavar="PATH",
                                                    help="Tokenizer of the model to be trained (default: model.source)."),
            allow_stop_decisions: bool = typer.Option(
                False, "--allow-stop-decisions",
@@ -54,12 +53,6 @@ def export(pivots: str = typer.Argument(..., help="URI of a pivots.parquet (its 
     """Write a pivot set as NeMo Gym / NeMo RL PivotRL rows, after checking it (inputs as their
     manifests record them, more than one reward per pivot, same verifier and chat template as at
     probing, expert actions only, no stop decisions unless --allow-stop-decisions)."""
-=======
-           tokenizer: Optional[str] = typer.Option(None, "--tokenizer", metavar="PATH",
-                                                   help="Tokenizer of the model to be trained (default: model.source).")) -> None:
-    """Write a pivot set as NeMo Gym / NeMo RL PivotRL rows, after checking it (more than one reward
-    per pivot, same verifier and chat template as at probing, expert actions only)."""
->>>>>>> ux
     from pivotrl.config import load_config
     from pivotrl.errors import ConfigError, DataError, ModelError, StorageError
     from pivotrl.interop.export import export_pivots

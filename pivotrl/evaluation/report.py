@@ -448,13 +448,9 @@ def _markdown(report: Mapping[str, Any], rows: list[dict[str, Any]], plots: Mapp
     else:
         lines += _trend_lines(training)
         if "reward_curve" in plots:
-<<<<<<< HEAD
-            lines += ["", f"![mean reward per training step]({plots['reward_curve']})"]
+            lines += ["", f"![training reward per step with its rolling mean and 95% interval]({plots['reward_curve']})"]
     if learning_lines:
         lines += ["", *learning_lines]
-=======
-            lines += ["", f"![training reward per step with its rolling mean and 95% interval]({plots['reward_curve']})"]
->>>>>>> ux
     lines += ["", "## Known limits", ""]
     lines += [f"- {limit}" for limit in report["known_limits"]]
     lines.append("")
