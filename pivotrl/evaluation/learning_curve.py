@@ -158,13 +158,13 @@ def write_learning_curve(metrics_df: pd.DataFrame | None, out_dir: str | Path, *
         lines.append(f"Held-out accuracy (greedy, 95% Wilson intervals) during training: {pts}.")
     else:
         lines.append("Held-out accuracy was not measured during training (training.eval_every = 0).")
-    if curve["reward"]:
+    if curve["reward"]:  # the trend of the reward is the training section's; here, where the rolling mean ended
         last = curve["reward"][-1]
-        lines.append(f"Reward, rolling mean over {curve['window']} steps at the last step: {last['rolling_mean']:.3f} "
-                     f"(95% interval {last['low']:.3f}–{last['high']:.3f}).")
+        lines.append(f"Reward, rolling mean of the final {curve['window']} steps: {last['rolling_mean']:.3f} "
+                     f"(95% Wilson interval over groups {last['low']:.3f}–{last['high']:.3f}).")
     if curve["pivots_left_filter"] is not None:
         lines.append(f"Pivots that left the filter during training: {curve['pivots_left_filter']} of {curve['pivots']} "
-                     f"({curve['pivots_active']} still inside at the last re-filter).")
+                     f"({curve['pivots_active']} still inside after the final re-filter).")
     else:
         lines.append("Pivots that left the filter during training: not measured (training.refilter_between_epochs "
                      "is off or never ran); the pivot-drift table re-probes them after training.")
