@@ -22,27 +22,18 @@
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 from typing import Any, Mapping
 
 import pandas as pd
 
-from pivotrl.evaluation.stats import wilson_interval
+from pivotrl.evaluation.stats import finite_or_none, wilson_interval
 from pivotrl.storage.files import atomic_file
 
 __all__ = ["CURVE_PLOT", "learning_curve", "write_learning_curve"]
 
 CURVE_PLOT = "learning_curve.png"
 DEFAULT_WINDOW = 5
-
-
-def _num(x: Any) -> float | None:
-    try:
-        v = float(x)
-    except (TypeError, ValueError):
-        return None
-    return v if math.isfinite(v) else None
 
 
 def learning_curve(metrics_df: pd.DataFrame | None, *, pivots: int | None = None,
@@ -60,7 +51,7 @@ def learning_curve(metrics_df: pd.DataFrame | None, *, pivots: int | None = None
     heldout: list[dict[str, Any]] = []
 
     def point(step: float, tok: float | None, k: Any, n: Any) -> None:
-        k_, n_ = _num(k), _num(n)
+        k_, n_ = finite_or_none(k), finite_or_none(n)
         if k_ is None or n_ is None or n_ <= 0:
             return
         lo, hi = wilson_interval(int(k_), int(n_))
@@ -81,16 +72,16 @@ def learning_curve(metrics_df: pd.DataFrame | None, *, pivots: int | None = None
         groups = df["groups"] if "groups" in df.columns else pd.Series([1.0] * len(df))
         for i in range(len(df)):
             lo_i = max(0, i - w + 1)
-            rs = [_num(x) for x in df["reward_mean"].iloc[lo_i : i + 1]]
-            ws = [_num(x) or 1.0 for x in acts.iloc[lo_i : i + 1]]
-            gs = [_num(x) or 1.0 for x in groups.iloc[lo_i : i + 1]]
+            rs = [finite_or_none(x) for x in df["reward_mean"].iloc[lo_i : i + 1]]
+            ws = [finite_or_none(x) or 1.0 for x in acts.iloc[lo_i : i + 1]]
+            gs = [finite_or_none(x) or 1.0 for x in groups.iloc[lo_i : i + 1]]
             kept = [(r, a, g) for r, a, g in zip(rs, ws, gs) if r is not None]
             if not kept:
                 continue
             est = sum(r * a for r, a, _ in kept) / sum(a for _, a, _ in kept)
             n_eff = max(1, int(round(sum(g for _, _, g in kept))))
             lo, hi = wilson_interval(int(round(est * n_eff)), n_eff)
-            reward.append({"step": int(df["step"].iloc[i]), "reward_mean": _num(df["reward_mean"].iloc[i]),
+            reward.append({"step": int(df["step"].iloc[i]), "reward_mean": finite_or_none(df["reward_mean"].iloc[i]),
                            "rolling_mean": est, "low": lo, "high": hi})
 
     active = None

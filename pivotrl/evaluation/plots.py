@@ -18,7 +18,9 @@ import math
 import re
 from typing import Any, Callable, Mapping, Sequence
 
-from pivotrl.evaluation.stats import bootstrap_difference_interval, bootstrap_mean_interval, wilson_interval
+from pivotrl.evaluation.stats import (
+    bootstrap_difference_interval, bootstrap_mean_interval, finite_or_none, wilson_interval,
+)
 
 __all__ = ["BAR_MEASURES", "bar_rates", "embed_images", "plot_bars", "plot_curve", "plot_mu", "png_bytes",
            "reward_trend", "rolling_mean", "rolling_window"]
@@ -121,7 +123,7 @@ def plot_mu(fig: Any, mus: Sequence[float], lambda_diff: Any) -> None:
     """Histogram of the reference's success rate μ̂ per probed candidate, with λ_diff marked."""
     ax = fig.add_subplot(1, 1, 1)
     ax.hist(list(mus), bins=[i / 10 for i in range(11)], edgecolor="black")
-    lam = _finite(lambda_diff)
+    lam = finite_or_none(lambda_diff)
     if lam is not None:
         ax.axvline(lam, color="red", linestyle="--", label=f"lambda_diff = {lam:g} (kept: 0 < μ̂ ≤ λ)")
         ax.legend(fontsize=8)
@@ -171,14 +173,6 @@ def png_bytes(draw: Callable[[Any], None], size: tuple[float, float] = (7, 4), d
     buf = io.BytesIO()
     fig.savefig(buf, format="png")
     return buf.getvalue()
-
-
-def _finite(x: Any) -> float | None:
-    try:
-        v = float(x)
-    except (TypeError, ValueError):
-        return None
-    return v if math.isfinite(v) else None
 
 
 # ----------------------------------------------------------------------------------------- markdown

@@ -25,7 +25,7 @@ import math
 import random
 from dataclasses import dataclass
 from statistics import NormalDist
-from typing import Sequence
+from typing import Any, Sequence
 
 from pivotrl.errors import ConfigError
 
@@ -274,3 +274,12 @@ def bootstrap_difference_interval(
     lo = boots[min(n_boot - 1, int(math.floor(alpha * n_boot)))]
     hi = boots[min(n_boot - 1, int(math.ceil((1 - alpha) * n_boot)) - 1)]
     return est, lo, hi
+
+
+def finite_or_none(x: Any) -> float | None:
+    """``x`` as a float when it is a finite number, else None (text, None, NaN, ±inf)."""
+    try:
+        v = float(x)
+    except (TypeError, ValueError):
+        return None
+    return v if math.isfinite(v) else None

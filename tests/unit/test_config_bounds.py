@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import typing
 
 import pytest
 from pydantic import BaseModel, ValidationError
@@ -11,25 +10,12 @@ from pydantic import BaseModel, ValidationError
 from pivotrl.config import RunConfig, load_config
 from pivotrl.config.validate import _type_members
 from pivotrl.errors import ConfigError
-
-
-def _models(cls: type[BaseModel], seen: set[type] | None = None) -> set[type[BaseModel]]:
-    seen = seen if seen is not None else set()
-    if cls not in seen:
-        seen.add(cls)
-        for info in cls.model_fields.values():
-            stack = [info.annotation]
-            while stack:
-                tp = stack.pop()
-                if isinstance(tp, type) and issubclass(tp, BaseModel):
-                    _models(tp, seen)
-                stack.extend(typing.get_args(tp))
-    return seen
+from test_config import _all_models  # the config's models, walked as the config tests walk them
 
 
 def _numeric_fields() -> list[tuple[type[BaseModel], str]]:
     out = []
-    for model in sorted(_models(RunConfig), key=lambda m: m.__name__):
+    for model in sorted(_all_models(RunConfig), key=lambda m: m.__name__):
         for name, info in model.model_fields.items():
             members = _type_members(info.annotation)
             if any(t in (int, float) for t in members) and bool not in members:
