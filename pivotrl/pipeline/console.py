@@ -7,6 +7,7 @@ stop on Ctrl-C / SIGTERM, and a failing stage told in one line (not a library tr
 from __future__ import annotations
 
 import logging
+import re
 from typing import Any, Callable
 
 from pivotrl.errors import PivotRLError
@@ -61,3 +62,35 @@ def start_run_console(cfg: Any, echo: Callable[[str], Any] = print) -> None:
     for line in precision_lines(cfg):
         echo(line)
     quiet_stage_tracebacks()
+
+
+#: A library's log record that belongs in the stage log, not on the console: vLLM's own format
+#: (``INFO 12-02 15:58:31 [file.py:12] ...``, also behind an engine process's ``(EngineCore pid=N)``
+#: prefix) and, in the stage processes' format, another library's INFO/WARNING/DEBUG record
+#: (``2026-12-02 15:54:52,288 botocore.credentials INFO ...``).
+_LIBRARY_RECORD = re.compile(
+    r"^(?:\(\S+ pid=\d+\) )?(?:DEBUG|INFO|WARNING) \d\d-\d\d \d\d:\d\d:\d\d(?:\.\d+)? \["
+    r"|^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+ (?!pivotrl[.\s])\S+ (?:DEBUG|INFO|WARNING) ")
+#: A Python warning (``path.py:12: FutureWarning: ...``); its next line, the source it points at, goes with it.
+_PY_WARNING = re.compile(r"^\S+\.py:\d+: \w*Warning: ")
+
+
+class ConsoleFilter:
+    """Which lines of a stage process's output reach the console: everything but other libraries'
+    routine log records (vLLM engine start-up, storage clients) and Python warnings, which are kept
+    in the stage's log only. Errors, tracebacks, pivotrl's own lines and plain prints stay.
+
+    Call it on each line in order (a warning's source line follows it); True = show it."""
+
+    def __init__(self) -> None:
+        self._after_warning = False
+
+    def __call__(self, line: str) -> bool:
+        if self._after_warning:
+            self._after_warning = False
+            if line.startswith((" ", "\t")):
+                return False
+        if _PY_WARNING.match(line):
+            self._after_warning = True
+            return False
+        return not _LIBRARY_RECORD.match(line)

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from pivotrl.errors import ConfigError, DataError, ModelError, PivotRLError, StorageAccessError, TrainingError
+from pivotrl.pipeline.console import ConsoleFilter
 from pivotrl.pipeline.evaluate_stage import eval_shard
 from pivotrl.pipeline.probe_stage import probe_shard
 from pivotrl.pipeline.registry import STAGES as REGISTRY
@@ -150,7 +151,8 @@ def run_stage_process(stage: str, config: dict[str, Any], inputs: dict[str, Any]
 
     The child leads its own session and process group (a Ctrl-C reaches the CLI, which stops the
     whole tree: pivotrl.pipeline.processes) and kills its group if this process dies. Its output is
-    streamed to this process's stdout and kept in full in :func:`stage_log_path`; start, end and
+    streamed to this process's stdout (other libraries' routine log records and Python warnings
+    excepted: :class:`pivotrl.pipeline.console.ConsoleFilter`) and kept in full in :func:`stage_log_path`; start, end and
     elapsed time are printed. A failure raises StageError with the exit code (negative: the signal
     that killed it), the one-line reason and the log's path. ``attempt``: see :func:`run_stage`.
     """
@@ -176,9 +178,11 @@ def run_stage_process(stage: str, config: dict[str, Any], inputs: dict[str, Any]
                                 start_new_session=True)
         tail: list[str] = []
         assert proc.stdout is not None
+        shown = ConsoleFilter()  # engine start-up and library warnings: in the log only
         try:
             for line in proc.stdout:
-                sys.stdout.write(line)
+                if shown(line):
+                    sys.stdout.write(line)
                 log_file.write(line)
                 log_file.flush()
                 tail = (tail + [line])[-60:]

@@ -42,3 +42,26 @@ def test_disabled_progress_is_silent_and_close_stops_the_heartbeat():
     n = len(lines)
     time.sleep(0.2)
     assert len(lines) == n == 1
+
+
+def test_the_console_shows_the_stage_and_keeps_library_chatter_in_the_log():
+    """A stage process's output on the console: pivotrl's lines, prints, errors and tracebacks;
+    vLLM's engine start-up records, other libraries' routine records and Python warnings go to the
+    stage's log only (the lines below are as vLLM, botocore and Python write them)."""
+    from pivotrl.pipeline.console import ConsoleFilter
+
+    lines = {
+        "INFO 12-02 15:58:31 [__init__.py:216] Automatically detected platform cpu.\n": False,
+        "(EngineCore_DP0 pid=4242) WARNING 12-02 15:58:40 [cpu.py:120] may crash or produce incorrect outputs\n": False,
+        "2026-12-02 15:54:52,288 aiobotocore.credentials INFO Found credentials in environment variables.\n": False,
+        "/x/torch/distributed/c10d.py:85: FutureWarning: `torch.distributed.reduce_op` is deprecated\n": False,
+        "  warnings.warn(\n": False,
+        "2026-12-02 15:55:07,597 pivotrl.progress INFO probing: 8/16 states (50%), ETA 20s\n": True,
+        "[pivotrl] stage probe: started\n": True,
+        "ERROR 12-02 15:58:41 [core.py:700] EngineCore failed to start.\n": True,
+        "Traceback (most recent call last):\n": True,
+        "  File \"x.py\", line 3, in <module>\n": True,
+        "2026-12-02 15:55:07,597 botocore.retries ERROR giving up\n": True,
+    }
+    shown = ConsoleFilter()
+    assert {line: shown(line) for line in lines} == lines
