@@ -217,6 +217,11 @@ class FaultsSection(Section):
         default_factory=list,
         description="Every tool execution for turn states of these trajectory ids fails (drills a shard that cannot finish).",
     )
+    ray_node_loss_shards: list[int] = Field(
+        default_factory=list,
+        description=("On Ray, the node running a probe or evaluation shard of these indices is lost on the "
+                     "shard's first attempt (its raylet is killed; drills node loss; [] = off)."),
+    )
 
 
 # ------------------------------------------------------------------------------------ scale-out
@@ -229,7 +234,9 @@ class ScaleOutSection(Section):
             "retries (null = probe in one task).")
     )
     shard_retries: Int = Field(
-        2, ge=0, description="Retries of a shard task (a retry redoes only the states it could not decide)."
+        2, ge=0, description=(
+            "Retries of a shard task (a retry redoes only the states it could not decide); on Ray, also the "
+            "rounds that rerun the shards whose worker or node was lost (restarting a local cluster).")
     )
     task_runner: Literal["inprocess", "ray"] = Field(
         "inprocess", description=(
