@@ -66,6 +66,7 @@ def load_sources(cfg: RunConfig, quarantine: list[dict[str, Any]],
                  origins: dict[str, str] | None = None) -> list[Trajectory]:
     """Load every configured source; invalid records raise or go to ``quarantine``. ``origins``,
     when given, gets each trajectory id's source (``"data.sources.<i> (<url or categories>)"``)."""
+    from pivotrl.data.audit import audit_parser
     from pivotrl.data.bfcl import load_bfcl
     from pivotrl.data.sources import load_trajectories
 
@@ -82,7 +83,8 @@ def load_sources(cfg: RunConfig, quarantine: list[dict[str, Any]],
             )
             name = f"bfcl categories {', '.join(src.categories)}"
         else:
-            got = load_trajectories(src.url, on_invalid=cfg.data.on_invalid, quarantine=quarantine)
+            got = load_trajectories(src.url, on_invalid=cfg.data.on_invalid, quarantine=quarantine,
+                                    tool_parser=audit_parser(cfg.prompt.tool_parser))
             name = src.url
         if not got:
             bad = len(quarantine) - before
