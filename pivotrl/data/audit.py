@@ -5,7 +5,9 @@ BFCL multi-turn gold (:func:`failure_status`, :func:`audit_bfcl_replay`)
     whose output is an execution error (``"Error during execution: ..."``) or a failure status
     (a JSON object with an ``"error"`` key, or a ``*status``/``success`` key that is ``false``) is a
     *flag*; so is a second replay from the same ``initial_config`` that does not give the same
-    outputs and final state. Flags go to ``trajectory.meta["audit_flags"]`` (one string each,
+    outputs and final state, and so is a *no-op* gold call (``pivotrl.data.bfcl``): a call of a
+    method that changes the environment's state in some other gold replay of the category but
+    leaves it unchanged here (e.g. ``{"retweet_status": "Already retweeted"}``). Flags go to ``trajectory.meta["audit_flags"]`` (one string each,
     naming turn, call and reason). A flagged task stays loadable but is kept out of the warm start,
     the pivot candidates and the evaluation unless ``quality.keep_flagged`` is set.
 
