@@ -348,8 +348,17 @@ class StopChildOnInterrupt:
             return False
         try:
             if self.signalled:
-                self._stop(signal.SIGTERM)  # the whole tree, with what the child started meanwhile
-                left = stop_tree(self._tree, self.grace_s)
+                import psutil
+
+                # The tree seen at the signal, with what it started since (psutil.Process objects:
+                # a pid reused after the child was waited for is not signalled).
+                tree = list(self._tree)
+                for p in self._tree:
+                    try:
+                        tree += p.children(recursive=True)
+                    except psutil.Error:
+                        pass
+                left = stop_tree(tree, self.grace_s)
                 _signal_all(left, signal.SIGKILL)
         finally:
             signal.signal(signal.SIGINT, self._previous)
