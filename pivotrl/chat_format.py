@@ -62,7 +62,9 @@ class ResolvedFormat:
         format: "pythonic" or "chat_template".
         tool_parser: name in :data:`pivotrl.tool_parsers.TOOL_PARSERS`.
         tools_in_template: the template renders ``tools=`` and ``tool_calls`` itself.
-        prefix_stable: every state's rendering is a prefix of the next turn's (see module doc).
+        prefix_stable: every state's rendering is a prefix of the next turn's (see module doc), on a
+            probe conversation with and without a ``<think>`` block in an earlier answer (a template
+            that drops earlier reasoning, as Qwen3's does, is not prefix-stable).
         template_hash: first 16 hex digits of sha256 of the chat template ("" hashed if none).
         stop_ids: token ids that end a turn (tokenizer eos + generation config eos).
     """
@@ -119,6 +121,18 @@ def _probe_messages() -> list[Message]:
             Message(role="assistant", content="A2")]
 
 
+#: The reasoning block the prefix-stability probe puts in an earlier assistant turn.
+_PROBE_THINKING = "<think>\nP1\n</think>\n\n"
+
+
+def _reasoning_probe_messages() -> list[Message]:
+    """The probe conversation with a reasoning block in the answer before the second user turn:
+    a template that drops earlier turns' ``<think>`` blocks (Qwen3's) re-renders that turn once a
+    later user turn follows, so it is not prefix-stable."""
+    msgs = _probe_messages()
+    return [Message(role="assistant", content=_PROBE_THINKING + m.content) if m.content == "A1" else m for m in msgs]
+
+
 def _renders_tools(tokenizer: Any) -> bool:
     try:
         text = tokenizer.apply_chat_template([{"role": "user", "content": "U"}], tools=[_PROBE_TOOL.to_dict()],
@@ -129,12 +143,18 @@ def _renders_tools(tokenizer: Any) -> bool:
 
 
 def _probe(tokenizer: Any, fmt: ResolvedFormat) -> tuple[bool, str]:
-    """(prefix-stable, "" or why the parser failed) for the probe conversation under ``fmt``."""
+    """(prefix-stable, "" or why the parser failed) for the probe conversation under ``fmt``.
+
+    Prefix-stable: both the probe conversation and the same with a reasoning block in an earlier
+    answer (:func:`_reasoning_probe_messages`) render every turn as a prefix of the next."""
     msgs = _probe_messages()
     conv, tools = _convert(msgs, [_PROBE_TOOL], fmt, tool_style="compact", max_tool_output_chars=10_000)
     pieces, stable = _pieces(tokenizer, conv, tools, gen=False, where="chat template probe")
     if not stable:
         return False, ""
+    thinking, _ = _convert(_reasoning_probe_messages(), [_PROBE_TOOL], fmt, tool_style="compact",
+                           max_tool_output_chars=10_000)
+    stable = _pieces(tokenizer, thinking, tools, gen=False, where="chat template probe")[1]
     parser = get_tool_parser(fmt.tool_parser)
     demos = [m for m in msgs if m.role == "assistant"]
     actions = [p for p in pieces if p.end]
@@ -142,12 +162,12 @@ def _probe(tokenizer: Any, fmt: ResolvedFormat) -> tuple[bool, str]:
         try:
             got = parser.parse(piece.text, [_PROBE_TOOL])
         except ActionParseError as e:
-            return True, f"{piece.text!r}: {e}"
+            return stable, f"{piece.text!r}: {e}"
         want = tuple(ToolCall(c.name, dict(c.arguments)) for c in demo.tool_calls)
         if tuple(ToolCall(c.name, dict(c.arguments)) for c in got.tool_calls) != want or (
                 not want and got.content != demo.content):
-            return True, f"{piece.text!r} parsed as {got.to_dict() if hasattr(got, 'to_dict') else got}"
-    return True, ""
+            return stable, f"{piece.text!r} parsed as {got.to_dict() if hasattr(got, 'to_dict') else got}"
+    return stable, ""
 
 
 def resolve_format(tokenizer: Any, format: str = "auto", tool_parser: str = "auto") -> ResolvedFormat:

@@ -10,8 +10,12 @@ the agreement with vLLM's classes on a corpus of outputs).
     ``[f(x=1), g(y='a')]`` — pivotrl's own action format (:mod:`pivotrl.actions`).
 ``hermes``
     ``<tool_call>\\n{"name": "f", "arguments": {"x": 1}}\\n</tool_call>``, one block per call
-    (Qwen2.5, Hermes). Text before the first block is the message's content; a last block may be
-    left unclosed (as vLLM reads it).
+    (Qwen2.5, Hermes). Text around the blocks, as vLLM's ``hermes`` parser reads it: the text
+    before the first ``<tool_call>`` is the message's content (stripped here; vLLM keeps it as
+    written, and an empty one is ``None`` there); text between two blocks and text after the last
+    closed block is dropped (neither content nor a call); a ``<tool_call>`` after it opens one
+    more block, and a last block may be left unclosed (it runs to the end of the text). A
+    ``</tool_call>`` inside a JSON string ends its block early (both parsers).
 ``llama3_json``
     ``{"name": "f", "parameters": {"x": 1}}``; several calls separated by ``"; "`` (Llama 3.1/3.2).
     ``"arguments"`` is accepted for ``"parameters"``. As vLLM reads it, every top-level JSON
@@ -170,7 +174,10 @@ _HERMES_BLOCK = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)", re.S
 
 @TOOL_PARSERS.register("hermes")
 class HermesParser:
-    """``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`` blocks (Qwen2.5, Hermes)."""
+    """``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`` blocks (Qwen2.5, Hermes).
+
+    Content is the stripped text before the first block; text between and after blocks is
+    dropped; see the module docstring for the whole rule (vLLM's)."""
 
     name = "hermes"
     instruction = (

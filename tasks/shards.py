@@ -29,7 +29,14 @@ from pivotrl.tasks.stages import RESULTS_DIR, config_of, run_once, retry_unless_
 
 
 class ShardsFailed(PivotRLError, RuntimeError):
-    """Some shard task runs ended Failed; the message names each one and why."""
+    """Some shard task runs ended Failed; the message names each one and why. ``lost``: the
+    indices of the shards that ended Crashed (on Ray: their worker process, node or the driver's
+    raylet was lost, so the task's own retries never ran); ``failed``: the others."""
+
+    def __init__(self, message: str, *, lost: list[int] | None = None, failed: list[int] | None = None) -> None:
+        super().__init__(message)
+        self.lost = list(lost or [])
+        self.failed = list(failed or [])
 
 
 def shard_cache_key(_ctx: Any, params: dict[str, Any]) -> str:
@@ -64,11 +71,28 @@ def run_shard(stage: str, config: dict[str, Any], inputs: dict[str, Any], shard:
 
         import ray
 
+        if shard.get("index") in cfg.faults.ray_node_loss_shards:
+            _lose_this_node(make_store(cfg), shard)
         set_threads(cfg.rollout.num_threads)
         out = in_worker(cfg, make_store(cfg, attempt=attempt))
         return {**out, "worker": {"pid": os.getpid(), "node": ray.get_runtime_context().get_node_id()}}
     return run_stage_process(stage, config, {**inputs, "shard": shard}, threads=cfg.rollout.num_threads,
                              attempt=attempt)
+
+
+def _lose_this_node(store: Any, shard: dict[str, Any]) -> None:
+    """The ``faults.ray_node_loss_shards`` drill, on a shard's first attempt (a marker object in the
+    store says it happened): SIGKILL this worker's raylet (the process that started it), so the node
+    is lost with the shard on it, then end this worker."""
+    import os
+    import signal
+
+    marker = f"{shard['key']}/node-loss-drill.json"
+    if store.exists(marker):
+        return
+    store.write_json(marker, {"raylet": os.getppid()})
+    os.kill(os.getppid(), signal.SIGKILL)
+    os._exit(1)
 
 
 @task(name="probe-plan", persist_result=False)
@@ -161,7 +185,9 @@ def shard_resources(config: Mapping[str, Any]) -> Iterator[None]:
         return
     from prefect_ray.context import remote_options
 
-    opts: dict[str, Any] = {"num_cpus": so.ray_cpus_per_shard}
+    # No retry by Ray itself (it would rerun the task under the same Prefect task run): a shard whose
+    # worker or node is lost ends Crashed, and the flow reruns it (pivotrl.flows.shards).
+    opts: dict[str, Any] = {"num_cpus": so.ray_cpus_per_shard, "max_retries": 0}
     if so.ray_gpus_per_shard:
         opts["num_gpus"] = so.ray_gpus_per_shard
     with remote_options(**opts):
@@ -172,17 +198,18 @@ def wait_for_shards(futures: list[Any], plan: dict[str, Any], what: str = "probe
     """The results of every shard future, in plan order; raises ShardsFailed naming each failed
     shard (index, key and its failure message, e.g. the states it could not decide). ``what``:
     the kind of shards, for the message ("probe", "evaluation")."""
-    results, failed = [], []
+    results, failed, lost, other = [], [], [], []
     for shard, fut in zip(plan["shards"], futures):
         fut.wait()
         state = fut.state
         if state.is_completed():
             results.append(fut.result())
         else:
+            (lost if state.is_crashed() else other).append(shard["index"])
             failed.append(f"shard {shard['index']} ({shard['key']}): {state.name}: {state.message or ''}".strip())
     if failed:
         raise ShardsFailed(f"{len(failed)} of {len(futures)} {what} shards failed; run the flow again to retry "
-                           "only them:\n" + "\n".join(failed))
+                           "only them:\n" + "\n".join(failed), lost=lost, failed=other)
     return results
 
 

@@ -182,7 +182,7 @@ class QualitySection(Section):
     )
     keep_flagged: bool = Field(
         False,
-        description="Keep tasks the data audit flagged (failing gold calls) in warm start, pivots and evaluation.",
+        description="Keep tasks the data audit flagged (failing or no-op gold calls) in warm start, pivots and evaluation.",
     )
     out_of_domain: list[str] = Field(
         default_factory=lambda: ["parallel"],
@@ -233,6 +233,11 @@ class FaultsSection(Section):
         default_factory=list,
         description="Every tool execution for turn states of these trajectory ids fails (drills a shard that cannot finish).",
     )
+    ray_node_loss_shards: list[int] = Field(
+        default_factory=list,
+        description=("On Ray, the node running a probe or evaluation shard of these indices is lost on the "
+                     "shard's first attempt (its raylet is killed; drills node loss; [] = off)."),
+    )
 
 
 # ------------------------------------------------------------------------------------ scale-out
@@ -245,7 +250,9 @@ class ScaleOutSection(Section):
             "retries (null = probe in one task).")
     )
     shard_retries: Int = Field(
-        2, ge=0, description="Retries of a shard task (a retry redoes only the states it could not decide)."
+        2, ge=0, description=(
+            "Retries of a shard task (a retry redoes only the states it could not decide); on Ray, also the "
+            "rounds that rerun the shards whose worker or node was lost (restarting a local cluster).")
     )
     task_runner: Literal["inprocess", "ray"] = Field(
         "inprocess", description=(

@@ -29,7 +29,10 @@ Single-turn categories (``simple_python``, ``multiple``, ``parallel``, ``paralle
     classes; ``meta["ground_truth"]`` = the per-turn call strings; ``meta["stop_text"]`` = "Done."
     (the closing turns are stop decisions, :mod:`pivotrl.verifiers.text_rules`). The gold calls are
     replayed twice: failing calls and replays that do not reproduce are listed in
-    ``meta["audit_flags"]`` (:mod:`pivotrl.data.audit`).
+    ``meta["audit_flags"]`` (:mod:`pivotrl.data.audit`), and so are *no-op* gold calls: a call of a
+    method that changes the environment's state in some gold replay of the category's file but
+    leaves it unchanged here (logging in when logged in, adding a stock already on the watchlist,
+    setting a budget to its value, "Already retweeted").
 
 Tool schemas: BFCL writes object types as ``"dict"``; they are rewritten to JSON-schema ``"object"``
 (everywhere in the schema). Other BFCL type names (``"float"``, ``"tuple"``, ``"any"``) are kept.
@@ -49,7 +52,7 @@ from pathlib import Path
 from typing import Any, Literal, Mapping, Sequence
 
 from pivotrl.actions import format_call, parse_call
-from pivotrl.data.audit import AUDIT_FLAGS_KEY, audit_bfcl_replay
+from pivotrl.data.audit import AUDIT_FLAGS_KEY, audit_bfcl_replay, failure_status
 from pivotrl.data.schema import Message, ToolCall, ToolSpec, Trajectory, file_sha256
 from pivotrl.data.sources import validate_trajectory
 from pivotrl.envs.bfcl import BFCL_CLASSES, BFCLEnvironment, method_parameter_names
@@ -267,9 +270,17 @@ class _FuncDocs:
         return self._sigs[class_name]
 
 
+def _state(env: BFCLEnvironment) -> str:
+    return json.dumps(env.snapshot(), sort_keys=True, default=str)
+
+
 def _multi_turn(
-    record: Mapping[str, Any], answer: Mapping[str, Any], category: str, where: str, docs: _FuncDocs
+    record: Mapping[str, Any], answer: Mapping[str, Any], category: str, where: str, docs: _FuncDocs,
+    mutating: frozenset[str] | None = None, effects: list[tuple[str, bool]] | None = None,
 ) -> Trajectory:
+    """One multi-turn task (module docstring). ``mutating``: the methods that change the state in
+    some gold replay of the category (a call of one that changes nothing is flagged a no-op);
+    ``effects``, when given, gets (method, changed the state) for each gold call."""
     classes = record.get("involved_classes")
     if not isinstance(classes, list) or not classes:
         raise DataError(f"{where}.involved_classes: missing or empty")
@@ -290,6 +301,7 @@ def _multi_turn(
     gold: list[ToolCall] = []
     outputs: list[str] = []
     call_where: list[str] = []
+    noops: list[str] = []
     for turn, turn_calls in enumerate(gt):
         messages.extend(_question_messages(record, turn, where))
         if not isinstance(turn_calls, list):
@@ -305,7 +317,14 @@ def _multi_turn(
                 raise DataError(f"{field}: {text!r} calls an unknown tool or parameter ({unknown or parsed.name})")
             call = ToolCall(name=parsed.name, arguments=parsed.arguments, id=f"call_{n_call}")
             n_call += 1
+            before = _state(env)
             output = env.execute(call)
+            changed = _state(env) != before
+            if effects is not None:
+                effects.append((call.name, changed))
+            if mutating is not None and call.name in mutating and not changed and not failure_status(output):
+                noops.append(f"turn {turn} call {k} {format_call(call)!r}: no-op: {call.name} changes the "
+                             f"environment in other gold replays, not here (output: {output[:120]})")
             gold.append(call)
             outputs.append(output)
             call_where.append(f"turn {turn} call {k}")
@@ -314,7 +333,7 @@ def _multi_turn(
         messages.append(Message(role="assistant", content=CLOSING_TEXT))
     again = BFCLEnvironment.from_context(env_ctx, docs.root)
     flags = audit_bfcl_replay((outputs, env.snapshot()), (again.execute_all(gold), again.snapshot()),
-                              call_where, [format_call(c) for c in gold])
+                              call_where, [format_call(c) for c in gold]) + noops
     meta: dict[str, Any] = {"ground_truth": [list(t) for t in gt], "stop_text": CLOSING_TEXT}
     if flags:
         meta[AUDIT_FLAGS_KEY] = flags
@@ -332,6 +351,21 @@ def _multi_turn(
 
 
 # --------------------------------------------------------------------------------------------- load
+
+
+def _mutating_methods(records: Sequence[Mapping[str, Any]], answers: Mapping[Any, Mapping[str, Any]],
+                      category: str, fname: str, docs: _FuncDocs) -> frozenset[str]:
+    """The methods whose gold calls change the environment's state in some task of the category's
+    whole file (whatever ``limit_per_category`` keeps; records that do not convert are skipped)."""
+    effects: list[tuple[str, bool]] = []
+    for record in records:
+        rid = record.get("id")
+        if rid in answers:
+            try:
+                _multi_turn(record, answers[rid], category, f"{fname} {rid!r}", docs, effects=effects)
+            except DataError:
+                continue
+    return frozenset(name for name, changed in effects if changed)
 
 
 def load_bfcl(
@@ -365,6 +399,8 @@ def load_bfcl(
         fname = f"BFCL_v4_{category}.json"
         records = _read_jsonl(data / fname)
         answers = {a.get("id"): a for a in _read_jsonl(data / "possible_answer" / fname)}
+        mutating = _mutating_methods(records, answers, category, fname, docs) \
+            if category in MULTI_TURN_CATEGORIES else None
         if limit_per_category is not None:
             records = records[:limit_per_category]
         for record in records:
@@ -374,7 +410,7 @@ def load_bfcl(
                 if rid not in answers:
                     raise DataError(f"{where}: no ground truth in possible_answer/{fname}")
                 if category in MULTI_TURN_CATEGORIES:
-                    traj = _multi_turn(record, answers[rid], category, where, docs)
+                    traj = _multi_turn(record, answers[rid], category, where, docs, mutating=mutating)
                 else:
                     traj = _single_turn(record, answers[rid], category, where)
                 validate_trajectory(traj, where=where)

@@ -218,8 +218,11 @@ def load_trajectories(
     url: str,
     on_invalid: OnInvalid = "error",
     quarantine: list[dict[str, Any]] | None = None,
+    tool_parser: str = "pythonic",
 ) -> list[Trajectory]:
-    """Read and validate demonstrations from a JSONL or Parquet file at an fsspec URL.
+    """Read and validate demonstrations from a JSONL or Parquet file at an fsspec URL; every
+    demonstration action must parse with ``tool_parser`` (the run's, see
+    :func:`pivotrl.data.audit.audit_parser`).
 
     Returns the valid trajectories in file order. With ``on_invalid="error"`` the first bad record
     raises DataError (``"<url> line 7 (id 'x').messages[2].tool_call_id: ..."``); with
@@ -248,7 +251,7 @@ def load_trajectories(
                 obj = row_to_record(obj, where)
             traj = Trajectory.from_dict(obj, where=where)
             validate_trajectory(traj, where=f"{where} {traj.id!r}")
-            audit_chat_record(traj, where=f"{where} {traj.id!r}")
+            audit_chat_record(traj, where=f"{where} {traj.id!r}", tool_parser=tool_parser)
             if traj.id in seen:
                 raise DataError(
                     f"{where} {traj.id!r}.id: duplicate trajectory id {traj.id!r} (first at {seen[traj.id]})"

@@ -4,7 +4,7 @@ Outputs (under ``demos/<key>/``):
 - ``trajectories.parquet``: one row per trajectory (id, source, category, split, record JSON);
 - ``quarantine.jsonl``: skipped invalid records (only when ``data.on_invalid = "quarantine"``);
 - ``flagged.jsonl``: tasks the data audit flagged (``pivotrl.data.audit``: failing gold calls,
-  replays that do not reproduce), one ``{"id", "category", "flags"}`` per line (only when some are);
+  no-op gold calls, replays that do not reproduce; counted by kind in ``counts["flags_by_kind"]``), one ``{"id", "category", "flags"}`` per line (only when some are);
   unless ``quality.keep_flagged`` they get the split "flagged", so no warm start, pivot or
   evaluation ever sees them;
 - ``candidates.parquet``: one row per assistant turn, with its split, in the candidates form of
@@ -56,6 +56,20 @@ def demos_key(cfg: RunConfig) -> str:
     )[:16]
 
 
+def flag_kinds(flagged: list[Any]) -> dict[str, int]:
+    """How many audit flags of ``flagged`` trajectories are of each kind: ``failing_call`` (an error
+    or failure status), ``no_op`` (a gold call that changes nothing where it should) and
+    ``not_reproduced`` (a second replay differs)."""
+    from pivotrl.data.audit import AUDIT_FLAGS_KEY
+
+    kinds: Counter[str] = Counter()
+    for t in flagged:
+        for f in t.meta[AUDIT_FLAGS_KEY]:
+            kinds["no_op" if ": no-op: " in f else "not_reproduced" if f.startswith("replay does not reproduce")
+                  else "failing_call"] += 1
+    return {k: kinds.get(k, 0) for k in ("failing_call", "no_op", "not_reproduced")}
+
+
 def bad_records(quarantine: list[dict[str, Any]]) -> int:
     """How many entries of ``quarantine`` are bad records: its notes (``"note": true``, e.g. "all 2
     records of data.sources.0 were quarantined") are not counted."""
@@ -66,6 +80,7 @@ def load_sources(cfg: RunConfig, quarantine: list[dict[str, Any]],
                  origins: dict[str, str] | None = None) -> list[Trajectory]:
     """Load every configured source; invalid records raise or go to ``quarantine``. ``origins``,
     when given, gets each trajectory id's source (``"data.sources.<i> (<url or categories>)"``)."""
+    from pivotrl.data.audit import audit_parser
     from pivotrl.data.bfcl import load_bfcl
     from pivotrl.data.sources import load_trajectories
 
@@ -82,7 +97,8 @@ def load_sources(cfg: RunConfig, quarantine: list[dict[str, Any]],
             )
             name = f"bfcl categories {', '.join(src.categories)}"
         else:
-            got = load_trajectories(src.url, on_invalid=cfg.data.on_invalid, quarantine=quarantine)
+            got = load_trajectories(src.url, on_invalid=cfg.data.on_invalid, quarantine=quarantine,
+                                    tool_parser=audit_parser(cfg.prompt.tool_parser))
             name = src.url
         if not got:
             bad = len(quarantine) - before
@@ -169,6 +185,7 @@ def build_demonstrations(cfg: RunConfig, store: ArtifactStore) -> dict[str, Any]
         "flagged": len(flagged),
         "flagged_ids": sorted(t.id for t in flagged),
         "flagged_kept": bool(cfg.quality.keep_flagged),
+        "flags_by_kind": flag_kinds(flagged),
         "candidates_per_kind": dict(Counter(kinds)),
         "text_turns_skipped_no_rule": kinds.count("text_no_rule"),
     }

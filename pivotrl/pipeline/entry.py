@@ -158,11 +158,14 @@ def run_stage_process(stage: str, config: dict[str, Any], inputs: dict[str, Any]
     """
     log_path = stage_log_path(config, stage)
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    from pivotrl.pipeline.processes import stage_tempdir
+    from pivotrl.pipeline.processes import StopChildOnInterrupt, stage_tempdir
 
     # The spec (the whole config) and the result live in a temporary directory removed on success,
     # failure, KeyboardInterrupt and a stop by the CLI's signal handler (processes.stage_tempdir).
-    with stage_tempdir(stage) as tmp, announce(stage, log_path), open(log_path, "w", encoding="utf-8") as log_file:
+    # A Ctrl-C without the CLI's handler stops the child wherever it lands, even mid-Popen
+    # (processes.StopChildOnInterrupt), and ends in KeyboardInterrupt once the child is gone.
+    with (StopChildOnInterrupt() as interrupt, stage_tempdir(stage) as tmp, announce(stage, log_path),
+          open(log_path, "w", encoding="utf-8") as log_file):
         spec = tmp / "spec.json"
         out = tmp / "result.json"
         spec.write_text(json.dumps({"config": config, "inputs": inputs, "output": str(out), "attempt": attempt}))
@@ -176,6 +179,7 @@ def run_stage_process(stage: str, config: dict[str, Any], inputs: dict[str, Any]
         proc = subprocess.Popen([sys.executable, "-m", "pivotrl.pipeline.entry", stage, "--spec", str(spec)],
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=child_env, text=True,
                                 start_new_session=True)
+        interrupt.watch(proc.pid)
         tail: list[str] = []
         assert proc.stdout is not None
         shown = ConsoleFilter()  # engine start-up and library warnings: in the log only

@@ -15,6 +15,11 @@ processes, DeepSpeed ranks, sandbox workers (their own sessions too). Three mech
   signal SIGKILLs the tree and exits at once. Stages publish artifacts atomically (temporary key,
   then move; a ``_COMPLETE`` marker last), so a stop leaves nothing half-written visible and the
   next run resumes from what was published.
+- :class:`StopChildOnInterrupt`: without the CLI's handler (a flow run in a worker, a script),
+  :func:`pivotrl.pipeline.entry.run_stage_process` takes SIGINT over while it starts and streams a
+  stage: the stage's tree is stopped wherever the signal lands (Python's own handler raised
+  KeyboardInterrupt inside ``subprocess.Popen`` after the fork, leaving the started stage running)
+  and KeyboardInterrupt is raised once it is gone.
 - :func:`watch_parent`: a stage process kills its own process group when its parent dies (e.g. the
   CLI was SIGKILLed), so no stage outlives its run.
 
@@ -264,3 +269,99 @@ def watch_parent(interval_s: float = 1.0) -> threading.Thread | None:
     t = threading.Thread(target=watch, name="watch-parent", daemon=True)
     t.start()
     return t
+
+
+class StopChildOnInterrupt:
+    """A Ctrl-C, while a process waits for one child (a stage process): stop the child, then raise
+    KeyboardInterrupt where it is safe. Used as ``with StopChildOnInterrupt() as stop: ...
+    stop.watch(proc.pid)``.
+
+    Python's own SIGINT handler raises KeyboardInterrupt wherever the main thread is: inside
+    ``subprocess.Popen`` after the fork (the child is started but no ``proc`` is returned, so
+    nothing stops it), between the ``Popen`` and the ``try`` that would stop it, or inside a
+    finalizer run by the garbage collector, where the exception is printed and swallowed (the
+    process then waits on the child as if nothing happened). Within the block this class's
+    handler raises nothing: the first SIGINT sends SIGTERM to the child's tree (at once if its pid
+    is known, else when :meth:`watch` gets it), a watcher thread SIGKILLs what is left after
+    ``grace_s`` (seconds), a second SIGINT SIGKILLs at once; the block's end waits for the child's
+    tree to be gone and raises KeyboardInterrupt (in place of the error the stopped child caused).
+
+    Only installed where SIGINT has Python's default handler and in the main thread; elsewhere (the
+    CLI's :class:`StopOnSignal` is installed, a worker thread) the block changes nothing."""
+
+    def __init__(self, grace_s: float = 3.0) -> None:
+        self.grace_s = grace_s
+        self.signalled = 0
+        self.pid: int | None = None
+        self._tree: list[Any] = []
+        self._installed = False
+        self._previous: Any = None
+        self._watcher: threading.Thread | None = None
+        self._done = False
+
+    def __enter__(self) -> "StopChildOnInterrupt":
+        if (threading.current_thread() is threading.main_thread()
+                and signal.getsignal(signal.SIGINT) is signal.default_int_handler):
+            self._previous = signal.signal(signal.SIGINT, self._handle)
+            self._installed = True
+        return self
+
+    def _handle(self, _signum: int, _frame: Any) -> None:
+        self.signalled += 1
+        self._stop(signal.SIGTERM if self.signalled == 1 else signal.SIGKILL)
+
+    def _stop(self, sig: int) -> None:
+        if self.pid is None:
+            return
+        import psutil
+
+        try:
+            self._tree = [psutil.Process(self.pid)] + descendants(self.pid) + self._tree
+        except psutil.Error:
+            pass
+        _signal_all(self._tree, sig)
+
+    def watch(self, pid: int) -> None:
+        """The child to stop: a SIGINT received before this call stops it now."""
+        self.pid = pid
+        if not self._installed:
+            return
+        if self.signalled:
+            self._stop(signal.SIGTERM)
+
+        def kill_after_grace() -> None:
+            import psutil
+
+            while not self.signalled:
+                if not psutil.pid_exists(pid) or self._done:
+                    return
+                time.sleep(0.05)
+            _, alive = psutil.wait_procs(list(self._tree), timeout=self.grace_s)
+            _signal_all(alive, signal.SIGKILL)
+
+        self._watcher = threading.Thread(target=kill_after_grace, name="stop-child", daemon=True)
+        self._watcher.start()
+
+    def __exit__(self, exc_type: Any, _exc: Any, _tb: Any) -> bool:
+        self._done = True
+        if not self._installed:
+            return False
+        try:
+            if self.signalled:
+                import psutil
+
+                # The tree seen at the signal, with what it started since (psutil.Process objects:
+                # a pid reused after the child was waited for is not signalled).
+                tree = list(self._tree)
+                for p in self._tree:
+                    try:
+                        tree += p.children(recursive=True)
+                    except psutil.Error:
+                        pass
+                left = stop_tree(tree, self.grace_s)
+                _signal_all(left, signal.SIGKILL)
+        finally:
+            signal.signal(signal.SIGINT, self._previous)
+        if self.signalled and (exc_type is None or not issubclass(exc_type, KeyboardInterrupt)):
+            raise KeyboardInterrupt  # a stopped child's failure is the interrupt, not a stage error
+        return False

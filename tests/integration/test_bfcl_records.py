@@ -22,7 +22,17 @@ from pivotrl.verifiers import get_verifier
 pytestmark = pytest.mark.data
 
 #: multi_turn_base tasks whose gold calls report a failure when replayed (found by the audit).
-FLAGGED = ["multi_turn_base_153", "multi_turn_base_154", "multi_turn_base_181", "multi_turn_base_188"]
+FAILING = ["multi_turn_base_153", "multi_turn_base_154", "multi_turn_base_181", "multi_turn_base_188"]
+#: ... and those with a no-op gold call: a call of a method that changes the state in other tasks'
+#: gold but not here (logged in again, a stock already on the watchlist, the same budget, a retweet
+#: already made, a parking brake already engaged).
+NO_OP = ["multi_turn_base_5", "multi_turn_base_8", "multi_turn_base_72", "multi_turn_base_86", "multi_turn_base_103",
+         "multi_turn_base_111", "multi_turn_base_135", "multi_turn_base_137", "multi_turn_base_139",
+         "multi_turn_base_142", "multi_turn_base_143", "multi_turn_base_166", "multi_turn_base_168",
+         "multi_turn_base_170", "multi_turn_base_171", "multi_turn_base_173", "multi_turn_base_174",
+         "multi_turn_base_182", "multi_turn_base_185", "multi_turn_base_188", "multi_turn_base_192",
+         "multi_turn_base_195"]
+FLAGGED = sorted(set(FAILING) | set(NO_OP), key=lambda i: int(i.rsplit("_", 1)[1]))
 
 
 def test_bfcl_gold_is_replayed_and_failing_tasks_are_flagged():
@@ -32,7 +42,17 @@ def test_bfcl_gold_is_replayed_and_failing_tasks_are_flagged():
     t188 = next(t for t in flagged if t.id == "multi_turn_base_188")
     assert t188.meta["audit_flags"] == [
         "turn 4 call 0 \"authenticate_twitter(password='michael_cant_smith_smith', username='michael_smith')\": "
-        "failure status: authentication_status=false"]
+        "failure status: authentication_status=false",
+        "turn 1 call 0 \"set_budget_limit(access_token='abc123xyz', budget_limit=10000.0)\": no-op: set_budget_limit "
+        "changes the environment in other gold replays, not here (output: {\"budget_limit\": 10000.0})"]
+    t195 = next(t for t in flagged if t.id == "multi_turn_base_195")
+    assert t195.meta["audit_flags"][-1] == ("turn 3 call 0 'retweet(tweet_id=1)': no-op: retweet changes the "
+                                            "environment in other gold replays, not here (output: "
+                                            "{\"retweet_status\": \"Already retweeted\"})")
+    # A no-op is decided against the whole file, whatever the limit keeps.
+    (t5,) = [t for t in load_bfcl(["multi_turn_base"], os.environ["PIVOTRL_CACHE_DIR"], limit_per_category=6)
+             if t.id == "multi_turn_base_5"]
+    assert t5.meta["audit_flags"] == next(t for t in flagged if t.id == "multi_turn_base_5").meta["audit_flags"]
 
 
 def _bfcl_config(root: Path, *extra: str):
@@ -45,8 +65,9 @@ def test_flagged_tasks_are_counted_recorded_and_kept_out_unless_asked(tmp_path):
     store = ArtifactStore(cfg.run.storage_root)
     out = build_demonstrations(cfg, store)
     c = out["counts"]
-    assert (c["flagged"], c["flagged_ids"], c["flagged_kept"]) == (4, FLAGGED, False)
-    assert c["trajectories_per_split"]["flagged"] == 4
+    assert (c["flagged"], c["flagged_ids"], c["flagged_kept"]) == (len(FLAGGED), sorted(FLAGGED), False)
+    assert c["trajectories_per_split"]["flagged"] == len(FLAGGED) == 25
+    assert c["flags_by_kind"] == {"failing_call": 4, "no_op": 25, "not_reproduced": 0}
     traj_df = store.read_parquet(f"{out['key']}/trajectories.parquet")
     cand = store.read_parquet(f"{out['key']}/candidates.parquet")
     assert set(traj_df[traj_df["id"].isin(FLAGGED)]["split"]) == {"flagged"}

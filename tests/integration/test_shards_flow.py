@@ -312,3 +312,39 @@ def test_engines_of_two_ray_workers_bind_to_different_cpus(ray_cluster, tmp_path
     assert out[0]["pid"] != out[1]["pid"]  # two worker processes
     assert all(o["affinity"] == allowed for o in out)  # Ray left each worker the whole machine
     assert sorted(o["bind"] for o in out) == [str(c) for c in allowed[:2]]  # one CPU each, different ones
+
+
+def test_losing_the_drivers_own_raylet_reruns_the_lost_shards_then_fails_naming_them(tmp_path, monkeypatch):
+    """The flow owns its Ray instance (``ray_address`` null: one local node, the driver's own
+    raylet). The ``faults.ray_node_loss_shards`` drill SIGKILLs that raylet while shard 0 runs:
+    every shard in flight ends Crashed (NodeDiedError). With ``shard_retries=1`` the flow shuts the
+    dead instance down, starts a fresh local one and reruns only the lost shards; the run completes
+    with every shard. With ``shard_retries=0`` it fails naming shard 0 and what happened to it.
+    (Before: the first loss failed the flow, ``shard_retries`` unused.)"""
+    from prefect.testing.utilities import prefect_test_harness
+
+    from pivotrl.flows.nightly import probe_only
+    from pivotrl.tasks.shards import ShardsFailed
+
+    tiny = save_tiny_checkpoint(tmp_path / "tiny")
+    ray = ["scale_out.task_runner=ray", "scale_out.ray_cpus_per_shard=1", "scale_out.probe_shard_size=4",
+           "faults.ray_node_loss_shards=[0]", f"model.source={tiny}"]
+    monkeypatch.setenv("PREFECT_HOME", str(tmp_path / "prefect"))
+    monkeypatch.setenv("RAY_USAGE_STATS_ENABLED", "0")
+    with prefect_test_harness(server_startup_timeout=120):
+        with pytest.raises(ShardsFailed) as lost:
+            probe_only(config_path=str(REPO / "configs" / "smoke.yaml"), overrides=[
+                f"run.storage_root={tmp_path / 'once'}", *ray, "scale_out.shard_retries=0"])
+        out = probe_only(config_path=str(REPO / "configs" / "smoke.yaml"), overrides=[
+            f"run.storage_root={tmp_path / 'retried'}", *ray, "scale_out.shard_retries=1"])
+        rounds = asyncio.run(_shard_runs())
+    assert 0 in lost.value.lost and lost.value.failed == []
+    assert "lost their Ray worker or node in each of 1 rounds" in str(lost.value)
+    assert "shard 0 (" in str(lost.value) and "Crashed" in str(lost.value)
+    drill = json.loads(next((tmp_path / "retried").rglob("node-loss-drill.json")).read_text())
+    assert not Path(f"/proc/{drill['raylet']}").exists()  # the first round's raylet was killed
+    shards = _results(tmp_path / "retried", "pivotrl-probe-shard-*")
+    assert sorted(s["index"] for s in shards) == [0, 1]  # both shards finished, shard 0 in the second round
+    assert len(rounds) == 3  # one subflow run for the failed run, two (a rerun) for the retried one
+    probes, pivots = _tables(ArtifactStore(str(tmp_path / "retried")), out)
+    assert len(probes) > 0 and set(probes["trajectory_id"]) >= set(pivots["trajectory_id"])

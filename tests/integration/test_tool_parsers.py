@@ -213,3 +213,41 @@ def test_verifiers_read_actions_with_the_run_parser():
         assert [r.accepted for r in got] == [True, False], name
         plain = get_verifier(name).score(state, [hermes, "[get_weather(city='Paris')]"])
         assert [r.accepted for r in plain] == [False, True], name
+
+
+# ------------------------------------------- hermes: text before, between and after the blocks
+_GW = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "%s"}}\n</tool_call>'
+AROUND = [  # (text, content, cities called)
+    ("  Let me look.\n" + _GW % "Paris", "Let me look.", ["Paris"]),
+    (_GW % "Paris" + "\nbetween the calls\n" + _GW % "Rome", "", ["Paris", "Rome"]),
+    ("First. " + _GW % "Paris" + " after the last block", "First.", ["Paris"]),
+    ("a " + _GW % "Paris" + " b " + _GW % "Rome" + " c", "a", ["Paris", "Rome"]),
+    (_GW % "Paris" + ' and then <tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}', "",
+     ["Paris", "Oslo"]),  # text after a closed block, then an unclosed last block
+]
+
+
+@pytest.mark.parametrize("text, content, cities", AROUND)
+def test_hermes_keeps_the_text_before_the_first_block_and_drops_text_between_and_after(text, content, cities):
+    got = get_tool_parser("hermes").parse(text, _TOOLS)
+    assert got.content == content
+    assert [(c.name, dict(c.arguments)) for c in got.tool_calls] == [("get_weather", {"city": c}) for c in cities]
+
+
+@pytest.mark.vllm
+def test_hermes_text_around_blocks_agrees_with_vllms_parser():
+    """The same inputs through vLLM's Hermes2ProToolParser: the same calls, and its content is ours
+    before stripping (``None`` for none)."""
+    pytest.importorskip("vllm")
+    from vllm.tool_parsers.hermes_tool_parser import Hermes2ProToolParser
+
+    from pivotrl.testing import tiny_chat_tokenizer
+
+    parser = Hermes2ProToolParser(tiny_chat_tokenizer("qwen2.5", ""))
+    for text, content, cities in AROUND:
+        info = parser.extract_tool_calls(text, request=None)
+        assert info.tools_called, text
+        assert [(c.function.name, json.loads(c.function.arguments)) for c in info.tool_calls] == \
+            [("get_weather", {"city": c}) for c in cities], text
+        assert (info.content or "").strip() == content, text
+        assert info.content == (text[: text.index("<tool_call>")] or None)

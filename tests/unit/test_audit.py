@@ -93,3 +93,62 @@ def test_a_source_whose_records_are_all_rejected_is_reported_in_quarantine_mode(
     out = build_demonstrations(cfg, ArtifactStore(cfg.run.storage_root))
     # The bad records only: the source's "all quarantined" note is in quarantine.jsonl, not in the count.
     assert out["counts"]["trajectories"] == 2 and out["counts"]["quarantined"] == len(REJECTIONS)
+
+
+# ------------------------------------------- every demonstration action parses with the run's parser
+def chat(rid: str, *assistant: dict) -> str:
+    msgs = [{"role": "user", "content": "area of 2 by 3?"}]
+    for a in assistant:
+        msgs += [{"role": "assistant", **a}, {"role": "user", "content": "and?"}]
+    return json.dumps({"id": rid, "tools": [TOOL], "messages": msgs[:-1]})
+
+
+CALL = {"content": "", "tool_calls": [{"id": "c1", "type": "function",
+                                       "function": {"name": "area", "arguments": '{"w": 2, "h": 3}'}}]}
+PARSER_CASES = [  # (record, the parser, None if it loads, else the error's pattern)
+    (chat("bracket", {"content": "[1] is the first footnote."}), "pythonic",
+     r"'bracket'\.messages\[1\]\.content: the text turn '\[1\] is the first footnote\.' does not parse "
+     r"with the pythonic parser"),
+    (chat("a-call-as-text", {"content": "[area(w=1, h=1)]"}), "pythonic",
+     r"'a-call-as-text'\.messages\[1\]\.content: the text turn .* reads as tool calls with the pythonic parser"),
+    (chat("empty", {"content": "Let me compute."}, {"content": "  "}), "pythonic",
+     r"'empty'\.messages\[3\]\.content: an empty assistant message \(no text, no tool call\) is not an action"),
+    (chat("tagged", {"content": 'Use <tool_call>{"name": "area", "arguments": {}}</tool_call> to ask.'}), "hermes",
+     r"'tagged'\.messages\[1\]\.content: the text turn .* reads as tool calls with the hermes parser"),
+    (chat("bracket-under-hermes", {"content": "[1] is the first footnote."}), "hermes", None),
+    (chat("call", CALL, {"content": "It is 6."}), "hermes", None),
+    (chat("call", CALL, {"content": "It is 6."}), "pythonic", None),
+]
+
+
+@pytest.mark.parametrize("line, parser, pattern", PARSER_CASES,
+                         ids=[f"{json.loads(c[0])['id']}-{c[1]}" for c in PARSER_CASES])
+def test_every_demonstration_action_parses_with_the_runs_parser(tmp_path, line, parser, pattern):
+    src = tmp_path / "demo.jsonl"
+    src.write_text(line + "\n")
+    if pattern is None:
+        (traj,) = load_trajectories(str(src), tool_parser=parser)
+        assert traj.id == json.loads(line)["id"]
+        return
+    with pytest.raises(DataError, match=rf"demo\.jsonl line 1 {pattern}"):
+        load_trajectories(str(src), tool_parser=parser)
+    quarantine: list[dict] = []
+    assert load_trajectories(str(src), on_invalid="quarantine", quarantine=quarantine, tool_parser=parser) == []
+    assert [q["id"] for q in quarantine] == [json.loads(line)["id"]]
+
+
+def test_the_demonstrations_are_audited_with_the_configured_parser(tmp_path):
+    """A text turn starting with '[' is quarantined under the default (auto: pythonic) and kept
+    when the run's parser is hermes; the count names only the bad record."""
+    src = tmp_path / "demo.jsonl"
+    src.write_text(chat("bracket", {"content": "[1] is the first footnote."}) + "\n"
+                   + chat("ok", CALL, {"content": "It is 6."}) + "\n")
+    counts = {}
+    for parser in ("auto", "hermes"):
+        cfg = load_config(None, [f"run.storage_root={tmp_path / parser}", "data.on_invalid=quarantine",
+                                 f"data.sources=[{{kind: chat, url: '{src}'}}]", f"prompt.tool_parser={parser}",
+                                 "warm_start.enabled=false", "data.split.warm_start=0.0", "data.split.pivot=0.5",
+                                 "data.split.heldout=0.5"])
+        out = build_demonstrations(cfg, ArtifactStore(cfg.run.storage_root))
+        counts[parser] = (out["counts"]["trajectories"], out["counts"]["quarantined"])
+    assert counts == {"auto": (1, 1), "hermes": (2, 0)}

@@ -162,6 +162,38 @@ def test_a_template_that_is_not_prefix_stable_gives_per_turn_examples(tmp_path):
         assert action.endswith("<|im_end|>") and "(earlier answer)" not in action
 
 
+# A ChatML template that drops the <think> block of every assistant turn before the last user turn
+# (Qwen3's rule); otherwise it renders every turn as it is.
+THINK_DROPPING = (
+    "{% set ns = namespace(last_user=0) %}{% for m in messages %}{% if m['role'] == 'user' %}"
+    "{% set ns.last_user = loop.index0 %}{% endif %}{% endfor %}"
+    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' }}{% set c = m['content'] or '' %}"
+    "{% if m['role'] == 'assistant' and loop.index0 < ns.last_user and '</think>' in c %}"
+    "{% set c = c.split('</think>')[-1].lstrip('\n') %}{% endif %}{{ c }}{{ '<|im_end|>\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def test_a_template_that_drops_earlier_reasoning_is_not_prefix_stable(tmp_path):
+    """Rendered without reasoning, this template is stable turn by turn; an earlier answer with a
+    <think> block is re-rendered without it once a later user turn follows. The check renders such a
+    conversation, so the format records it as not prefix-stable (and trains per turn)."""
+    tok = tiny_tokenizer()
+    tok.chat_template = THINK_DROPPING
+    tok = load_tokenizer(save_tiny_checkpoint(tmp_path / "think", tokenizer=tok))
+    conv = [{"role": "user", "content": "U1"}, {"role": "assistant", "content": "<think>\nP\n</think>\n\nA1"}]
+    first = tok.apply_chat_template(conv, tokenize=False)
+    later = tok.apply_chat_template(conv + [{"role": "user", "content": "U2"}], tokenize=False)
+    assert "<think>" in first and "<think>" not in later  # the template does drop earlier reasoning
+    fmt = resolve_format(tok, "chat_template", "pythonic")
+    assert fmt.format == "chat_template" and fmt.tool_parser == "pythonic" and not fmt.prefix_stable
+    thinking = Trajectory("t2", (Message("user", "Hi"), Message("assistant", "<think>\nx\n</think>\n\nHello"),
+                                 Message("user", "Again"), Message("assistant", "Hello again")), ())
+    examples, per_turn = build_sft_examples(thinking, tok, max_len=8192, format="chat_template", tool_parser="pythonic")
+    assert per_turn and len(examples) == 2
+    assert "<think>" in tok.decode(examples[0][0])  # the first turn's action keeps its reasoning
+
+
 def test_a_parser_that_cannot_read_the_template_is_a_config_error(toks):
     with pytest.raises(ConfigError, match="no parser reads back the tool calls this chat template writes"):
         resolve_format(toks["qwen2.5"], "chat_template", "pythonic")

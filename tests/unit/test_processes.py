@@ -180,3 +180,61 @@ def test_a_subreaper_reaps_adopted_orphans_and_leaves_its_own_children_to_their_
     own_code, zombie_lines = out.stdout.strip().splitlines()
     assert own_code == "3 True"  # the adopted orphan was reaped; the own child waited for its owner
     assert zombie_lines == "[]"
+
+
+# ----------------------------------------- a Ctrl-C at any moment of a stage's start stops it all
+INTERRUPT_LOOP = textwrap.dedent("""
+    import glob, json, os, signal, sys, tempfile, threading, time
+    import psutil
+    from pivotrl.pipeline.entry import run_stage_process
+
+    tmp = tempfile.gettempdir()
+    outcomes = []
+    for delay in json.loads(sys.argv[3]):
+        def ctrl_c():  # from the moment the spec is written (the stage process is being started)
+            while not glob.glob(tmp + "/pivotrl-probe-*/spec.json"):
+                time.sleep(0.0002)
+            time.sleep(delay)
+            os.kill(os.getpid(), signal.SIGINT)
+
+        sender = threading.Thread(target=ctrl_c)
+        sender.start()
+        try:
+            run_stage_process("probe", {"run": {"storage_root": sys.argv[2]}}, {}, env={"PYTHONPATH": sys.argv[1]})
+            outcome = "finished"
+        except KeyboardInterrupt:
+            outcome = "interrupted"
+        except Exception as exc:
+            outcome = type(exc).__name__
+        sender.join()
+        time.sleep(0.05)
+        left = [p for p in psutil.Process().children(recursive=True) if p.status() != psutil.STATUS_ZOMBIE]
+        for p in left:  # a stage process nothing stopped: counted, then killed for the next round
+            p.kill()
+        outcomes.append([delay, outcome, len(left), len(glob.glob(tmp + "/pivotrl-*"))])
+        print("round", json.dumps(outcomes[-1]), flush=True)
+""")
+
+
+def test_a_ctrl_c_at_any_moment_of_a_stage_start_stops_the_stage_and_raises_keyboard_interrupt(tmp_path):
+    """SIGINT (Python's own handler, no CLI) sent 0 to 100 ms after the stage's spec is written:
+    inside ``subprocess.Popen`` after the fork, between the Popen and the streaming loop, or in the
+    loop. Every time the stage process is stopped, its spec directory removed and KeyboardInterrupt
+    raised. (Python's handler raised KeyboardInterrupt inside Popen, so the started stage process
+    was never stopped: it ran on after the run ended, its session holding the machine.)"""
+    import json
+    import os
+
+    tmp = tmp_path / "tmp"
+    busy = tmp_path / "busy"
+    tmp.mkdir(), busy.mkdir()
+    (busy / "sitecustomize.py").write_text("import time\ntime.sleep(60)\n")
+    delays = [0.0, 0.0, 0.0005, 0.001, 0.0015, 0.002, 0.003, 0.004, 0.005, 0.007, 0.01, 0.03, 0.1]
+    out = subprocess.run([sys.executable, "-c", INTERRUPT_LOOP, str(busy), str(tmp_path / "root"), json.dumps(delays)],
+                         capture_output=True, text=True, timeout=300, env={**os.environ, "TMPDIR": str(tmp)},
+                         cwd=Path(__file__).resolve().parents[2])
+    assert out.returncode == 0, out.stderr[-3000:]
+    rounds = [json.loads(line[6:]) for line in out.stdout.splitlines() if line.startswith("round ")]
+    assert [r[0] for r in rounds] == delays
+    assert [r for r in rounds if r[1:] != ["interrupted", 0, 0]] == []  # [delay, outcome, processes left, dirs left]
+    assert "Exception ignored" not in out.stderr
