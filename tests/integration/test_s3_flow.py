@@ -190,8 +190,9 @@ def _s3_root() -> str:
 def test_local_run_has_every_artifact(local_run):
     store, out = local_run
     kinds = sorted(k for k, *_ in _manifest_hashes(store).values())
-    assert kinds == ["candidates", "pivots", "policy_checkpoint", "probes", "reference_checkpoint", "report",
-                     "training_metrics", "trajectories"]
+    # The one-machine run is one shard of probing and of evaluation (a task shard and a states shard).
+    assert kinds == ["candidates", "eval_shard_states", "eval_shard_tasks", "pivots", "policy_checkpoint",
+                     "probe_shard", "probes", "reference_checkpoint", "report", "training_metrics", "trajectories"]
     assert out["probe"]["stats"]["total"]["candidates"] == 17  # the smoke config's pivot split
     assert _tmp_keys(store) == []
 
