@@ -179,6 +179,11 @@ def stage_train(cfg: RunConfig, store: ArtifactStore, probe: ProbeResult | Mappi
     summary = {"steps": len(rows), "pivots": len(pivots), "final_reward_mean": float(metrics_df["reward_mean"].iloc[-1])
                if "reward_mean" in metrics_df and len(metrics_df) else None,
                "policy": store.url(final_key)}
+    from pivotrl.training.mfu import summarize
+
+    speed = summarize(rows)  # the stage's trainer time, model FLOPs, tokens/s and MFU over all steps
+    if speed:
+        summary.update(speed)
     note = refilter_unused(settings.refilter, len(schedule))
     if note:  # also logged by the loop; here it reaches the summary, the Prefect UI and the console line
         summary["warnings"] = [note]

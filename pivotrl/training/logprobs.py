@@ -36,6 +36,7 @@ __all__ = [
     "compute_group_logprobs",
     "group_logprobs",
     "processed_tokens",
+    "work_counts",
 ]
 
 log = logging.getLogger(__name__)
@@ -53,6 +54,8 @@ class GroupLogprobs:
     entropy: torch.Tensor | None  # (K, T_max) float32, detached token entropy in nats; None unless asked
     tokens_processed: int  # tokens run through the model (see processed_tokens)
     shared_prefix: bool  # whether the shared-prefix path was used
+    logit_positions: int = 0  # positions whose logits (vocabulary projection) were computed
+    attention_pairs: int = 0  # causal (query, key) pairs attended (pivotrl.training.mfu)
 
 
 def processed_tokens(prompt_len: int, action_lens: Sequence[int], *, shared_prefix: bool) -> int:
@@ -64,6 +67,18 @@ def processed_tokens(prompt_len: int, action_lens: Sequence[int], *, shared_pref
     if shared_prefix:
         return prompt_len + k * (t_max - 1)
     return k * (prompt_len + t_max - 1)
+
+
+def work_counts(prompt_len: int, action_lens: Sequence[int], *, shared_prefix: bool) -> tuple[int, int]:
+    """``(logit_positions, attention_pairs)`` of one group: the positions whose logits are computed
+    (shared: the state's last + K·(T_max−1); naive: K·T_max) and the causal (query, key) pairs
+    attended (:mod:`pivotrl.training.mfu`), padding included. Pure arithmetic."""
+    from pivotrl.training.mfu import attention_pairs_causal, attention_pairs_shared
+
+    k, t_max = len(action_lens), max(action_lens)
+    if shared_prefix:
+        return 1 + k * (t_max - 1), attention_pairs_shared(prompt_len, k, t_max - 1)
+    return k * t_max, attention_pairs_causal([prompt_len + t_max - 1] * k)
 
 
 def _underlying(model: Any) -> Any:
@@ -222,12 +237,15 @@ def compute_group_logprobs(
     if logits is None:
         logits = _naive_logits(model, prompt, ids, mask)
     logprobs, entropy = _token_stats(logits, ids, mask, with_entropy)
+    logit_positions, pairs = work_counts(len(prompt_ids), lens, shared_prefix=used_shared)
     return GroupLogprobs(
         logprobs=logprobs,
         action_mask=mask,
         entropy=entropy,
         tokens_processed=processed_tokens(len(prompt_ids), lens, shared_prefix=used_shared),
         shared_prefix=used_shared,
+        logit_positions=logit_positions,
+        attention_pairs=pairs,
     )
 
 

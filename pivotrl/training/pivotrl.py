@@ -57,6 +57,7 @@ from pivotrl.training.deepspeed_utils import (
 )
 from pivotrl.training.groups import Group, check_groups
 from pivotrl.training.logprobs import compute_group_logprobs
+from pivotrl.training.mfu import ModelShape, calibrated_peak_gflops, forward_flops, mfu
 from pivotrl.training.settings import LOG_RATIO_CLAMP, run_trainer_inputs, training_section
 from pivotrl.training.trainer_state import (
     MetricSums,
@@ -122,6 +123,10 @@ class PivotRLTrainer:
         self.ref_model = load_causal_lm(self.ref_model_dir, self.compute_dtype).eval()
         self.ref_model.requires_grad_(False)
         self.ref_model.to(self.engine.device)
+        #: The model's shape for the FLOP count (pivotrl.training.mfu); π_ref has π_θ's architecture.
+        self.shape = ModelShape.of_model(self.ref_model)
+        #: Calibrated matmul peak of one thread in the compute dtype (GFLOP/s); None = no MFU column.
+        self.peak_gflops_per_thread: float | None = None
         self.step = 0
         self.data_position = 0  # position in the caller's pivot order; saved with checkpoints
         self.extra_state: dict[str, Any] = {}
@@ -131,7 +136,9 @@ class PivotRLTrainer:
     @classmethod
     def for_run(cls, cfg: RunConfig, model_dir: str | os.PathLike[str]) -> PivotRLTrainer:
         """The trainer of a validated, dtype-resolved run config on π_ref = π_θ = ``model_dir``."""
-        return cls(model_dir, model_dir, tokenizer_dir=model_dir, **run_trainer_inputs(cfg))
+        trainer = cls(model_dir, model_dir, tokenizer_dir=model_dir, **run_trainer_inputs(cfg))
+        trainer.peak_gflops_per_thread = calibrated_peak_gflops(cfg.model.dtype, cfg.run.cache_dir)
+        return trainer
 
     @classmethod
     def build(
@@ -187,7 +194,10 @@ class PivotRLTrainer:
             ``ratio_max``, ``clip_frac_high``, ``clip_frac_low``, ``clip_frac``,
             ``log_ratio_clamped`` (count); ``loss_last`` (last update); ``grad_norm`` (mean over
             updates, before clipping), ``grad_norm_max``; work: ``action_tokens``, ``tokens``
-            (policy forward+backward tokens), ``ref_tokens``, ``step_time_s``, ``tokens_per_s``.
+            (policy forward+backward tokens, summed over updates), ``ref_tokens`` (π_ref forward-only
+            tokens), ``step_time_s`` = ``trainer_s`` (this call's time); speed (:meth:`_speed`):
+            ``policy_tokens_per_s``, ``ref_tokens_per_s``, ``model_tflop``, ``threads``, and with a
+            calibrated peak (``peak_gflops_per_thread``) ``peak_gflops`` and ``mfu``.
             All values are global (reduced over ranks).
 
         Raises:
@@ -221,6 +231,8 @@ class PivotRLTrainer:
                 ]
                 ref_lp.append(pad_cat([p.logprobs for p in parts]))
                 sums.add("ref_tokens", sum(p.tokens_processed for p in parts))
+                sums.add("ref_flop", sum(forward_flops(self.shape, p.tokens_processed, p.logit_positions,
+                                                       p.attention_pairs) for p in parts))
 
         old_lp: list[torch.Tensor | None] = [None] * n_micro
         grad_norms: list[float] = []
@@ -265,6 +277,8 @@ class PivotRLTrainer:
                     self.on_groups(len(mb))
                 b = float(logprobs.shape[0])
                 sums.add("tokens", sum(p.tokens_processed for p in parts))
+                sums.add("policy_flop", 3.0 * sum(forward_flops(self.shape, p.tokens_processed, p.logit_positions,
+                                                                p.attention_pairs) for p in parts))
                 sums.add("ratio_actions", b)
                 sums.add("ratio_sum", m["ratio_mean"] * b)
                 sums.add("clip_high", m["clip_frac_high"] * b)
@@ -324,9 +338,25 @@ class PivotRLTrainer:
             "tokens": tot["tokens"],
             "ref_tokens": tot["ref_tokens"],
             "step_time_s": elapsed,
-            "tokens_per_s": (tot["tokens"] + tot["ref_tokens"]) / elapsed if elapsed > 0 else 0.0,
+            "trainer_s": elapsed,
+            **self._speed(tot["tokens"], tot["ref_tokens"], tot["policy_flop"] + tot["ref_flop"], elapsed, world),
         }
         return metrics
+
+    def _speed(self, tokens: float, ref_tokens: float, flop: float, elapsed: float, world: int) -> dict[str, float]:
+        """The step's speed: ``policy_tokens_per_s`` (forward+backward), ``ref_tokens_per_s`` (π_ref,
+        forward only), ``model_tflop`` (model FLOPs of both, pivotrl.training.mfu), ``threads`` (torch
+        threads × ranks) and, with a calibrated peak, ``peak_gflops`` (per-thread peak × threads)
+        and ``mfu`` (model FLOP/s over that peak)."""
+        threads = torch.get_num_threads() * world
+        out = {"policy_tokens_per_s": tokens / elapsed if elapsed > 0 else 0.0,
+               "ref_tokens_per_s": ref_tokens / elapsed if elapsed > 0 else 0.0,
+               "model_tflop": flop / 1e12, "threads": float(threads)}
+        util = mfu(flop, elapsed, self.peak_gflops_per_thread, threads)
+        if util is not None and self.peak_gflops_per_thread:
+            out["peak_gflops"] = self.peak_gflops_per_thread * threads
+            out["mfu"] = util
+        return out
 
     # ------------------------------------------------------------------ inspection / export
     def old_policy_logprobs(self, prompt_ids: Sequence[int], action_ids: Sequence[int]) -> list[float]:

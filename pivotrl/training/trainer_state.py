@@ -80,6 +80,8 @@ class MetricSums:
         "action_tokens",
         "tokens",
         "ref_tokens",
+        "policy_flop",
+        "ref_flop",
     )
 
     def __init__(self) -> None:
