@@ -148,6 +148,7 @@ def stage_train(cfg: RunConfig, store: ArtifactStore, probe: ProbeResult | Mappi
         refresh_tolerance=tr.refresh_tolerance if tr.refresh_tolerance is not None
         else (1e-4 if cfg.model.dtype == "fp32" else 0.3),
         pivots_per_batch=tr.pivots_per_batch, updates_per_batch=tr.updates_per_batch,
+        weight_sync=cfg.rollout.weight_sync,
         refilter=None if not tr.refilter_between_epochs else Refilter(
             num_probes=cfg.probing.num_probes, temperature=cfg.probing.temperature, top_p=cfg.probing.top_p,
             top_k=cfg.probing.top_k, seed=cfg.probing.seed, lambda_diff=cfg.probing.lambda_diff,

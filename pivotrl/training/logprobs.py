@@ -3,9 +3,16 @@
 Shape legend (as in the spec): K = group size, P = state (prefix) tokens, T = action tokens,
 T_max = the longest action in the group, V = vocabulary size.
 
-Two ways to compute the same numbers:
+Three ways to compute the same numbers:
 
-* **shared prefix** (default): the state is run once with ``use_cache=True``; the logits of its last
+* **shared prefix, packed** (default, ``prefix_method="packed"``, for the model types of
+  :data:`PACKED_MODEL_TYPES`): one sequence ``state + a_1[:-1] + … + a_K[:-1]`` with position ids
+  restarting at P for every action and a 4-D block mask (the state causal; each action sees the
+  state and its own earlier tokens). Tokens processed: ``P + K·(T_max − 1)``; the state's keys and
+  values are computed and differentiated once. On SmolLM2 in bf16 this is the fastest path: the
+  cache path's backward spends most of its time on the K-fold repeated prefix (repeat, GQA expand,
+  and summing the K gradient copies back; benchmarks/RESULTS.md §13).
+* **shared prefix, cache** (``prefix_method="cache"``): the state is run once with ``use_cache=True``; the logits of its last
   position predict the first action token; the key/value cache is repeated K times along the batch
   dimension and the K right-padded actions (all but their last token) are run on top of it, with
   explicit ``position_ids`` starting at P and an attention mask covering prefix + action. Tokens
@@ -189,6 +196,46 @@ def _shared_logits(model: Any, prompt: torch.Tensor, ids: torch.Tensor, mask: to
     return torch.cat([first.expand(k, 1, first.shape[-1]), rest], dim=1)
 
 
+#: ``config.model_type`` of the models whose forward honours a 4-D attention mask with explicit
+#: ``position_ids`` (transformers' standard decoder layers; checked in tests/unit/test_logprobs.py).
+PACKED_MODEL_TYPES = frozenset({"llama", "qwen2", "mistral", "qwen3"})
+
+
+def packs(model: Any) -> bool:
+    """Whether the packed shared-prefix path serves ``model`` (its model type is in
+    :data:`PACKED_MODEL_TYPES` and its attention is sdpa or eager); decided from the config alone,
+    so every rank of a data-parallel job takes the same path."""
+    config = getattr(_underlying(model), "config", None)
+    impl = getattr(config, "_attn_implementation", None) or "sdpa"
+    return getattr(config, "model_type", None) in PACKED_MODEL_TYPES and impl in ("sdpa", "eager")
+
+
+def _packed_logits(model: Any, prompt: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Packed shared-prefix logits (K, T_max, V): ONE sequence ``state + a_1[:-1] + … + a_K[:-1]``
+    (each action right-padded to T_max; ``P + K·(T_max−1)`` tokens) with ``position_ids`` restarting
+    at P for every action and a 4-D boolean mask: the state causal, every action token sees the
+    whole state and its own earlier tokens only. Nothing is repeated K times, so the backward pass
+    differentiates the state's keys/values once (the cache path sums K copies of them)."""
+    k, t_max = ids.shape
+    p, s = prompt.shape[0], t_max - 1
+    device = ids.device
+    length = p + k * s
+    inputs = torch.cat([prompt, ids[:, :-1].reshape(-1)]).unsqueeze(0)  # (1, P + K·s)
+    positions = torch.cat([torch.arange(p, device=device),
+                           (p + torch.arange(s, device=device)).repeat(k)]).unsqueeze(0)  # (1, P + K·s)
+    block = torch.arange(length, device=device)
+    block = torch.where(block < p, -1, (block - p) // max(s, 1))  # -1 on the state, action index after
+    causal = torch.arange(length, device=device).unsqueeze(1) >= torch.arange(length, device=device).unsqueeze(0)
+    same = (block.unsqueeze(1) == block.unsqueeze(0)) | (block.unsqueeze(0) == -1)  # own block or the state
+    attend = causal & same  # (L, L): key j visible from query i
+    logits = model(input_ids=inputs, position_ids=positions, attention_mask=attend[None, None],
+                   logits_to_keep=k * s + 1, use_cache=False).logits[0]  # (K·s + 1, V)
+    first = logits[:1].expand(k, -1).unsqueeze(1)  # (K, 1, V): the state's last position predicts each first token
+    if s == 0:
+        return first
+    return torch.cat([first, logits[1:].view(k, s, -1)], dim=1)  # (K, T_max, V)
+
+
 def compute_group_logprobs(
     model: Any,
     prompt_ids: Sequence[int],
@@ -196,6 +243,7 @@ def compute_group_logprobs(
     *,
     shared_prefix: bool = True,
     with_entropy: bool = False,
+    prefix_method: str = "packed",
 ) -> GroupLogprobs:
     """Per-token log-probs of K actions given one state, plus bookkeeping (see :class:`GroupLogprobs`).
 
@@ -204,8 +252,11 @@ def compute_group_logprobs(
             Called as is: gradients flow unless the caller wraps this in ``torch.no_grad()``.
         prompt_ids: the state's P token ids (the rendered history ending with the generation header).
         actions: K lists of action token ids (lengths T_i ≥ 1, may differ).
-        shared_prefix: run the state once and reuse its key/value cache (falls back to the naive
-            path for models that cannot; see the module docstring).
+        shared_prefix: run the state once for all K actions (falls back to the naive path for
+            models that cannot; see the module docstring).
+        prefix_method: how, with ``shared_prefix``: ``"packed"`` (one sequence with a block mask,
+            :func:`_packed_logits`; for the model types of :data:`PACKED_MODEL_TYPES`, others take the
+            cache) or ``"cache"`` (the state's key/value cache repeated K times).
         with_entropy: also return the detached token entropy (K, T_max) in nats.
 
     Returns:
@@ -216,6 +267,8 @@ def compute_group_logprobs(
         DataError: empty state, empty group, or an empty action.
     """
     _check_inputs(prompt_ids, actions)
+    if prefix_method not in ("packed", "cache"):
+        raise ValueError(f"prefix_method must be 'packed' or 'cache', got {prefix_method!r}")
     device = _model_device(model)
     prompt = torch.as_tensor(list(prompt_ids), dtype=torch.long, device=device)  # (P,)
     dtype = torch.float64 if _model_dtype(model) == torch.float64 else torch.float32
@@ -224,7 +277,10 @@ def compute_group_logprobs(
     key = type(_underlying(model)).__qualname__
     logits = None
     used_shared = False
-    if shared_prefix and key not in _NAIVE_ONLY:
+    if shared_prefix and prefix_method == "packed" and packs(model):
+        logits = _packed_logits(model, prompt, ids)
+        used_shared = True
+    elif shared_prefix and key not in _NAIVE_ONLY:
         try:
             logits = _shared_logits(model, prompt, ids, mask)
         except (TypeError, NotImplementedError, AttributeError) as err:

@@ -226,7 +226,8 @@ class PivotRLTrainer:
                     ref_lp.append(None)
                     continue
                 parts = [
-                    compute_group_logprobs(self.ref_model, groups[i].prompt_ids, groups[i].actions, shared_prefix=s.shared_prefix)
+                    compute_group_logprobs(self.ref_model, groups[i].prompt_ids, groups[i].actions, shared_prefix=s.shared_prefix,
+                                           prefix_method=s.prefix_method)
                     for i in mb
                 ]
                 ref_lp.append(pad_cat([p.logprobs for p in parts]))
@@ -245,7 +246,8 @@ class PivotRLTrainer:
                     continue
                 parts = [
                     compute_group_logprobs(
-                        self.engine, groups[i].prompt_ids, groups[i].actions, shared_prefix=s.shared_prefix, with_entropy=first
+                        self.engine, groups[i].prompt_ids, groups[i].actions, shared_prefix=s.shared_prefix, with_entropy=first,
+                        prefix_method=s.prefix_method,
                     )
                     for i in mb
                 ]
@@ -367,13 +369,34 @@ class PivotRLTrainer:
         Raises DataError for empty inputs.
         """
         with torch.no_grad():
-            res = compute_group_logprobs(self.engine, prompt_ids, [list(action_ids)], shared_prefix=self.settings.shared_prefix)
+            res = compute_group_logprobs(self.engine, prompt_ids, [list(action_ids)], shared_prefix=self.settings.shared_prefix,
+                                         prefix_method=self.settings.prefix_method)
         return res.logprobs[0, : len(action_ids)].double().tolist()
 
     def export_hf(self, directory: str | os.PathLike[str], writers: Sequence[int] = (0,)) -> Path:
         """Write the current weights + tokenizer files as an HF checkpoint (atomic); every rank
         calls, the ranks in ``writers`` write (each to its own ``directory``)."""
         return export_hf_checkpoint(self.engine, directory, tokenizer_dir=self.tokenizer_dir, writers=writers)
+
+    def shared_weights(self, writers: Sequence[int] = (0,)) -> tuple[str, list] | None:
+        """Write the current weights (compute dtype, tied duplicates left out) into this trainer's
+        shared-memory block (``pivotrl.training.weight_sync.SharedWeights``, reused every step) on
+        the ranks in ``writers`` → ``(block name, tensor metadata)`` there, None on the other ranks.
+        Every rank calls (ZeRO-3 gathers the partitions collectively)."""
+        from pivotrl.training.deepspeed_utils import _full_state_dict
+        from pivotrl.training.weight_sync import SharedWeights, module_weights
+
+        rank, _ = rank_and_world()
+        if self.engine.zero_optimization_stage() == 3:
+            sd = _full_state_dict(self.engine, writers)
+            items = list(sd.items()) if sd is not None else None
+        else:
+            items = module_weights(self.engine.module) if rank in writers else None
+        if items is None:
+            return None
+        if getattr(self, "_shared", None) is None:
+            self._shared = SharedWeights()
+        return self._shared.write(items)
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, directory: str | os.PathLike[str]) -> Path:

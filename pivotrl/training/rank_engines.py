@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
@@ -39,7 +40,7 @@ from pivotrl.training.checkpoints import broadcast
 
 log = logging.getLogger("pivotrl.training")
 
-__all__ = ["Batch", "all_gather", "engine_host_ranks", "local_world_size", "refresh_delta", "refresh_step",
+__all__ = ["Batch", "all_gather", "engine_host_ranks", "local_world_size", "refresh_delta", "refresh_step", "reload",
            "rollout_batch", "rollout_step"]
 
 PLACEMENTS = ("rank0", "node", "ranks")
@@ -166,10 +167,24 @@ def refresh_delta(engine: Any, prompt: list[int] | None, action: list[int] | Non
     return (max(deltas), sum(deltas) / len(deltas)) if deltas else (0.0, 0.0)
 
 
-def refresh_step(engine: Any, export_dir: str, prompt: list[int] | None, action: list[int] | None,
-                 trainer_lp: Sequence[float], *, rank: int, world: int, hosts: Sequence[int] = (0,)
+def reload(engine: Any, source: Any) -> None:
+    """Give ``engine`` new weights from ``source``: an HF export directory (``load_weights``, the
+    ``disk`` path) or a shared-memory block ``(name, metadata)`` (``update_weights``, the ``memory``
+    path, :mod:`pivotrl.training.weight_sync`)."""
+    if isinstance(source, (str, os.PathLike)):
+        engine.load_weights(str(source))
+    else:
+        block, meta = source
+        engine.update_weights(block, meta)
+
+
+def refresh_step(engine: Any, export_dir: Any, prompt: list[int] | None, action: list[int] | None,
+                 trainer_lp: Sequence[float], *, rank: int, world: int, hosts: Sequence[int] = (0,),
+                 timing: dict[str, float] | None = None
                  ) -> tuple[float, float, list[tuple[float, float] | None]]:
-    """Reload every engine from ``export_dir`` (each host its own export there) and check it →
+    """Reload every engine from ``export_dir`` (each host its own export there; or, for
+    ``rollout.weight_sync: memory``, its shared-memory block ``(name, metadata)``: :func:`reload`)
+    and check it; ``timing["reload_s"]`` receives this rank's reload seconds →
     ``(max |Δ|, max mean |Δ| over the engines, per-engine (max, mean) or None without an action)``
     on every rank. The per-engine list is empty for one engine on rank 0 (``hosts == [0]`` and no
     pool). The caller raises on a failed check (``pivotrl.training.loop.check_refresh``)."""
@@ -178,7 +193,10 @@ def refresh_step(engine: Any, export_dir: str, prompt: list[int] | None, action:
     d_max = d_mean = 0.0
     if hosts == [0]:
         if rank == 0:
-            engine.load_weights(export_dir)
+            t0 = time.perf_counter()
+            reload(engine, export_dir)
+            if timing is not None:
+                timing["reload_s"] = time.perf_counter() - t0
             if hasattr(engine, "refresh_deltas") and len(getattr(engine, "engines", ())) > 1:
                 per_engine = engine.refresh_deltas(prompt, action, trainer_lp)
                 d_max = max((d[0] for d in per_engine if d), default=0.0)
@@ -188,7 +206,10 @@ def refresh_step(engine: Any, export_dir: str, prompt: list[int] | None, action:
         return broadcast((d_max, d_mean, per_engine), world)
     mine: tuple[float, float] | None = None
     if rank in hosts:
-        engine.load_weights(export_dir)
+        t0 = time.perf_counter()
+        reload(engine, export_dir)
+        if timing is not None:
+            timing["reload_s"] = time.perf_counter() - t0
         mine = refresh_delta(engine, prompt, action, trainer_lp) if action else None
     gathered = all_gather(mine, world)
     per_engine = [gathered[h] for h in hosts]
