@@ -12,7 +12,7 @@ from pivotrl.testing import save_tiny_checkpoint, tiny_tokenizer
 from pivotrl.training.launch import LaunchConfig, read_spec, render_launch_command
 from pivotrl.training.pivotrl import Group, OfflineSpec, PivotRLTrainer
 
-TIMING_KEYS = {"step_time_s", "tokens_per_s"}
+TIMING_KEYS = {"step_time_s", "trainer_s", "policy_tokens_per_s", "ref_tokens_per_s", "mfu"}
 
 
 @pytest.fixture(scope="module")
