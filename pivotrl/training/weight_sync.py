@@ -39,6 +39,7 @@ from __future__ import annotations
 import math
 from multiprocessing import resource_tracker, shared_memory
 from typing import Any, Iterable, Iterator, Sequence
+from unittest import mock
 
 import torch
 
@@ -138,13 +139,11 @@ class _Attached:
     """A reader's handle on a block: tensors are zero-copy views; :meth:`close` detaches."""
 
     def __init__(self, name: str) -> None:
-        self.shm = shared_memory.SharedMemory(name=name)
-        # Python < 3.13 registers an attached block with the resource tracker, which would unlink
-        # it when this process exits: the writer owns it.
-        try:
-            resource_tracker.unregister(self.shm._name, "shared_memory")  # type: ignore[attr-defined]
-        except Exception:  # noqa: BLE001 - best effort, platform dependent
-            pass
+        # Python < 3.13 registers an attached block with the resource tracker, which would unlink it
+        # when this process exits (or, with the writer's tracker shared by a spawned child, forget
+        # the writer's registration): the writer owns the block, a reader registers nothing.
+        with mock.patch.object(resource_tracker, "register", lambda *a, **k: None):
+            self.shm = shared_memory.SharedMemory(name=name)
 
     def tensors(self, meta: Sequence[WeightMeta]) -> Iterator[tuple[str, torch.Tensor]]:
         for name, dtype, shape, off in meta:
