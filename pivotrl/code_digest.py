@@ -29,7 +29,7 @@ _ENVS = ("pivotrl.envs", "pivotrl.storage.retry")
 STAGE_CODE: dict[str, tuple[str, ...]] = {
     "demonstrations": ("pivotrl.data", *_ENVS, "pivotrl.pipeline.demos"),
     # The warm start only: an edit to the train or evaluate stage never re-runs it.
-    "reference": _CORE + ("pivotrl.models", "pivotrl.training.sft", "pivotrl.training.logprobs",
+    "reference": _CORE + ("pivotrl.models", "pivotrl.training.sft", "pivotrl.training.logprobs", "pivotrl.training.mfu",
                           "pivotrl.training.settings", "pivotrl.model_pins", "pivotrl.pipeline.reference"),
     "probe": _CORE + _ENVS + ("pivotrl.verifiers", "pivotrl.rollout", "pivotrl.filtering",
                               "pivotrl.pipeline.probe"),
@@ -38,9 +38,9 @@ STAGE_CODE: dict[str, tuple[str, ...]] = {
     # baseline must not re-train PivotRL.
     "train": _CORE + _ENVS + ("pivotrl.verifiers", "pivotrl.rollout", "pivotrl.objective",
                               *(f"pivotrl.training.{m}" for m in ("checkpoints", "deepspeed_utils", "groups",
-                                                                  "launch", "logprobs", "loop", "offline", "rank_engines",
-                                                                  "pivotrl", "rl_stage", "settings",
-                                                                  "trainer_state")),
+                                                                  "launch", "logprobs", "loop", "mfu", "offline",
+                                                                  "rank_engines", "pivotrl", "rl_stage", "settings",
+                                                                  "trainer_state", "weight_sync")),
                               "pivotrl.pipeline.train"),
     # The drift re-probe and the held-out state selection run pivotrl.pipeline.probe's code.
     "evaluate": _CORE + _ENVS + ("pivotrl.verifiers", "pivotrl.rollout", "pivotrl.evaluation",
