@@ -37,6 +37,7 @@ Pure of the engines: imports torch only.
 from __future__ import annotations
 
 import math
+import weakref
 from multiprocessing import resource_tracker, shared_memory
 from typing import Any, Iterable, Iterator, Sequence
 from unittest import mock
@@ -64,13 +65,15 @@ def _dtype(name: str) -> torch.dtype:
 def module_weights(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
     """``(HF name, tensor)`` of ``module``'s state dict, detached, without tied duplicates (a tied
     ``lm_head.weight`` is the embedding: the receiver re-ties it)."""
-    seen: dict[int, str] = {}
+    seen: set[tuple[int, tuple[int, ...], torch.dtype]] = set()
     out: list[tuple[str, torch.Tensor]] = []
     for name, t in module.state_dict(keep_vars=False).items():
-        key = t.untyped_storage().data_ptr() if t.numel() else id(t)
-        if key in seen and t.numel():
+        # the same tensor under two names (a tied head); not merely the same storage: DeepSpeed's
+        # ZeRO-1/2 keep every parameter as a view into one flat buffer
+        key = (t.data_ptr(), tuple(t.shape), t.dtype)
+        if t.numel() and key in seen:
             continue
-        seen[key] = name
+        seen.add(key)
         out.append((name, t.detach()))
     return out
 
@@ -106,6 +109,8 @@ class SharedWeights:
         if self._shm is None or self._shm.size < size:
             self.close()
             self._shm = shared_memory.SharedMemory(create=True, size=size)
+            # freed at interpreter exit too (a trainer is rarely closed explicitly)
+            self._finalizer = weakref.finalize(self, _free, self._shm)
         buf = self._shm.buf
         for (n, t), (_, _, _, off) in zip(items, meta):
             nbytes = t.numel() * t.element_size()
@@ -118,21 +123,19 @@ class SharedWeights:
     def close(self) -> None:
         """Free the block (readers that still hold views keep their mapping until they drop it)."""
         if self._shm is not None:
-            try:
-                self._shm.close()
-            except BufferError:  # views still exported in this process: unlink only
-                pass
-            try:
-                self._shm.unlink()
-            except FileNotFoundError:
-                pass
+            self._finalizer()
             self._shm = None
 
-    def __del__(self) -> None:  # noqa: D105
-        try:
-            self.close()
-        except Exception:  # noqa: BLE001 - interpreter shutdown
-            pass
+
+def _free(shm: shared_memory.SharedMemory) -> None:
+    try:
+        shm.close()
+    except BufferError:  # views still exported in this process: unlink only
+        pass
+    try:
+        shm.unlink()
+    except FileNotFoundError:
+        pass
 
 
 class _Attached:

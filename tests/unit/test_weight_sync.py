@@ -152,3 +152,24 @@ def test_engines_implement_the_in_memory_refresh() -> None:
         except ImportError:  # no vLLM in this environment
             return
         assert callable(VLLMEngine.update_weights) and callable(_reload_shared)
+
+
+def test_module_weights_of_parameters_sharing_one_flat_buffer(ckpts: tuple[Path, Path]) -> None:
+    """DeepSpeed ZeRO-1/2 keep every parameter as a view into one flat buffer: all of them are sent
+    (only a tensor listed under two names, the tied head, is left out)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(ckpts[0])
+    params = list(model.parameters())  # distinct parameters (the tied head once)
+    flat = torch.zeros(sum(p.numel() for p in params))
+    offset = 0
+    for p in params:
+        view = flat[offset: offset + p.numel()].view_as(p)
+        view.copy_(p.data)
+        p.data = view
+        offset += p.numel()
+    got = dict(module_weights(model))
+    assert len(got) == len(model.state_dict()) - 1 and "lm_head.weight" not in got
+    for name, t in model.state_dict().items():
+        if name != "lm_head.weight":
+            assert torch.equal(got[name], t), name
