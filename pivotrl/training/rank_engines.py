@@ -16,9 +16,10 @@ With engines on several ranks (the *host ranks* h_0 < h_1 < …, E of them) a st
    batch. Every host has its own verifier. The hosts' groups are all-gathered and concatenated in
    host order, which is batch order: every rank trains on the same global batch, and no rank waits
    on one engine for all rollouts.
-2. **Refresh** (:func:`refresh_step`). After the update every host writes its own HF export on its
-   own disk (``export_hf(..., writers=hosts)``: a node never reads another node's files), reloads its
-   engine from it, and checks its engine's log-probs of a fixed action against the trainer's; the
+2. **Refresh** (:func:`refresh_step`). After the update every host writes its weights into its own
+   shared-memory block (``rollout.weight_sync: memory``, ``shared_weights(writers=hosts)``) or its own
+   HF export on its own disk (``disk``, ``export_hf(..., writers=hosts)``): a node never reads another
+   node's memory or files; it reloads its engine from there, and checks its engine's log-probs of a fixed action against the trainer's; the
    per-engine deltas are all-gathered, so every rank sees every engine's check and raises together.
 
 Collectives go through ``torch.distributed`` object collectives (pickled Python objects: token ids,
