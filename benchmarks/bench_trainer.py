@@ -163,7 +163,7 @@ def _trainer_steps(model_dir: Any, groups: list[Group], args: argparse.Namespace
         for mode in (("shared", "naive") if rep % 2 == 0 else ("naive", "shared")):
             la = load1()
             m = trainers[mode].train_step(batch)
-            rows.append([rep, mode, len(batch), m["step_time_s"], m["tokens_per_s"], la])
+            rows.append([rep, mode, len(batch), m["step_time_s"], m["policy_tokens_per_s"], la])
     return rows
 
 
@@ -280,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.trainer_step:
         trows = _trainer_steps(model_dir, groups, args)
         print("\nPivotRLTrainer.train_step (DeepSpeed ZeRO 0, policy fwd+bwd + reference fwd + optimiser update):\n")
-        print(md_table(["repeat", "mode", "groups", "step s", "tokens/s (policy + reference)", "load"], trows))
+        print(md_table(["repeat", "mode", "groups", "step s", "policy tokens/s (forward+backward)", "load"], trows))
         tr = median(n[3] / s[3] for s, n in zip([r for r in trows if r[1] == "shared"], [r for r in trows if r[1] == "naive"]))
         print(f"\ntrain_step speed-up, naive / shared (median): {tr:.2f}x")
         out["trainer_step"] = {"rows": trows, "speedup": tr}

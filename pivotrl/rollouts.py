@@ -199,7 +199,8 @@ def record_train_step(store: Any, train_key: str, step: int, scored: Sequence[tu
             for sid, gens, _ in scored:
                 acts = [list(gen.token_ids) for gen in gens]
                 lp = compute_group_logprobs(trainer.engine, by_state[sid].prompt_ids, acts,
-                                            shared_prefix=trainer.settings.shared_prefix).logprobs
+                                            shared_prefix=trainer.settings.shared_prefix,
+                                            prefix_method=trainer.settings.prefix_method).logprobs
                 new_lp.append([lp[k, : len(a)].double().tolist() for k, a in enumerate(acts)])
     return write_train_step(store, train_key, step, train_records(step, scored, estimator=estimator, delta=delta,
                                                                   new_logprobs=new_lp))

@@ -19,7 +19,7 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 #: Columns of the per-step training table (those present in metrics.parquet, in this order).
 STEP_COLUMNS = ("step", "pivots", "groups", "dropped_groups", "reward_mean", "reward_std", "zero_variance_frac",
                 "loss", "kl", "clip_frac", "ratio_mean", "grad_norm", "refresh_max_abs_delta", "rollout_s",
-                "step_time_s")
+                "step_time_s", "trainer_s", "policy_tokens_per_s", "ref_tokens_per_s", "mfu")
 
 
 def _fmt(v: Any) -> str:

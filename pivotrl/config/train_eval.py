@@ -77,6 +77,16 @@ class TrainingSection(Section):
     shared_prefix: bool = Field(
         True, description="Run the state once and its K actions on the cached prefix (same gradients, less compute)."
     )
+    prefix_method: Literal["auto", "packed", "cache"] = Field(
+        "auto",
+        description=(
+            "How a shared state is run with its K actions: packed = one sequence (state + every action) with a "
+            "block attention mask, the state's keys/values computed and differentiated once; cache = the state's "
+            "key/value cache repeated K times (every model with a cache object; the fallback for model types "
+            "without packed support); auto = packed in bf16, cache in fp32 (what measured faster on each). Same "
+            "numbers either way."
+        ),
+    )
     checkpoint_every: Int = Field(5, ge=1, description="Save a checkpoint every N rollout batches.")
     refilter_between_epochs: bool = Field(
         False,

@@ -146,7 +146,9 @@ def build_report(
             "rolling_window": window,
             "rolling_mean": rolling,
             "curve": [[s, r] for s, r in zip(curve[0], curve[1])],
+            "speed": _training_speed(metrics_df),
         },
+        "warm_start_speed": _warm_start_speed(meta),
         "probes": None if mus is None else {
             "n_candidates": len(mus),
             "mu_mean": sum(mus) / len(mus) if mus else None,
@@ -451,10 +453,48 @@ def _markdown(report: Mapping[str, Any], rows: list[dict[str, Any]], plots: Mapp
             lines += ["", f"![training reward per step with its rolling mean and 95% interval]({plots['reward_curve']})"]
     if learning_lines:
         lines += ["", *learning_lines]
+    lines += _speed_lines(training["speed"] if training else {}, report.get("warm_start_speed") or {})
     lines += ["", "## Known limits", ""]
     lines += [f"- {limit}" for limit in report["known_limits"]]
     lines.append("")
     return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------------- speed
+def _training_speed(metrics_df: pd.DataFrame | None) -> dict[str, float]:
+    """The trainer's speed over all steps (:func:`pivotrl.training.mfu.summarize`); {} without the columns."""
+    from pivotrl.training.mfu import summarize
+
+    if metrics_df is None or "model_tflop" not in metrics_df.columns:
+        return {}
+    return summarize(metrics_df.to_dict("records"))
+
+
+def _warm_start_speed(meta: Mapping[str, Any]) -> dict[str, float]:
+    """The warm start's speed from ``meta["sft"]["metrics"]`` (time_s, tokens_per_s, model_tflop, mfu)."""
+    m = ((meta.get("sft") or {}).get("metrics") or {}) if isinstance(meta.get("sft"), Mapping) else {}
+    return {k: float(m[k]) for k in ("time_s", "tokens_per_s", "model_tflop", "peak_gflops", "mfu")
+            if isinstance(m.get(k), (int, float))}
+
+
+def _speed_lines(train: Mapping[str, float], warm: Mapping[str, float]) -> list[str]:
+    """The report's "Speed" lines: MFU = model FLOPs / time / calibrated peak (pivotrl.training.mfu)."""
+    if not train and not warm:
+        return []
+    lines = ["", "### Speed (model FLOPs utilization)", "",
+             "| stage | time (s) | tokens/s | model TFLOP | MFU |", "|---|---|---|---|---|"]
+    pct = lambda v: "n/a" if v is None else f"{100 * v:.1f} %"  # noqa: E731
+    if warm:
+        lines.append(f"| warm start (forward+backward) | {warm.get('time_s', 0):.1f} | {warm.get('tokens_per_s', 0):.1f} "
+                     f"| {warm.get('model_tflop', 0):.2f} | {pct(warm.get('mfu'))} |")
+    if train:
+        lines.append(f"| PivotRL trainer (policy forward+backward; π_ref forward) | {train['trainer_s']:.1f} "
+                     f"| {train['policy_tokens_per_s']:.1f}; {train['ref_tokens_per_s']:.1f} "
+                     f"| {train['model_tflop']:.2f} | {pct(train.get('mfu'))} |")
+    lines += ["", "Model FLOPs: 6·N per trained token and 2·N per forward-only token (N = the transformer body; "
+              "the output head only where logits are computed), plus causal attention; against the calibrated "
+              "matmul peak of the compute dtype × the threads used (`pivotrl.training.mfu`)."]
+    return lines
 
 
 # ------------------------------------------------------------------------------------ atomic files

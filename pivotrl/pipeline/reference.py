@@ -60,6 +60,7 @@ def stage_reference(cfg: RunConfig, store: ArtifactStore, demos: Mapping[str, An
         sft = store.read_json(f"{key}.sft.json")
         return ReferenceResult(str(base_dir), base_hash, key, sft["checkpoint_hash"], sft, fmt)
 
+    from pivotrl.training.mfu import calibrated_peak_gflops
     from pivotrl.training.sft import run_sft
 
     trajs = read_trajectories(store, demos["key"], split="warm_start")
@@ -81,6 +82,7 @@ def stage_reference(cfg: RunConfig, store: ArtifactStore, demos: Mapping[str, An
             str(base_dir), examples, str(ckpt), epochs=cfg.warm_start.epochs, lr=cfg.warm_start.lr,
             batch_size=cfg.warm_start.batch_size, dtype=TRAINER_DTYPE[cfg.model.dtype],
             zero_stage=cfg.training.deepspeed.zero_stage, seed=cfg.run.seed,
+            peak_gflops_per_thread=calibrated_peak_gflops(cfg.model.dtype, cfg.run.cache_dir),
         )
         ref_hash = checkpoint_hash(ckpt)
         store.put_dir(str(ckpt), key)

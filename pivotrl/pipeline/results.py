@@ -137,7 +137,9 @@ class TrainResult(StageResult):
         policy_key: store key of the trained policy (HF format), or None when nothing was trained
             (an empty pivot set: the policy is π_ref).
         metrics: URI of ``metrics.parquet`` (one row per step).
-        summary: steps, pivots, final_reward_mean, policy (None on ranks other than 0).
+        summary: steps, pivots, final_reward_mean, policy, and the trainer's speed over all steps (trainer_s,
+            model_tflop, policy_tokens_per_s, ref_tokens_per_s, mfu: pivotrl.training.mfu.summarize); None on
+            ranks other than 0.
     """
 
     train_key: str

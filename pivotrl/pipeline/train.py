@@ -150,6 +150,7 @@ def stage_train(cfg: RunConfig, store: ArtifactStore, probe: ProbeResult | Mappi
         refresh_tolerance=tr.refresh_tolerance if tr.refresh_tolerance is not None
         else (1e-4 if cfg.model.dtype == "fp32" else 0.3),
         pivots_per_batch=tr.pivots_per_batch, updates_per_batch=tr.updates_per_batch, eval_every=tr.eval_every,
+        weight_sync=cfg.rollout.weight_sync,
         refilter=None if not tr.refilter_between_epochs else Refilter(
             num_probes=cfg.probing.num_probes, temperature=cfg.probing.temperature, top_p=cfg.probing.top_p,
             top_k=cfg.probing.top_k, seed=cfg.probing.seed, lambda_diff=cfg.probing.lambda_diff,
@@ -187,6 +188,11 @@ def stage_train(cfg: RunConfig, store: ArtifactStore, probe: ProbeResult | Mappi
     summary = {"steps": len(rows), "pivots": len(pivots), "final_reward_mean": float(metrics_df["reward_mean"].iloc[-1])
                if "reward_mean" in metrics_df and len(metrics_df) else None,
                "policy": store.url(final_key)}
+    from pivotrl.training.mfu import summarize
+
+    speed = summarize(rows)  # the stage's trainer time, model FLOPs, tokens/s and MFU over all steps
+    if speed:
+        summary.update(speed)
     note = refilter_unused(settings.refilter, len(schedule))
     if note:  # also logged by the loop; here it reaches the summary, the Prefect UI and the console line
         summary["warnings"] = [note]

@@ -104,6 +104,11 @@ class RolloutEngine(Protocol):
         """Replace the model's weights by those of an HF checkpoint with the same architecture."""
         ...
 
+    def update_weights(self, block: str, meta: Sequence[Any]) -> None:
+        """Replace the model's weights by those of a shared-memory block
+        (``pivotrl.training.weight_sync.SharedWeights``: its name and tensor metadata)."""
+        ...
+
     def close(self) -> None:
         """Release the engine's processes and memory."""
         ...

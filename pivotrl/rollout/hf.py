@@ -291,7 +291,6 @@ class TransformersEngine:
         Raises:
             ModelError: no safetensors file, or tensor names/shapes that do not match the model.
         """
-        import torch
         from safetensors.torch import load_file
 
         files = sorted(Path(checkpoint_dir).glob("*.safetensors"))
@@ -300,6 +299,23 @@ class TransformersEngine:
         state: dict[str, Any] = {}
         for f in files:
             state.update(load_file(str(f)))
+        self._assign(state, f"checkpoint {checkpoint_dir}")
+
+    def update_weights(self, block: str, meta: Sequence[Any]) -> None:
+        """Copy the weights of a shared-memory block (``pivotrl.training.weight_sync.SharedWeights``:
+        its name and tensor metadata) into the model: the in-memory refresh, no file read.
+
+        Raises:
+            ModelError: tensor names/shapes that do not match the model.
+        """
+        from pivotrl.training.weight_sync import read_shared
+
+        read_shared(block, meta, lambda tensors: self._assign(dict(tensors), f"shared weights {block}"))
+
+    def _assign(self, state: dict[str, Any], source: str) -> None:
+        """Copy ``state`` (HF names → tensors; a tied head may be absent) into the model."""
+        import torch
+
         own = self.model.state_dict()
         tied = bool(getattr(self.model.config, "tie_word_embeddings", False))
         missing = [n for n in own if n not in state and not (tied and n == "lm_head.weight")]
@@ -307,7 +323,7 @@ class TransformersEngine:
         shapes = [n for n in state if n in own and tuple(state[n].shape) != tuple(own[n].shape)]
         if missing or unexpected or shapes:
             raise ModelError(
-                f"load_weights: checkpoint {checkpoint_dir} does not match the model "
+                f"load_weights: {source} does not match the model "
                 f"(missing {missing[:5]}, unexpected {unexpected[:5]}, shape mismatch {shapes[:5]})"
             )
         with torch.no_grad():

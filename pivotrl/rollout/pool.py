@@ -125,6 +125,10 @@ class EnginePool:
         """Refresh every engine from the HF checkpoint ``checkpoint_dir`` (concurrently)."""
         self._each(lambda j: self.engines[j].load_weights(checkpoint_dir))
 
+    def update_weights(self, block: str, meta: Sequence[Any]) -> None:
+        """Refresh every engine from a shared-memory block of weights (concurrently)."""
+        self._each(lambda j: self.engines[j].update_weights(block, meta))
+
     def refresh_deltas(self, prompt: list[int] | None, action: list[int] | None,
                        trainer_lp: Sequence[float]) -> list[tuple[float, float] | None]:
         """Per engine: max and mean |Δ| per token (nats) between its log-probs of ``action`` and the

@@ -248,6 +248,17 @@ class VLLMEngine:
             self.llm.apply_model(_refresh_tied_head)
         self.llm.reset_prefix_cache()
 
+    def update_weights(self, block: str, meta: Sequence[Any]) -> None:
+        """Refresh the weights in memory from a shared-memory block
+        (``pivotrl.training.weight_sync.SharedWeights``): every worker attaches to the block by name
+        and feeds zero-copy views of its tensors to vLLM's in-place ``reload_weights``; only the
+        block's name and the tensors' metadata cross the RPC channel. Then, as
+        :meth:`load_weights`, the tied head is re-tied and the prefix cache cleared."""
+        self.llm.collective_rpc(_reload_shared, args=(block, [list(m) for m in meta]))
+        if self.tied_embeddings:
+            self.llm.apply_model(_refresh_tied_head)
+        self.llm.reset_prefix_cache()
+
     def _release_cpus(self) -> None:
         claim = getattr(self, "_cpu_claim", None)
         if claim is not None:
@@ -334,6 +345,13 @@ def _is_cpu_platform() -> bool:
         return bool(current_platform.is_cpu())
     except Exception:  # noqa: BLE001 - platform detection failing means "not the CPU build"
         return False
+
+
+def _reload_shared(worker: Any, block: str, meta: Sequence[Any]) -> None:
+    """Inside a vLLM worker: ``reload_weights`` fed with the tensors of a shared-memory block."""
+    from pivotrl.training.weight_sync import read_shared
+
+    read_shared(block, meta, lambda tensors: worker.reload_weights(weights_iterator=tensors))
 
 
 def _refresh_tied_head(model: Any) -> bool:

@@ -17,7 +17,9 @@ Per run:
   numeric column of ``metrics.parquet`` as a series with one point per training step, sent live as
   each step finishes (``pivotrl.tracking.live``)
   (``train/<column>``: reward, zero-variance fraction, clip fractions, ratio statistics, KL,
-  entropy, grad norm, tokens/s, refresh Δ — whatever the trainer recorded); the evaluation's
+  entropy, grad norm, policy and reference tokens/s, MFU, refresh Δ — whatever the trainer
+  recorded), the train stage's speed over all steps (``train_stage/mfu``, ``train_stage/trainer_s``,
+  ...) and the warm start's (``warm_start/mfu``, ...); the evaluation's
   numbers per policy (``eval/<policy>/<metric>``);
 * **artifacts**: the pivot-filter summary, the report (``report.md``, ``report.json``) and its plots;
 * **tags** linking the run to lineage (values equal to the manifests'): ``pivotrl.pivots.sha256``,
@@ -77,6 +79,10 @@ def flatten_params(obj: Any, prefix: str = "") -> dict[str, str]:
     if isinstance(obj, (list, tuple, Mapping)):
         return {prefix: json.dumps(obj, sort_keys=True, default=str)}
     return {prefix: "null" if obj is None else str(obj)}
+
+
+#: Keys of the train stage's summary logged as ``train_stage/<key>`` (pivotrl.training.mfu.summarize).
+STAGE_SPEED = ("trainer_s", "model_tflop", "policy_tokens_per_s", "ref_tokens_per_s", "mfu")
 
 
 def _numbers(obj: Any, prefix: str) -> list[MetricPoint]:
@@ -210,6 +216,9 @@ class RunRecorder:
             for step, v in zip(df["step"], df[col]):
                 if int(step) not in sent and v is not None and math.isfinite(float(v)):
                     points.append((f"train/{metric_key(col)}", float(v), int(step)))
+        # The stage's speed over all steps (summary.json: trainer_s, model_tflop, tokens/s, mfu).
+        summary = out.get("summary") or {}
+        points += _numbers({k: summary[k] for k in STAGE_SPEED if k in summary}, "train_stage")
         self.tracker.log_metrics(self.run_id, points)
 
     def _evaluate(self, out: Mapping[str, Any]) -> None:

@@ -3,9 +3,18 @@
 Shape legend (as in the spec): K = group size, P = state (prefix) tokens, T = action tokens,
 T_max = the longest action in the group, V = vocabulary size.
 
-Two ways to compute the same numbers:
+Three ways to compute the same numbers:
 
-* **shared prefix** (default): the state is run once with ``use_cache=True``; the logits of its last
+* **shared prefix, packed** (``prefix_method="packed"``; ``"auto"``, the default, picks it for bf16/fp16
+  models), for the model types of
+  :data:`PACKED_MODEL_TYPES`): one sequence ``state + a_1[:-1] + … + a_K[:-1]`` with position ids
+  restarting at P for every action and a 4-D block mask (the state causal; each action sees the
+  state and its own earlier tokens). Tokens processed: ``P + K·(T_max − 1)``; the state's keys and
+  values are computed and differentiated once. On SmolLM2 in bf16 this is the fastest path: the
+  cache path's backward spends most of its time on the K-fold repeated prefix (repeat, GQA expand,
+  and summing the K gradient copies back); in fp32 under the AVX2 imitation it measured slower than
+  the cache path (benchmarks/RESULTS.md §14), so ``"auto"`` keeps the cache there.
+* **shared prefix, cache** (``prefix_method="cache"``): the state is run once with ``use_cache=True``; the logits of its last
   position predict the first action token; the key/value cache is repeated K times along the batch
   dimension and the K right-padded actions (all but their last token) are run on top of it, with
   explicit ``position_ids`` starting at P and an attention mask covering prefix + action. Tokens
@@ -36,6 +45,7 @@ __all__ = [
     "compute_group_logprobs",
     "group_logprobs",
     "processed_tokens",
+    "work_counts",
 ]
 
 log = logging.getLogger(__name__)
@@ -53,6 +63,8 @@ class GroupLogprobs:
     entropy: torch.Tensor | None  # (K, T_max) float32, detached token entropy in nats; None unless asked
     tokens_processed: int  # tokens run through the model (see processed_tokens)
     shared_prefix: bool  # whether the shared-prefix path was used
+    logit_positions: int = 0  # positions whose logits (vocabulary projection) were computed
+    attention_pairs: int = 0  # causal (query, key) pairs attended (pivotrl.training.mfu)
 
 
 def processed_tokens(prompt_len: int, action_lens: Sequence[int], *, shared_prefix: bool) -> int:
@@ -64,6 +76,18 @@ def processed_tokens(prompt_len: int, action_lens: Sequence[int], *, shared_pref
     if shared_prefix:
         return prompt_len + k * (t_max - 1)
     return k * (prompt_len + t_max - 1)
+
+
+def work_counts(prompt_len: int, action_lens: Sequence[int], *, shared_prefix: bool) -> tuple[int, int]:
+    """``(logit_positions, attention_pairs)`` of one group: the positions whose logits are computed
+    (shared: the state's last + K·(T_max−1); naive: K·T_max) and the causal (query, key) pairs
+    attended (:mod:`pivotrl.training.mfu`), padding included. Pure arithmetic."""
+    from pivotrl.training.mfu import attention_pairs_causal, attention_pairs_shared
+
+    k, t_max = len(action_lens), max(action_lens)
+    if shared_prefix:
+        return 1 + k * (t_max - 1), attention_pairs_shared(prompt_len, k, t_max - 1)
+    return k * t_max, attention_pairs_causal([prompt_len + t_max - 1] * k)
 
 
 def _underlying(model: Any) -> Any:
@@ -174,6 +198,46 @@ def _shared_logits(model: Any, prompt: torch.Tensor, ids: torch.Tensor, mask: to
     return torch.cat([first.expand(k, 1, first.shape[-1]), rest], dim=1)
 
 
+#: ``config.model_type`` of the models whose forward honours a 4-D attention mask with explicit
+#: ``position_ids`` (transformers' standard decoder layers; checked in tests/unit/test_logprobs.py).
+PACKED_MODEL_TYPES = frozenset({"llama", "qwen2", "mistral", "qwen3"})
+
+
+def packs(model: Any) -> bool:
+    """Whether the packed shared-prefix path serves ``model`` (its model type is in
+    :data:`PACKED_MODEL_TYPES` and its attention is sdpa or eager); decided from the config alone,
+    so every rank of a data-parallel job takes the same path."""
+    config = getattr(_underlying(model), "config", None)
+    impl = getattr(config, "_attn_implementation", None) or "sdpa"
+    return getattr(config, "model_type", None) in PACKED_MODEL_TYPES and impl in ("sdpa", "eager")
+
+
+def _packed_logits(model: Any, prompt: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Packed shared-prefix logits (K, T_max, V): ONE sequence ``state + a_1[:-1] + … + a_K[:-1]``
+    (each action right-padded to T_max; ``P + K·(T_max−1)`` tokens) with ``position_ids`` restarting
+    at P for every action and a 4-D boolean mask: the state causal, every action token sees the
+    whole state and its own earlier tokens only. Nothing is repeated K times, so the backward pass
+    differentiates the state's keys/values once (the cache path sums K copies of them)."""
+    k, t_max = ids.shape
+    p, s = prompt.shape[0], t_max - 1
+    device = ids.device
+    length = p + k * s
+    inputs = torch.cat([prompt, ids[:, :-1].reshape(-1)]).unsqueeze(0)  # (1, P + K·s)
+    positions = torch.cat([torch.arange(p, device=device),
+                           (p + torch.arange(s, device=device)).repeat(k)]).unsqueeze(0)  # (1, P + K·s)
+    block = torch.arange(length, device=device)
+    block = torch.where(block < p, -1, (block - p) // max(s, 1))  # -1 on the state, action index after
+    causal = torch.arange(length, device=device).unsqueeze(1) >= torch.arange(length, device=device).unsqueeze(0)
+    same = (block.unsqueeze(1) == block.unsqueeze(0)) | (block.unsqueeze(0) == -1)  # own block or the state
+    attend = causal & same  # (L, L): key j visible from query i
+    logits = model(input_ids=inputs, position_ids=positions, attention_mask=attend[None, None],
+                   logits_to_keep=k * s + 1, use_cache=False).logits[0]  # (K·s + 1, V)
+    first = logits[:1].expand(k, -1).unsqueeze(1)  # (K, 1, V): the state's last position predicts each first token
+    if s == 0:
+        return first
+    return torch.cat([first, logits[1:].view(k, s, -1)], dim=1)  # (K, T_max, V)
+
+
 def compute_group_logprobs(
     model: Any,
     prompt_ids: Sequence[int],
@@ -181,6 +245,7 @@ def compute_group_logprobs(
     *,
     shared_prefix: bool = True,
     with_entropy: bool = False,
+    prefix_method: str = "auto",
 ) -> GroupLogprobs:
     """Per-token log-probs of K actions given one state, plus bookkeeping (see :class:`GroupLogprobs`).
 
@@ -189,8 +254,12 @@ def compute_group_logprobs(
             Called as is: gradients flow unless the caller wraps this in ``torch.no_grad()``.
         prompt_ids: the state's P token ids (the rendered history ending with the generation header).
         actions: K lists of action token ids (lengths T_i ≥ 1, may differ).
-        shared_prefix: run the state once and reuse its key/value cache (falls back to the naive
-            path for models that cannot; see the module docstring).
+        shared_prefix: run the state once for all K actions (falls back to the naive path for
+            models that cannot; see the module docstring).
+        prefix_method: how, with ``shared_prefix``: ``"packed"`` (one sequence with a block mask,
+            :func:`_packed_logits`; for the model types of :data:`PACKED_MODEL_TYPES`, others take the
+            cache), ``"cache"`` (the state's key/value cache repeated K times) or ``"auto"`` (packed
+            for a bf16/fp16 model, cache otherwise: what measured faster on each, RESULTS.md §14).
         with_entropy: also return the detached token entropy (K, T_max) in nats.
 
     Returns:
@@ -201,6 +270,10 @@ def compute_group_logprobs(
         DataError: empty state, empty group, or an empty action.
     """
     _check_inputs(prompt_ids, actions)
+    if prefix_method not in ("auto", "packed", "cache"):
+        raise ValueError(f"prefix_method must be 'auto', 'packed' or 'cache', got {prefix_method!r}")
+    if prefix_method == "auto":  # measured: packed wins in bf16, loses in fp32 (benchmarks/RESULTS.md §14)
+        prefix_method = "packed" if _model_dtype(model) in (torch.bfloat16, torch.float16) else "cache"
     device = _model_device(model)
     prompt = torch.as_tensor(list(prompt_ids), dtype=torch.long, device=device)  # (P,)
     dtype = torch.float64 if _model_dtype(model) == torch.float64 else torch.float32
@@ -209,7 +282,10 @@ def compute_group_logprobs(
     key = type(_underlying(model)).__qualname__
     logits = None
     used_shared = False
-    if shared_prefix and key not in _NAIVE_ONLY:
+    if shared_prefix and prefix_method == "packed" and packs(model):
+        logits = _packed_logits(model, prompt, ids)
+        used_shared = True
+    elif shared_prefix and key not in _NAIVE_ONLY:
         try:
             logits = _shared_logits(model, prompt, ids, mask)
         except (TypeError, NotImplementedError, AttributeError) as err:
@@ -222,12 +298,15 @@ def compute_group_logprobs(
     if logits is None:
         logits = _naive_logits(model, prompt, ids, mask)
     logprobs, entropy = _token_stats(logits, ids, mask, with_entropy)
+    logit_positions, pairs = work_counts(len(prompt_ids), lens, shared_prefix=used_shared)
     return GroupLogprobs(
         logprobs=logprobs,
         action_mask=mask,
         entropy=entropy,
         tokens_processed=processed_tokens(len(prompt_ids), lens, shared_prefix=used_shared),
         shared_prefix=used_shared,
+        logit_positions=logit_positions,
+        attention_pairs=pairs,
     )
 
 

@@ -88,6 +88,9 @@ class LoopSettings:
     updates_per_batch: int
     refilter: "Refilter | None" = None
     eval_every: int = 0  # held-out accuracy every N steps (LoopHooks.evaluate); 0 = never
+    #: How π_old reaches the engines after a step: "memory" (shared memory) or "disk" (an HF export);
+    #: ``rollout.weight_sync``, pivotrl.training.weight_sync.
+    weight_sync: str = "disk"
 
 
 @dataclass(frozen=True)
@@ -202,7 +205,8 @@ def run_rl_loop(trainer: Any, engine: Any, verifier: Any, pivots: Sequence[Any],
             default rank 0 alone).
 
     Each row: step (1-based), pivots, groups, dropped_groups, verifier_retries, the trainer's
-    metrics (reward_mean, kl, ...), rollout_s, step_time_s, refresh_max_abs_delta and
+    metrics (reward_mean, kl, ...), rollout_s, step_time_s, refresh_s (writing the weights — the
+    shared-memory block or the HF export — plus the engine's reload, on rank 0), refresh_max_abs_delta and
     refresh_mean_abs_delta (engine vs trainer log-probs of a fixed action, nats per token; the
     largest over the engines of a pool, whose per-engine columns the module docstring lists),
     rollout_tokens (tokens generated for the step's trained groups), and the columns of
@@ -260,22 +264,32 @@ def run_rl_loop(trainer: Any, engine: Any, verifier: Any, pivots: Sequence[Any],
                 hooks.record_step(step + 1, batch.scored, groups)
             # Refresh π_old inside the running engines (no restart), then check that it took: each
             # engine's log-probs of a fixed action must match the trainer's.
-            export = work / f"policy-{step}"
-            if list(hosts) == [0]:
-                trainer.export_hf(str(export))
-            else:  # every host rank reads its own export (its node's disk)
-                trainer.export_hf(str(export), writers=list(hosts))
+            # rollout.weight_sync: memory = a shared-memory block per host rank; disk = an HF export
+            # (every host rank reads its own: its node's disk).
+            t_sync = time.perf_counter()
+            export: Any = work / f"policy-{step}"
+            if settings.weight_sync == "memory":
+                export = trainer.shared_weights(writers=list(hosts))
+            else:
+                if list(hosts) == [0]:
+                    trainer.export_hf(str(export))
+                else:
+                    trainer.export_hf(str(export), writers=list(hosts))
+                export = str(export)
+            t_write = time.perf_counter() - t_sync
             probe_prompt = groups[0].prompt_ids if groups else None
             action = groups[0].actions[0] if groups else None
             trainer_lp = trainer.old_policy_logprobs(probe_prompt, action) if action else []
-            d_max, d_mean, per_engine = refresh_step(engine, str(export), probe_prompt, action, trainer_lp,
-                                                     rank=rank, world=world, hosts=hosts)
+            timing: dict[str, float] = {}
+            d_max, d_mean, per_engine = refresh_step(engine, export, probe_prompt, action, trainer_lp,
+                                                     rank=rank, world=world, hosts=hosts, timing=timing)
             engines_row = _engines_row(per_engine, served, settings) if per_engine else {}
             shutil.rmtree(work / f"policy-{step - 1}", ignore_errors=True)
             row = {"step": step + 1, "pivots": len(idx), "groups": len(groups), "dropped_groups": dropped,
                    "verifier_retries": retries,
                    **{k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))},
                    "rollout_s": round(t_roll, 3), "step_time_s": round(time.time() - t0, 3),
+                   "refresh_s": round(t_write + timing.get("reload_s", 0.0), 4),
                    "refresh_max_abs_delta": d_max, "refresh_mean_abs_delta": d_mean, **engines_row, **refiltered,
                    "rollout_tokens": sum(len(a) for g in groups for a in g.actions)}  # generated, trained groups
             if step == 0:

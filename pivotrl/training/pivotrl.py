@@ -57,6 +57,7 @@ from pivotrl.training.deepspeed_utils import (
 )
 from pivotrl.training.groups import Group, check_groups
 from pivotrl.training.logprobs import compute_group_logprobs
+from pivotrl.training.mfu import ModelShape, calibrated_peak_gflops, forward_flops, mfu
 from pivotrl.training.settings import LOG_RATIO_CLAMP, run_trainer_inputs, training_section
 from pivotrl.training.trainer_state import (
     MetricSums,
@@ -122,6 +123,10 @@ class PivotRLTrainer:
         self.ref_model = load_causal_lm(self.ref_model_dir, self.compute_dtype).eval()
         self.ref_model.requires_grad_(False)
         self.ref_model.to(self.engine.device)
+        #: The model's shape for the FLOP count (pivotrl.training.mfu); π_ref has π_θ's architecture.
+        self.shape = ModelShape.of_model(self.ref_model)
+        #: Calibrated matmul peak of one thread in the compute dtype (GFLOP/s); None = no MFU column.
+        self.peak_gflops_per_thread: float | None = None
         self.step = 0
         self.data_position = 0  # position in the caller's pivot order; saved with checkpoints
         self.extra_state: dict[str, Any] = {}
@@ -131,7 +136,9 @@ class PivotRLTrainer:
     @classmethod
     def for_run(cls, cfg: RunConfig, model_dir: str | os.PathLike[str]) -> PivotRLTrainer:
         """The trainer of a validated, dtype-resolved run config on π_ref = π_θ = ``model_dir``."""
-        return cls(model_dir, model_dir, tokenizer_dir=model_dir, **run_trainer_inputs(cfg))
+        trainer = cls(model_dir, model_dir, tokenizer_dir=model_dir, **run_trainer_inputs(cfg))
+        trainer.peak_gflops_per_thread = calibrated_peak_gflops(cfg.model.dtype, cfg.run.cache_dir)
+        return trainer
 
     @classmethod
     def build(
@@ -187,11 +194,14 @@ class PivotRLTrainer:
             ``ratio_max``, ``clip_frac_high``, ``clip_frac_low``, ``clip_frac``,
             ``log_ratio_clamped`` (count); ``loss_last`` (last update); ``grad_norm`` (mean over
             updates, before clipping), ``grad_norm_max``; work: ``action_tokens``, ``tokens``
-            (policy forward+backward tokens), ``ref_tokens``, ``step_time_s``, ``tokens_per_s``;
-            when the groups carry the rollout engine's log-probs: ``sampler_mismatch_mean_abs``
-            (mean |log π_old − log π_sampler| per action token, nats; π_old is the trainer's) and
-            ``sampler_log_ratio_mean`` (mean whole-action Σ_t of that difference); with
-            ``training.tis_cap``: ``tis_weight_mean`` (:mod:`pivotrl.objective.tis`).
+            (policy forward+backward tokens, summed over updates), ``ref_tokens`` (π_ref forward-only
+            tokens), ``step_time_s`` = ``trainer_s`` (this call's time); speed (:meth:`_speed`):
+            ``policy_tokens_per_s``, ``ref_tokens_per_s``, ``model_tflop``, ``threads``, and with a
+            calibrated peak (``peak_gflops_per_thread``) ``peak_gflops`` and ``mfu``; when the groups
+            carry the rollout engine's log-probs: ``sampler_mismatch_mean_abs`` (mean |log π_old − log
+            π_sampler| per action token, nats; π_old is the trainer's) and ``sampler_log_ratio_mean``
+            (mean whole-action Σ_t of that difference); with ``training.tis_cap``: ``tis_weight_mean``
+            (:mod:`pivotrl.objective.tis`).
             All values are global (reduced over ranks).
 
         Raises:
@@ -220,11 +230,14 @@ class PivotRLTrainer:
                     ref_lp.append(None)
                     continue
                 parts = [
-                    compute_group_logprobs(self.ref_model, groups[i].prompt_ids, groups[i].actions, shared_prefix=s.shared_prefix)
+                    compute_group_logprobs(self.ref_model, groups[i].prompt_ids, groups[i].actions, shared_prefix=s.shared_prefix,
+                                           prefix_method=s.prefix_method)
                     for i in mb
                 ]
                 ref_lp.append(pad_cat([p.logprobs for p in parts]))
                 sums.add("ref_tokens", sum(p.tokens_processed for p in parts))
+                sums.add("ref_flop", sum(forward_flops(self.shape, p.tokens_processed, p.logit_positions,
+                                                       p.attention_pairs) for p in parts))
 
         old_lp: list[torch.Tensor | None] = [None] * n_micro
         tis_w: list[torch.Tensor | None] = [None] * n_micro  # truncated IS weights (training.tis_cap), per micro-batch
@@ -238,7 +251,8 @@ class PivotRLTrainer:
                     continue
                 parts = [
                     compute_group_logprobs(
-                        self.engine, groups[i].prompt_ids, groups[i].actions, shared_prefix=s.shared_prefix, with_entropy=first
+                        self.engine, groups[i].prompt_ids, groups[i].actions, shared_prefix=s.shared_prefix, with_entropy=first,
+                        prefix_method=s.prefix_method,
                     )
                     for i in mb
                 ]
@@ -272,6 +286,8 @@ class PivotRLTrainer:
                     self.on_groups(len(mb))
                 b = float(logprobs.shape[0])
                 sums.add("tokens", sum(p.tokens_processed for p in parts))
+                sums.add("policy_flop", 3.0 * sum(forward_flops(self.shape, p.tokens_processed, p.logit_positions,
+                                                                p.attention_pairs) for p in parts))
                 sums.add("ratio_actions", b)
                 sums.add("ratio_sum", m["ratio_mean"] * b)
                 sums.add("clip_high", m["clip_frac_high"] * b)
@@ -331,7 +347,8 @@ class PivotRLTrainer:
             "tokens": tot["tokens"],
             "ref_tokens": tot["ref_tokens"],
             "step_time_s": elapsed,
-            "tokens_per_s": (tot["tokens"] + tot["ref_tokens"]) / elapsed if elapsed > 0 else 0.0,
+            "trainer_s": elapsed,
+            **self._speed(tot["tokens"], tot["ref_tokens"], tot["policy_flop"] + tot["ref_flop"], elapsed, world),
         }
         if tot["mismatch_tokens"]:  # sampler (engine) vs trainer π_old on the sampled tokens
             metrics["sampler_mismatch_mean_abs"] = tot["mismatch_abs"] / tot["mismatch_tokens"]
@@ -369,6 +386,21 @@ class PivotRLTrainer:
         sums.add("tis_actions", float(w.numel()))
         return w
 
+    def _speed(self, tokens: float, ref_tokens: float, flop: float, elapsed: float, world: int) -> dict[str, float]:
+        """The step's speed: ``policy_tokens_per_s`` (forward+backward), ``ref_tokens_per_s`` (π_ref,
+        forward only), ``model_tflop`` (model FLOPs of both, pivotrl.training.mfu), ``threads`` (torch
+        threads × ranks) and, with a calibrated peak, ``peak_gflops`` (per-thread peak × threads)
+        and ``mfu`` (model FLOP/s over that peak)."""
+        threads = torch.get_num_threads() * world
+        out = {"policy_tokens_per_s": tokens / elapsed if elapsed > 0 else 0.0,
+               "ref_tokens_per_s": ref_tokens / elapsed if elapsed > 0 else 0.0,
+               "model_tflop": flop / 1e12, "threads": float(threads)}
+        util = mfu(flop, elapsed, self.peak_gflops_per_thread, threads)
+        if util is not None and self.peak_gflops_per_thread:
+            out["peak_gflops"] = self.peak_gflops_per_thread * threads
+            out["mfu"] = util
+        return out
+
     # ------------------------------------------------------------------ inspection / export
     def old_policy_logprobs(self, prompt_ids: Sequence[int], action_ids: Sequence[int]) -> list[float]:
         """Per-token log π(a_t | s, a_<t) (T floats) under the current weights, which are π_old for
@@ -378,13 +410,34 @@ class PivotRLTrainer:
         Raises DataError for empty inputs.
         """
         with torch.no_grad():
-            res = compute_group_logprobs(self.engine, prompt_ids, [list(action_ids)], shared_prefix=self.settings.shared_prefix)
+            res = compute_group_logprobs(self.engine, prompt_ids, [list(action_ids)], shared_prefix=self.settings.shared_prefix,
+                                         prefix_method=self.settings.prefix_method)
         return res.logprobs[0, : len(action_ids)].double().tolist()
 
     def export_hf(self, directory: str | os.PathLike[str], writers: Sequence[int] = (0,)) -> Path:
         """Write the current weights + tokenizer files as an HF checkpoint (atomic); every rank
         calls, the ranks in ``writers`` write (each to its own ``directory``)."""
         return export_hf_checkpoint(self.engine, directory, tokenizer_dir=self.tokenizer_dir, writers=writers)
+
+    def shared_weights(self, writers: Sequence[int] = (0,)) -> tuple[str, list] | None:
+        """Write the current weights (compute dtype, tied duplicates left out) into this trainer's
+        shared-memory block (``pivotrl.training.weight_sync.SharedWeights``, reused every step) on
+        the ranks in ``writers`` → ``(block name, tensor metadata)`` there, None on the other ranks.
+        Every rank calls (ZeRO-3 gathers the partitions collectively)."""
+        from pivotrl.training.deepspeed_utils import _full_state_dict
+        from pivotrl.training.weight_sync import SharedWeights, module_weights
+
+        rank, _ = rank_and_world()
+        if self.engine.zero_optimization_stage() == 3:
+            sd = _full_state_dict(self.engine, writers)
+            items = list(sd.items()) if sd is not None else None
+        else:
+            items = module_weights(self.engine.module) if rank in writers else None
+        if items is None:
+            return None
+        if getattr(self, "_shared", None) is None:
+            self._shared = SharedWeights()
+        return self._shared.write(items)
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, directory: str | os.PathLike[str]) -> Path:

@@ -16,9 +16,10 @@ With engines on several ranks (the *host ranks* h_0 < h_1 < …, E of them) a st
    batch. Every host has its own verifier. The hosts' groups are all-gathered and concatenated in
    host order, which is batch order: every rank trains on the same global batch, and no rank waits
    on one engine for all rollouts.
-2. **Refresh** (:func:`refresh_step`). After the update every host writes its own HF export on its
-   own disk (``export_hf(..., writers=hosts)``: a node never reads another node's files), reloads its
-   engine from it, and checks its engine's log-probs of a fixed action against the trainer's; the
+2. **Refresh** (:func:`refresh_step`). After the update every host writes its weights into its own
+   shared-memory block (``rollout.weight_sync: memory``, ``shared_weights(writers=hosts)``) or its own
+   HF export on its own disk (``disk``, ``export_hf(..., writers=hosts)``): a node never reads another
+   node's memory or files; it reloads its engine from there, and checks its engine's log-probs of a fixed action against the trainer's; the
    per-engine deltas are all-gathered, so every rank sees every engine's check and raises together.
 
 Collectives go through ``torch.distributed`` object collectives (pickled Python objects: token ids,
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
@@ -39,7 +41,7 @@ from pivotrl.training.checkpoints import broadcast
 
 log = logging.getLogger("pivotrl.training")
 
-__all__ = ["Batch", "all_gather", "engine_host_ranks", "local_world_size", "refresh_delta", "refresh_step",
+__all__ = ["Batch", "all_gather", "engine_host_ranks", "local_world_size", "refresh_delta", "refresh_step", "reload",
            "rollout_batch", "rollout_step"]
 
 PLACEMENTS = ("rank0", "node", "ranks")
@@ -173,10 +175,24 @@ def refresh_delta(engine: Any, prompt: list[int] | None, action: list[int] | Non
     return (max(deltas), sum(deltas) / len(deltas)) if deltas else (0.0, 0.0)
 
 
-def refresh_step(engine: Any, export_dir: str, prompt: list[int] | None, action: list[int] | None,
-                 trainer_lp: Sequence[float], *, rank: int, world: int, hosts: Sequence[int] = (0,)
+def reload(engine: Any, source: Any) -> None:
+    """Give ``engine`` new weights from ``source``: an HF export directory (``load_weights``, the
+    ``disk`` path) or a shared-memory block ``(name, metadata)`` (``update_weights``, the ``memory``
+    path, :mod:`pivotrl.training.weight_sync`)."""
+    if isinstance(source, (str, os.PathLike)):
+        engine.load_weights(str(source))
+    else:
+        block, meta = source
+        engine.update_weights(block, meta)
+
+
+def refresh_step(engine: Any, export_dir: Any, prompt: list[int] | None, action: list[int] | None,
+                 trainer_lp: Sequence[float], *, rank: int, world: int, hosts: Sequence[int] = (0,),
+                 timing: dict[str, float] | None = None
                  ) -> tuple[float, float, list[tuple[float, float] | None]]:
-    """Reload every engine from ``export_dir`` (each host its own export there) and check it →
+    """Reload every engine from ``export_dir`` (each host its own export there; or, for
+    ``rollout.weight_sync: memory``, its shared-memory block ``(name, metadata)``: :func:`reload`)
+    and check it; ``timing["reload_s"]`` receives this rank's reload seconds →
     ``(max |Δ|, max mean |Δ| over the engines, per-engine (max, mean) or None without an action)``
     on every rank. The per-engine list is empty for one engine on rank 0 (``hosts == [0]`` and no
     pool). The caller raises on a failed check (``pivotrl.training.loop.check_refresh``)."""
@@ -185,7 +201,10 @@ def refresh_step(engine: Any, export_dir: str, prompt: list[int] | None, action:
     d_max = d_mean = 0.0
     if hosts == [0]:
         if rank == 0:
-            engine.load_weights(export_dir)
+            t0 = time.perf_counter()
+            reload(engine, export_dir)
+            if timing is not None:
+                timing["reload_s"] = time.perf_counter() - t0
             if hasattr(engine, "refresh_deltas") and len(getattr(engine, "engines", ())) > 1:
                 per_engine = engine.refresh_deltas(prompt, action, trainer_lp)
                 d_max = max((d[0] for d in per_engine if d), default=0.0)
@@ -195,7 +214,10 @@ def refresh_step(engine: Any, export_dir: str, prompt: list[int] | None, action:
         return broadcast((d_max, d_mean, per_engine), world)
     mine: tuple[float, float] | None = None
     if rank in hosts:
-        engine.load_weights(export_dir)
+        t0 = time.perf_counter()
+        reload(engine, export_dir)
+        if timing is not None:
+            timing["reload_s"] = time.perf_counter() - t0
         mine = refresh_delta(engine, prompt, action, trainer_lp) if action else None
     gathered = all_gather(mine, world)
     per_engine = [gathered[h] for h in hosts]

@@ -31,6 +31,7 @@ import torch
 
 from pivotrl.errors import ConfigError, DataError, TrainingError
 from pivotrl.storage.files import atomic_file
+from pivotrl.training.mfu import ModelShape, attention_pairs_causal, mfu, train_flops
 from pivotrl.training.deepspeed_utils import (
     build_engine,
     data_parallel_loss_scale,
@@ -112,6 +113,7 @@ def run_sft(
     weight_decay: float = 0.0,
     tokenizer_dir: str | os.PathLike[str] | None = None,
     deepspeed_extra: dict[str, Any] | None = None,
+    peak_gflops_per_thread: float | None = None,
 ) -> dict[str, Any]:
     """Fine-tune ``model_dir`` on ``examples`` and export an HF checkpoint (+ tokenizer) to ``out_dir``.
 
@@ -124,12 +126,16 @@ def run_sft(
             may be smaller), micro_batch_size (examples per backward pass on one rank), dtype
             (``"bfloat16"``: bf16 compute, fp32 master weights; or ``"float32"``), zero_stage
             (0–3), seed (shuffle order and torch seed), grad_clip (≥ 0; None = off), weight_decay,
-            deepspeed_extra (merged over the generated DeepSpeed config).
+            deepspeed_extra (merged over the generated DeepSpeed config), peak_gflops_per_thread
+            (the calibrated matmul peak of one thread in ``dtype``, :mod:`pivotrl.training.mfu`; None =
+            no ``mfu``).
 
     Returns:
         metrics: ``losses`` (per step, mean NLL per loss token, nats), ``first_loss``,
         ``final_loss``, ``steps``, ``loss_tokens`` (per epoch), ``tokens`` (input tokens processed
-        in total), ``time_s``, ``tokens_per_s``, ``out_dir``.
+        in total), ``time_s``, ``tokens_per_s`` (all forward+backward), ``model_tflop`` (model FLOPs,
+        :mod:`pivotrl.training.mfu`: 6·n_body per token, 6·n_head per loss position, attention),
+        ``threads`` (torch threads × ranks), with a peak ``peak_gflops`` and ``mfu``; ``out_dir``.
 
     Raises:
         DataError: malformed examples. ConfigError: bad settings. TrainingError: non-finite loss.
@@ -161,11 +167,17 @@ def run_sft(
     n_micro_total = epochs * sum(math.ceil(math.ceil(len(examples[i:i + batch_size]) / world) / micro_batch_size)
                                  for i in range(0, len(examples), batch_size))
     with Progress("warm start", n_micro_total, "micro-batches", enabled=rank == 0) as bar:
-        tokens = _sft_epochs(engine, examples, epochs, batch_size, micro_batch_size, order_rng, losses, bar)
+        tokens, flop = _sft_epochs(engine, examples, epochs, batch_size, micro_batch_size, order_rng, losses, bar)
     elapsed = time.perf_counter() - t0
-    tok_total = torch.tensor([float(tokens)], dtype=torch.float64)
+    both = torch.tensor([float(tokens), flop], dtype=torch.float64)
     if world > 1:
-        torch.distributed.all_reduce(tok_total)
+        torch.distributed.all_reduce(both)
+    tok_total, flop_total = both[0], float(both[1])
+    threads = torch.get_num_threads() * world
+    util = mfu(flop_total, elapsed, peak_gflops_per_thread, threads)
+    speed = {"model_tflop": flop_total / 1e12, "threads": threads}
+    if util is not None and peak_gflops_per_thread:
+        speed.update(peak_gflops=peak_gflops_per_thread * threads, mfu=util)
     export_hf_checkpoint(engine, out_dir, tokenizer_dir=tokenizer_dir if tokenizer_dir is not None else model_dir)
     return {
         "losses": losses,
@@ -176,6 +188,7 @@ def run_sft(
         "tokens": int(tok_total),
         "time_s": elapsed,
         "tokens_per_s": float(tok_total) / elapsed if elapsed > 0 else 0.0,
+        **speed,
         "out_dir": str(out_dir),
     }
 
@@ -183,8 +196,11 @@ def run_sft(
 def _sft_epochs(engine: Any, examples: Sequence[tuple[Sequence[int], Sequence[int]]], epochs: int, batch_size: int,
                 micro_batch_size: int, order_rng: random.Random, losses: list[float], bar: Any) -> int:
     """The warm start's optimiser steps (appends each step's mean NLL to ``losses``); returns the
-    input tokens this rank processed. ``bar``: a pivotrl.progress.Progress counting micro-batches."""
+    input tokens this rank processed and their model FLOPs (:func:`sft_flops`). ``bar``: a
+    pivotrl.progress.Progress counting micro-batches."""
     rank, world = rank_and_world()
+    shape = ModelShape.of_model(engine)
+    flop = 0.0
     scale = data_parallel_loss_scale()
     tokens = 0
     for _epoch in range(epochs):
@@ -203,6 +219,7 @@ def _sft_epochs(engine: Any, examples: Sequence[tuple[Sequence[int], Sequence[in
                     if not math.isfinite(float(loss.detach())):
                         raise TrainingError(f"non-finite SFT loss at step {len(losses) + 1}")
                     tokens += sum(len(ids) for ids, _ in mb)
+                    flop += sft_flops(shape, mb)
                     nll_sum += nll
                     bar.update(1, tokens=sum(len(ids) for ids, _ in mb))
                 else:  # keep the number of backward passes equal on every rank
@@ -216,7 +233,16 @@ def _sft_epochs(engine: Any, examples: Sequence[tuple[Sequence[int], Sequence[in
                 torch.distributed.all_reduce(total)
             losses.append(float(total) / num_tokens)
             bar.update(0, steps=1)
-    return tokens
+    return tokens, flop
+
+
+def sft_flops(shape: ModelShape, examples: Sequence[Example]) -> float:
+    """Model FLOPs of one forward+backward over ``examples`` (:mod:`pivotrl.training.mfu`): every
+    input token through the body, the output head at the positions that predict a loss token, causal
+    attention over each example's own length (padding excluded)."""
+    tokens = sum(len(ids) for ids, _ in examples)
+    logits = sum(int(sum(m[1:])) for _, m in examples)
+    return train_flops(shape, tokens, logits, attention_pairs_causal(len(ids) for ids, _ in examples))
 
 
 # ---------------------------------------------------------------------- entry point

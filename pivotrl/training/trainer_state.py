@@ -82,6 +82,8 @@ class MetricSums:
         "ref_tokens",
         # sampler–trainer mismatch (pivotrl.objective.tis) and truncated importance weights
         "mismatch_abs", "mismatch_tokens", "mismatch_log_ratio", "mismatch_actions", "tis_weight_sum", "tis_actions",
+        "policy_flop",
+        "ref_flop",
     )
 
     def __init__(self) -> None:

@@ -48,7 +48,8 @@ CHILD = textwrap.dedent(
 )
 
 #: metrics that measure time, not training
-TIMING = ("step_time_s", "tokens_per_s", "rollout_s")
+TIMING = ("step_time_s", "tokens_per_s", "rollout_s", "trainer_s", "policy_tokens_per_s", "ref_tokens_per_s",
+          "mfu", "refresh_s")
 
 
 @pytest.fixture(scope="module")

@@ -297,6 +297,27 @@ def test_vllm_load_weights_changes_and_restores(vllm_setup, tok, prompts) -> Non
     assert eng.score([prompts[0]], action)[0] == before
 
 
+@pytest.mark.vllm
+def test_vllm_update_weights_from_shared_memory_changes_and_restores(vllm_setup, tok, prompts) -> None:
+    """The in-memory refresh (rollout.weight_sync: memory): the workers read a shared-memory block;
+    the tied head follows the new embedding (the refresh check's tolerance, fp32)."""
+    from transformers import AutoModelForCausalLM
+
+    from pivotrl.training.weight_sync import SharedWeights, module_weights
+
+    eng, ckpt0, ckpt1 = vllm_setup
+    action = [[40, 41, 42, 43]]
+    before = eng.score([prompts[0]], action)[0]
+    block = SharedWeights()
+    eng.update_weights(*block.write(module_weights(AutoModelForCausalLM.from_pretrained(ckpt1))))
+    changed = eng.score([prompts[0]], action)[0]
+    assert max_abs_diff(before, changed) > 0.1
+    assert max_abs_diff(changed, oracle_logprobs(tiny_llama(tok, seed=1), prompts[0], action[0])) <= 1e-4
+    eng.update_weights(*block.write(module_weights(AutoModelForCausalLM.from_pretrained(ckpt0))))
+    assert max_abs_diff(eng.score([prompts[0]], action)[0], before) <= 1e-6
+    block.close()
+
+
 def test_decode_attention_matches_sdpa(tok, prompts) -> None:
     sampling = SamplingConfig(n=3, max_tokens=12, seed=8)
     plain = TransformersEngine(tiny_llama(tok, seed=0, num_key_value_heads=1), tok, decode_attention=False)

@@ -38,7 +38,8 @@ pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[2]
 BUCKET = "pivotrl-flow"
 #: Keys (JSON) and columns (Parquet) that hold times, throughputs, temporary paths or the config hash.
-VOLATILE = {"time_s", "tokens_per_s", "out_dir", "wall_s", "config_hash", "step_time_s", "rollout_s"}
+VOLATILE = {"time_s", "tokens_per_s", "out_dir", "wall_s", "config_hash", "step_time_s", "rollout_s",
+            "trainer_s", "mfu", "refresh_s", "policy_tokens_per_s", "ref_tokens_per_s"}
 #: The client gives up quickly on a stopped server, so the store's own retry policy does the waiting.
 FAST_FAIL = {"config_kwargs": {"connect_timeout": 1, "read_timeout": 1, "retries": {"max_attempts": 1}}}
 

@@ -30,9 +30,10 @@ def _reference(model: torch.nn.Module, prompt: list[int], action: list[int]) -> 
     return torch.stack([logp[p - 1 + t, a] for t, a in enumerate(action)])
 
 
-def _grads(model: torch.nn.Module, prompt: list[int], actions: list[list[int]], shared: bool) -> dict:
+def _grads(model: torch.nn.Module, prompt: list[int], actions: list[list[int]], shared: bool,
+           method: str = "packed") -> dict:
     model.zero_grad()
-    lp, mask = group_logprobs(model, prompt, actions, shared_prefix=shared)
+    lp = compute_group_logprobs(model, prompt, actions, shared_prefix=shared, prefix_method=method).logprobs
     weights = torch.linspace(-1.0, 2.0, len(actions), dtype=lp.dtype)
     (lp.sum(1) * weights).sum().backward()
     out = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
@@ -40,11 +41,17 @@ def _grads(model: torch.nn.Module, prompt: list[int], actions: list[list[int]], 
     return out
 
 
+@pytest.mark.parametrize("method", ["packed", "cache"])
 @pytest.mark.parametrize("lens", [(5, 1, 9, 3), (4,), (1, 1, 1)])
-def test_shared_equals_naive_and_reference(model: torch.nn.Module, lens: tuple[int, ...]) -> None:
+def test_shared_equals_naive_and_reference(model: torch.nn.Module, lens: tuple[int, ...], method: str) -> None:
     prompt = _ids(23, 0)
     actions = [_ids(n, 10 + i) for i, n in enumerate(lens)]
-    shared = compute_group_logprobs(model, prompt, actions, shared_prefix=True, with_entropy=True)
+    shared = compute_group_logprobs(model, prompt, actions, shared_prefix=True, with_entropy=True,
+                                    prefix_method=method)
+    if method == "packed":
+        from pivotrl.training.logprobs import packs
+
+        assert packs(model)  # the tiny Llama takes the packed path
     naive = compute_group_logprobs(model, prompt, actions, shared_prefix=False, with_entropy=True)
     assert shared.shared_prefix and not naive.shared_prefix
     assert shared.logprobs.shape == (len(lens), max(lens))
@@ -62,10 +69,11 @@ def test_shared_equals_naive_and_reference(model: torch.nn.Module, lens: tuple[i
     assert naive.tokens_processed == k * (23 + t - 1)
 
 
-def test_parameter_gradients_agree(model: torch.nn.Module) -> None:
+@pytest.mark.parametrize("method", ["packed", "cache"])
+def test_parameter_gradients_agree(model: torch.nn.Module, method: str) -> None:
     prompt = _ids(31, 1)
     actions = [_ids(n, 20 + n) for n in (6, 2, 8)]
-    g_shared = _grads(model, prompt, actions, True)
+    g_shared = _grads(model, prompt, actions, True, method)
     g_naive = _grads(model, prompt, actions, False)
     for name, g in g_naive.items():
         scale = g.abs().max().item()
@@ -117,3 +125,47 @@ def test_model_without_cache_falls_back_to_naive() -> None:
     logp = torch.log_softmax(lm.table.weight.detach(), -1)
     expected = torch.tensor([[logp[5, 6], logp[6, 7]], [logp[5, 8], 0.0]])
     torch.testing.assert_close(res.logprobs.detach(), expected)
+
+
+def test_packed_path_serves_the_listed_model_types_only() -> None:
+    from pivotrl.training.logprobs import PACKED_MODEL_TYPES, packs
+
+    def fake(model_type: str, impl: str = "sdpa") -> SimpleNamespace:
+        return SimpleNamespace(config=SimpleNamespace(model_type=model_type, _attn_implementation=impl))
+
+    assert {"llama", "qwen2"} <= PACKED_MODEL_TYPES
+    assert packs(fake("llama")) and packs(fake("qwen2", "eager"))
+    assert not packs(fake("gpt2")) and not packs(fake("llama", "flash_attention_2"))
+    assert not packs(SimpleNamespace())  # no config: the cache (or naive) path
+    with pytest.raises(ValueError, match="prefix_method"):
+        compute_group_logprobs(SimpleNamespace(), [1], [[2]], prefix_method="other")
+
+
+def test_packed_equals_naive_on_qwen2() -> None:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512,
+                      tie_word_embeddings=False)
+    model = Qwen2ForCausalLM(cfg).double().eval()
+    prompt = _ids(19, 4)
+    actions = [_ids(n, 40 + n) for n in (3, 7, 1)]
+    packed = compute_group_logprobs(model, prompt, actions, prefix_method="packed")
+    naive = compute_group_logprobs(model, prompt, actions, shared_prefix=False)
+    assert packed.shared_prefix
+    torch.testing.assert_close(packed.logprobs, naive.logprobs, rtol=0, atol=1e-9)
+
+
+def test_auto_packs_half_precision_models_only(monkeypatch) -> None:
+    import pivotrl.training.logprobs as lp
+
+    calls: list[int] = []
+    orig = lp._packed_logits
+    monkeypatch.setattr(lp, "_packed_logits", lambda *a: (calls.append(1), orig(*a))[1])
+    m = tiny_llama(tiny_tokenizer(), seed=3)
+    fp32 = compute_group_logprobs(m, [5, 6, 7], [[8, 9], [10]])  # auto: the cache path in fp32
+    assert calls == [] and fp32.shared_prefix
+    bf16 = compute_group_logprobs(m.to(torch.bfloat16), [5, 6, 7], [[8, 9], [10]])  # auto: packed
+    assert calls == [1] and bf16.shared_prefix
+    torch.testing.assert_close(bf16.logprobs, fp32.logprobs, rtol=0, atol=0.1)

@@ -13,7 +13,7 @@ from pivotrl.training.launch import LaunchConfig, read_spec, render_launch_comma
 from pivotrl.training.offline import OfflineSpec
 from pivotrl.training.pivotrl import Group, PivotRLTrainer
 
-TIMING_KEYS = {"step_time_s", "tokens_per_s"}
+TIMING_KEYS = {"step_time_s", "trainer_s", "policy_tokens_per_s", "ref_tokens_per_s", "mfu"}
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,221 @@
+"""One GPU, ≤ 10 minutes: the trainer's bf16 MFU, the transformers engine's generation rate, the
+refresh check on CUDA (in-memory and disk paths) and a ZeRO-2 step; one JSON file.
+
+Run through ``benchmarks/gpu_check.sh`` (which prepares the environment without a package index);
+``python benchmarks/gpu_check.py --out gpu_check.json --model DIR [--model DIR2]`` directly in an
+environment that has CUDA torch, transformers and deepspeed.
+
+Every part runs on its own (a failing part records its error and the others still run) and the
+whole run stops starting new parts after ``--budget-s`` seconds. Models are HF checkpoint
+directories (e.g. SmolLM2-135M converted by ``pivotrl.models.resolve_model`` on a CPU machine and
+carried along, or a ``.gguf`` file: converted here, no download).
+
+Peak: a timed bf16 matmul on the GPU (8192², best of 20) — the "calibration" of this machine;
+MFU = model FLOPs (``pivotrl.training.mfu``) / trainer seconds / that peak.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def gpu_peak_gflops(n: int = 8192, reps: int = 20) -> float:
+    """Best-of-``reps`` bf16 ``n``×``n`` matmul on the current GPU, GFLOP/s."""
+    import torch
+
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    torch.cuda.synchronize()
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        a @ b
+        torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n ** 3 / best / 1e9
+
+
+def _groups(n: int, k: int, prompt: int, action: int, seed: int = 0) -> list[Any]:
+    from pivotrl.training.groups import Group
+
+    rng = random.Random(seed)
+    return [Group(f"g{g}", [rng.randrange(100, 30000) for _ in range(prompt)],
+                  [[rng.randrange(100, 30000) for _ in range(rng.randint(max(1, action // 4), action))]
+                   for _ in range(k)], [float(j % 2) for j in range(k)]) for g in range(n)]
+
+
+def _trainer(model_dir: str, **fields: Any) -> Any:
+    from pivotrl.config import load_config
+    from pivotrl.training.pivotrl import PivotRLTrainer
+
+    tr = load_config(str(ROOT / "configs" / "default.yaml")).training
+    return PivotRLTrainer.build(model_dir, dtype="bfloat16", seed=0, **{**tr.model_dump(), "lr": 1e-7, **fields})
+
+
+def trainer_mfu(model_dir: str, peak: float, steps: int = 3) -> dict[str, Any]:
+    """MFU of ``train_step`` (4 groups, K = 8, P = 1000, T ≤ 32; one warm-up step) in bf16."""
+    import torch
+
+    trainer = _trainer(model_dir, group_size=8)
+    trainer.peak_gflops_per_thread = peak  # one device: "threads" = 1
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    groups = _groups(4, 8, 1000, 32)
+    trainer.train_step(groups)
+    out = []
+    for _ in range(steps):
+        torch.cuda.synchronize()
+        m = trainer.train_step(groups)
+        torch.cuda.synchronize()
+        flop = m["model_tflop"] * 1e12
+        out.append({"trainer_s": m["trainer_s"], "model_tflop": m["model_tflop"],
+                    "policy_tokens_per_s": m["policy_tokens_per_s"], "ref_tokens_per_s": m["ref_tokens_per_s"],
+                    "mfu": flop / m["trainer_s"] / (peak * 1e9)})
+    best = max(out, key=lambda r: r["mfu"])
+    return {"steps": out, "mfu_best": best["mfu"], "mfu_median": sorted(r["mfu"] for r in out)[len(out) // 2],
+            "params": sum(p.numel() for p in trainer.ref_model.parameters())}
+
+
+def generation_rate(model_dir: str) -> dict[str, Any]:
+    """Tokens/s of the transformers engine on CUDA: 8 states × n = 8 × 64 new tokens (bf16)."""
+    import torch
+
+    from pivotrl.rollout import make_engine
+    from pivotrl.rollout.base import SamplingConfig
+
+    eng = make_engine("transformers", model_dir, dtype="bf16", max_model_len=2048, device="cuda")
+    rng = random.Random(1)
+    prompts = [[rng.randrange(100, 30000) for _ in range(500)] for _ in range(8)]
+    sampling = SamplingConfig(n=8, temperature=1.0, max_tokens=64, seed=0)
+    eng.generate(prompts[:1], SamplingConfig(n=2, max_tokens=8, seed=0))  # warm-up
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    gens = eng.generate(prompts, sampling)
+    torch.cuda.synchronize()
+    secs = time.perf_counter() - t0
+    tokens = sum(len(g.token_ids) for row in gens for g in row)
+    eng.close()
+    return {"generated_tokens": tokens, "seconds": secs, "tokens_per_s": tokens / secs}
+
+
+def refresh_check(model_dir: str) -> dict[str, Any]:
+    """The loop's refresh check on CUDA: perturb the trainer's weights, refresh a transformers
+    engine on the GPU in memory and from disk, compare its log-probs with the trainer's."""
+    import torch
+
+    from pivotrl.rollout import make_engine
+    from pivotrl.training.rank_engines import refresh_delta, reload
+
+    trainer = _trainer(model_dir)
+    eng = make_engine("transformers", model_dir, dtype="bf16", max_model_len=2048, device="cuda")
+    rng = random.Random(2)
+    prompt = [rng.randrange(100, 30000) for _ in range(200)]
+    action = [rng.randrange(100, 30000) for _ in range(20)]
+    out: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for mode in ("disk", "memory"):
+            with torch.no_grad():
+                for p in trainer.engine.module.parameters():
+                    p.add_(torch.randn_like(p) * 1e-3 * p.float().std().to(p.dtype))
+            t0 = time.perf_counter()
+            source = str(trainer.export_hf(str(Path(tmp) / mode))) if mode == "disk" else trainer.shared_weights()
+            reload(eng, source)
+            torch.cuda.synchronize()
+            secs = time.perf_counter() - t0
+            d_max, d_mean = refresh_delta(eng, prompt, action, trainer.old_policy_logprobs(prompt, action))
+            out[mode] = {"refresh_s": secs, "max_abs_delta": d_max, "mean_abs_delta": d_mean,
+                         "passes_bf16_check": d_mean <= 0.05}
+    eng.close()
+    return out
+
+
+def zero2_step(model_dir: str) -> dict[str, Any]:
+    """One PivotRL step under DeepSpeed ZeRO-2 on the GPU (one rank): finite loss and grad norm."""
+    import math
+
+    trainer = _trainer(model_dir, group_size=4, deepspeed={"zero_stage": 2})
+    m = trainer.train_step(_groups(2, 4, 300, 16))
+    return {"loss": m["loss"], "grad_norm": m["grad_norm"], "trainer_s": m["trainer_s"],
+            "finite": math.isfinite(m["loss"]) and math.isfinite(m["grad_norm"])}
+
+
+def _model_dir(spec: str) -> str:
+    if spec.endswith(".gguf"):  # convert here (no download)
+        from pivotrl.models import resolve_model
+
+        return str(resolve_model(spec, os.path.expanduser("~/.cache/pivotrl")))
+    return spec
+
+
+def main(argv: list[str] | None = None) -> int:
+    import torch
+
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--model", action="append", required=True, help="HF checkpoint dir or .gguf (repeatable)")
+    ap.add_argument("--out", default="gpu_check.json")
+    ap.add_argument("--budget-s", type=float, default=540.0)
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("gpu_check: no CUDA device visible to torch", file=sys.stderr)
+        return 2
+    t_start = time.perf_counter()
+    result: dict[str, Any] = {
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "host": platform.node(),
+        "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "cuda": torch.version.cuda,
+        "models": {}}
+
+    def part(where: dict[str, Any], name: str, fn: Callable[[], Any]) -> None:
+        if time.perf_counter() - t_start > args.budget_s:
+            where[name] = {"skipped": f"time budget of {args.budget_s:.0f} s spent"}
+            return
+        t0 = time.perf_counter()
+        try:
+            where[name] = fn()
+        except Exception as err:  # noqa: BLE001 - one part's failure is recorded, the rest still run
+            where[name] = {"error": f"{type(err).__name__}: {err}", "trace": traceback.format_exc()[-2000:]}
+        where[name + "_wall_s"] = time.perf_counter() - t0
+        torch.cuda.empty_cache()
+        Path(args.out).write_text(json.dumps(result, indent=1, default=str))  # partial results survive
+
+    part(result, "peak_bf16_gflops", gpu_peak_gflops)
+    peak = result.get("peak_bf16_gflops")
+    for i, spec in enumerate(args.model):
+        entry: dict[str, Any] = {"source": spec}
+        result["models"][Path(spec).name] = entry
+        try:
+            mdir = _model_dir(spec)
+        except Exception as err:  # noqa: BLE001
+            entry["error"] = f"{type(err).__name__}: {err}"
+            continue
+        if isinstance(peak, float):
+            part(entry, "trainer_bf16", lambda: trainer_mfu(mdir, peak))
+        part(entry, "generation", lambda: generation_rate(mdir))
+        if i == 0:  # the refresh check and the ZeRO-2 step on the first (default) model
+            part(entry, "refresh", lambda: refresh_check(mdir))
+            part(entry, "zero2_step", lambda: zero2_step(mdir))
+    result["wall_s"] = time.perf_counter() - t_start
+    Path(args.out).write_text(json.dumps(result, indent=1, default=str))
+    print(json.dumps({k: v for k, v in result.items() if k != "models"}, default=str))
+    for name, entry in result["models"].items():
+        tb = entry.get("trainer_bf16", {})
+        print(f"{name}: trainer MFU {tb.get('mfu_median', 'n/a')}, generation "
+              f"{entry.get('generation', {}).get('tokens_per_s', 'n/a')} tok/s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
