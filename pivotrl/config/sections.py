@@ -246,7 +246,7 @@ class RolloutSection(Section):
     weight_sync: Literal["memory", "disk"] = Field("memory", description=(
         "How the trainer's weights reach the rollout engines after each training step: memory (a shared-"
         "memory block the engines read in place; no file written) or disk (an HF safetensors export every "
-        "engine reloads; the fallback). Both are checked by the refresh check (pivotrl/training/weight_sync.py)."))
+        "engine reloads; the fallback). Both are checked by the refresh check (pivotrl/rollout/weight_sync.py)."))
     gpu_memory_utilization: Float | None = Field(None, gt=0, le=1, description=(
         "vLLM on GPUs: fraction of a GPU's memory one engine may take (null: vLLM's default, 0.9). In "
         "training the engine shares rank 0's GPU with the trainer: leave room for it."))

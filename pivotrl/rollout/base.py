@@ -106,7 +106,7 @@ class RolloutEngine(Protocol):
 
     def update_weights(self, block: str, meta: Sequence[Any]) -> None:
         """Replace the model's weights by those of a shared-memory block
-        (``pivotrl.training.weight_sync.SharedWeights``: its name and tensor metadata)."""
+        (``pivotrl.rollout.weight_sync.SharedWeights``: its name and tensor metadata)."""
         ...
 
     def close(self) -> None:

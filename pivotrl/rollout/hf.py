@@ -302,13 +302,13 @@ class TransformersEngine:
         self._assign(state, f"checkpoint {checkpoint_dir}")
 
     def update_weights(self, block: str, meta: Sequence[Any]) -> None:
-        """Copy the weights of a shared-memory block (``pivotrl.training.weight_sync.SharedWeights``:
+        """Copy the weights of a shared-memory block (``pivotrl.rollout.weight_sync.SharedWeights``:
         its name and tensor metadata) into the model: the in-memory refresh, no file read.
 
         Raises:
             ModelError: tensor names/shapes that do not match the model.
         """
-        from pivotrl.training.weight_sync import read_shared
+        from pivotrl.rollout.weight_sync import read_shared
 
         read_shared(block, meta, lambda tensors: self._assign(dict(tensors), f"shared weights {block}"))
 

@@ -250,7 +250,7 @@ class VLLMEngine:
 
     def update_weights(self, block: str, meta: Sequence[Any]) -> None:
         """Refresh the weights in memory from a shared-memory block
-        (``pivotrl.training.weight_sync.SharedWeights``): every worker attaches to the block by name
+        (``pivotrl.rollout.weight_sync.SharedWeights``): every worker attaches to the block by name
         and feeds zero-copy views of its tensors to vLLM's in-place ``reload_weights``; only the
         block's name and the tensors' metadata cross the RPC channel. Then, as
         :meth:`load_weights`, the tied head is re-tied and the prefix cache cleared."""
@@ -349,7 +349,7 @@ def _is_cpu_platform() -> bool:
 
 def _reload_shared(worker: Any, block: str, meta: Sequence[Any]) -> None:
     """Inside a vLLM worker: ``reload_weights`` fed with the tensors of a shared-memory block."""
-    from pivotrl.training.weight_sync import read_shared
+    from pivotrl.rollout.weight_sync import read_shared
 
     read_shared(block, meta, lambda tensors: worker.reload_weights(weights_iterator=tensors))
 

@@ -89,7 +89,7 @@ class LoopSettings:
     refilter: "Refilter | None" = None
     eval_every: int = 0  # held-out accuracy every N steps (LoopHooks.evaluate); 0 = never
     #: How π_old reaches the engines after a step: "memory" (shared memory) or "disk" (an HF export);
-    #: ``rollout.weight_sync``, pivotrl.training.weight_sync.
+    #: ``rollout.weight_sync``, pivotrl.rollout.weight_sync.
     weight_sync: str = "disk"
 
 

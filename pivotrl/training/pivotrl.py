@@ -421,11 +421,11 @@ class PivotRLTrainer:
 
     def shared_weights(self, writers: Sequence[int] = (0,)) -> tuple[str, list] | None:
         """Write the current weights (compute dtype, tied duplicates left out) into this trainer's
-        shared-memory block (``pivotrl.training.weight_sync.SharedWeights``, reused every step) on
+        shared-memory block (``pivotrl.rollout.weight_sync.SharedWeights``, reused every step) on
         the ranks in ``writers`` → ``(block name, tensor metadata)`` there, None on the other ranks.
         Every rank calls (ZeRO-3 gathers the partitions collectively)."""
         from pivotrl.training.deepspeed_utils import _full_state_dict
-        from pivotrl.training.weight_sync import SharedWeights, module_weights
+        from pivotrl.rollout.weight_sync import SharedWeights, module_weights
 
         rank, _ = rank_and_world()
         if self.engine.zero_optimization_stage() == 3:

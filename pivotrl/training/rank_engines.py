@@ -178,7 +178,7 @@ def refresh_delta(engine: Any, prompt: list[int] | None, action: list[int] | Non
 def reload(engine: Any, source: Any) -> None:
     """Give ``engine`` new weights from ``source``: an HF export directory (``load_weights``, the
     ``disk`` path) or a shared-memory block ``(name, metadata)`` (``update_weights``, the ``memory``
-    path, :mod:`pivotrl.training.weight_sync`)."""
+    path, :mod:`pivotrl.rollout.weight_sync`)."""
     if isinstance(source, (str, os.PathLike)):
         engine.load_weights(str(source))
     else:

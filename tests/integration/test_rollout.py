@@ -303,7 +303,7 @@ def test_vllm_update_weights_from_shared_memory_changes_and_restores(vllm_setup,
     the tied head follows the new embedding (the refresh check's tolerance, fp32)."""
     from transformers import AutoModelForCausalLM
 
-    from pivotrl.training.weight_sync import SharedWeights, module_weights
+    from pivotrl.rollout.weight_sync import SharedWeights, module_weights
 
     eng, ckpt0, ckpt1 = vllm_setup
     action = [[40, 41, 42, 43]]

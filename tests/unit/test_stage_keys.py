@@ -135,8 +135,9 @@ DIGEST_CASES = {
     # the drift re-probe and the held-out state selection of the evaluation (and of the training's
     # learning curve) run probe.py's code
     "pipeline/probe.py": {"probe", "train", "evaluate"},
-    # the tool-call parsers: how every sampled action and every demonstration is read
-    "tool_parsers.py": {"reference", "probe", "train", "evaluate"},
+    # the tool-call parsers: how every sampled action is read, and the load-time audit that every
+    # demonstrated action reads back with the run's parser
+    "tool_parsers.py": {"demonstrations", "reference", "probe", "train", "evaluate"},
     # the template renderer: what every model sees
     "chat_render.py": {"reference", "probe", "train", "evaluate"},
     "chat_format.py": {"reference", "probe", "train", "evaluate"},

@@ -12,7 +12,7 @@ import torch
 
 from pivotrl.rollout import make_engine
 from pivotrl.testing import save_tiny_checkpoint
-from pivotrl.training.weight_sync import SharedWeights, module_weights, read_shared
+from pivotrl.rollout.weight_sync import SharedWeights, module_weights, read_shared
 
 
 @pytest.fixture(scope="module")
@@ -109,7 +109,7 @@ def _broadcast_rank(rank: int, world: int, port: int, a: str, b: str, out: str) 
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
 
-    from pivotrl.training.weight_sync import broadcast_weights, receive_weights
+    from pivotrl.rollout.weight_sync import broadcast_weights, receive_weights
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
