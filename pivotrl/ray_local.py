@@ -31,6 +31,10 @@ class RayCluster:
             self.port = s.getsockname()[1]
         self.address = f"127.0.0.1:{self.port}"
         ray = str(Path(sys.executable).with_name("ray"))
+        # A loopback-only cluster of this machine needs no token authentication, and Ray turns it on
+        # by itself as soon as any earlier Ray session left a token in ~/.ray (its drivers then fail
+        # to connect): off for these nodes and for the drivers of this process, unless set.
+        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
         env = {**os.environ, "OMP_NUM_THREADS": "1", "RAY_USAGE_STATS_ENABLED": "0"}
         common = ["--block", "--node-ip-address=127.0.0.1", "--disable-usage-stats",
                   "--object-store-memory=80000000"]

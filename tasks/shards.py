@@ -17,6 +17,7 @@ stays warm in the worker process for its next shard).
 from __future__ import annotations
 
 import contextlib
+import os
 import uuid
 from dataclasses import dataclass
 from datetime import timedelta
@@ -166,7 +167,8 @@ def task_runner(config: Mapping[str, Any]) -> Any:
     if so.task_runner == "ray":
         from prefect_ray.task_runners import RayTaskRunner
 
-        if so.ray_address is None:
+        if so.ray_address is None:  # a local instance of this flow's own: loopback, no token (see ray_local)
+            os.environ.setdefault("RAY_AUTH_MODE", "disabled")
             return RayTaskRunner(init_kwargs={"address": "local"})
         if so.ray_address == "auto":
             return RayTaskRunner(init_kwargs={"address": "auto"})
