@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import struct
 import sys
 import urllib.request
 from pathlib import Path
@@ -80,6 +82,8 @@ def _report(tmp_path: Path) -> tuple[Path, str]:
 @pytest.mark.skipif(CHROMIUM is None, reason=NO_CHROMIUM)
 def test_report_artifact_shows_every_plot_and_fits_in_the_prefect_ui(tmp_path):
     rep, markdown = _report(tmp_path)
+    plots = re.findall(r"!\[[^\]]*\]\(([^)]+\.png)\)", (rep / "report.md").read_text())  # what report.md links
+    sizes = {name: struct.unpack(">II", (rep / name).read_bytes()[16:24]) for name in plots}  # the PNG header's w, h
     home = tmp_path / "prefect-home"
     home.mkdir()
     port = free_port()
@@ -98,7 +102,7 @@ def test_report_artifact_shows_every_plot_and_fits_in_the_prefect_ui(tmp_path):
                      " tables: [...document.querySelectorAll('.markdown-renderer__table')].map(t =>"
                      " ({scroll: t.scrollWidth, client: t.clientWidth})),"
                      " text: document.body.innerText.includes('Results per policy')}; })()")
-            page.wait_for(f"(() => {{ const s = {probe}; return s.text && s.imgs.length === 3 && "
+            page.wait_for(f"(() => {{ const s = {probe}; return s.text && s.imgs.length === {len(plots)} && "
                           "s.imgs.every(i => i.complete); }})()", timeout_s=120)
             seen = page.eval(probe) or {}
             shot = os.environ.get("PIVOTRL_UI_SCREENSHOT")
@@ -106,10 +110,10 @@ def test_report_artifact_shows_every_plot_and_fits_in_the_prefect_ui(tmp_path):
                 page.screenshot(shot)
     assert seen.get("text"), f"the artifact page did not render the report: {seen}"
     imgs = seen["imgs"]
-    assert len(imgs) == 3, imgs
-    for img in imgs:  # decoded by the browser at the size the PNG has (700 × 400), and laid out
+    assert len(imgs) == len(plots) >= 3, imgs
+    for img, name in zip(imgs, plots):  # decoded by the browser at the size the PNG has, and laid out
         assert img["src"] == "data:image/png;base64," and img["complete"], img
-        assert (img["w"], img["h"]) == (700, 400) and img["shown"] > 300, img
+        assert (img["w"], img["h"]) == sizes[name] and img["shown"] > 300, (img, name)
     assert len(seen["tables"]) >= 8  # 3 results, 2 comparisons, 3 pivot statistics (the run is a list)
     too_wide = [t for t in seen["tables"] if t["scroll"] > t["client"] + 1]
     assert not too_wide, f"tables cut off (content width > box width): {too_wide}"
