@@ -132,8 +132,9 @@ def test_two_engines_serve_the_batch_and_are_refreshed_and_verified_every_step(c
 
 
 def _same_part(rows: list[dict]) -> list[dict]:
-    """The rows without times and engine columns: what one engine or several must agree on."""
-    skip = ("rollout_s", "step_time_s", "tokens_per_s", "trainer_s", "refresh_s", "mfu", "engines", "refresh_verified_engines", "_e0", "_e1")
+    """The rows without times, the hardware used (threads × ranks) and engine columns: what one engine
+    or several must agree on."""
+    skip = ("rollout_s", "step_time_s", "tokens_per_s", "trainer_s", "refresh_s", "mfu", "threads", "peak_gflops", "engines", "refresh_verified_engines", "_e0", "_e1")
     return [{k: v for k, v in r.items() if not k.endswith(skip)} for r in rows]
 
 
