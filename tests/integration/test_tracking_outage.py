@@ -65,7 +65,8 @@ def test_training_steps_survive_a_tracker_outage(tmp_path, caplog):
         for step in (1, 2):
             live({"step": step, "reward_mean": step / 10, "flag": True})
         _until(lambda: live.sent == [1, 2], "the first two steps")
-        os.kill(proc.pid, __import__("signal").SIGSTOP)  # the server hangs: every call waits out its timeout
+        # The server hangs, its worker processes too: every call waits out its timeout.
+        os.killpg(proc.pid, __import__("signal").SIGSTOP)
         live({"step": 3, "reward_mean": 0.3})
         _until(tracker.in_flight.is_set, "the send of step 3 to start")
         costs = []
@@ -74,7 +75,8 @@ def test_training_steps_survive_a_tracker_outage(tmp_path, caplog):
             live({"step": step, "reward_mean": step / 10})
             costs.append(time.perf_counter() - t0)
             assert tracker.in_flight.is_set()  # the call returned while the send to the hung server goes on
-        os.kill(proc.pid, __import__("signal").SIGCONT)
+        # Then it dies without answering (a resumed server would answer the kept steps at once).
+        os.killpg(proc.pid, __import__("signal").SIGKILL)
     # Stopped for good now (the server's process group was ended); then started again on its store.
     _until(lambda: live.failures >= 1, "a failed send")
     kept = 6 - len(live.sent)  # step 3 may have been answered as the server woke up to stop
