@@ -176,6 +176,11 @@ class EvaluationSection(Section):
     local_pivots: bool = Field(
         True, description="Also report the local success rate on held-out pivot states (never instead of the task)."
     )
+    local_states: Int | None = Field(
+        None, ge=1,
+        description="Held-out turn states scored locally (calls and text turns; as many stop decisions apart); "
+                    "null = 4 per evaluated task, between 32 and 40. A paired test at p < 0.01 needs a few hundred.",
+    )
 
 
 # ------------------------------------------------------------------------------------- quality

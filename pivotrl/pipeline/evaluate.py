@@ -82,7 +82,7 @@ class EvalStates:
         from pivotrl.pipeline.probe import select_candidates
 
         cand = store.read_parquet(f"{demos['key']}/candidates.parquet")
-        n_local = max(min(cfg.evaluation.num_tasks * 4, 40), 32)  # held-out states (m samples each)
+        n_local = cfg.evaluation.local_states or max(min(cfg.evaluation.num_tasks * 4, 40), 32)  # held-out states
         hist = read_histories(store, demos["key"], cand.loc[cand["split"] == "heldout", "trajectory_id"])
         local = frame_to_states(select_candidates(cand, "heldout", n_local, cfg.run.seed, kinds=("call", "text_rule")), hist)
         # Stop decisions (BFCL's closing "Done.") are scored apart; text turns without a rule never.
