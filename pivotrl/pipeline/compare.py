@@ -240,7 +240,9 @@ def stage_e2e_baseline(cfg: RunConfig, store: ArtifactStore, demos: dict[str, An
                                max_steps_per_turn=cp.e2e_max_steps_per_turn,
                                max_context=cfg.model.max_context - cfg.rollout.max_tokens, judge=cfg.quality.judge,
                                advantage_estimator=cfg.training.advantage_estimator, delta=cfg.training.delta,
-                               seed=cfg.run.seed)
+                               seed=cfg.run.seed, weight_sync=cfg.rollout.weight_sync, dtype=cfg.model.dtype,
+                               refresh_tolerance=cfg.training.refresh_tolerance if cfg.training.refresh_tolerance
+                               is not None else (1e-4 if cfg.model.dtype == "fp32" else 0.3))
         trainer = PivotRLTrainer.for_run(cfg, str(rdir))
         engine = make_rollout_engine(cfg, rdir)
         try:

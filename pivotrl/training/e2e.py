@@ -71,7 +71,9 @@ class E2ESettings:
     :data:`E2E_REWARDS`; ``temperature`` > 0 and ``max_tokens`` per model call; ``max_steps_per_turn``
     executing calls per user turn (as in evaluation); ``max_context`` tokens; ``judge`` of the
     full-task runner (``"bfcl"`` or ``"pivotrl"``); ``advantage_estimator`` and ``delta`` as in
-    PivotRL; ``seed`` of the task order and the sampling.
+    PivotRL; ``seed`` of the task order and the sampling; ``weight_sync`` how π_old reaches the
+    engine after each step (``"memory"`` | ``"disk"``, as ``rollout.weight_sync``), checked against
+    the trainer with ``dtype``'s rule and ``refresh_tolerance`` nats per token (as PivotRL's loop).
     """
 
     group_size: int = 4
@@ -88,6 +90,9 @@ class E2ESettings:
     advantage_estimator: str = "grpo"
     delta: float = 1e-6
     seed: int = 0
+    weight_sync: str = "disk"
+    dtype: str = "fp32"
+    refresh_tolerance: float = 1e-4
 
     def __post_init__(self) -> None:
         for name, lo in (("group_size", 2), ("tasks_per_batch", 1), ("max_steps", 1), ("max_tokens", 1),
@@ -95,6 +100,8 @@ class E2ESettings:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
                 raise ConfigError(f"e2e {name} must be an integer >= {lo}, got {v!r}")
+        if self.weight_sync not in ("memory", "disk"):
+            raise ConfigError(f"e2e weight_sync={self.weight_sync!r}: must be memory or disk")
         if self.reward not in E2E_REWARDS:
             raise ConfigError(f"e2e reward={self.reward!r}: must be one of {', '.join(E2E_REWARDS)}")
         if not (self.temperature > 0 and math.isfinite(self.temperature)):
@@ -205,7 +212,8 @@ def e2e_step(trainer: Any, engine: Any, tokenizer: Any, tasks: Sequence[Trajecto
     """One step: collect episodes, build groups, ``trainer.train_step``, refresh π_old in ``engine``.
 
     Returns metrics: ``step``, ``episodes``, ``reward_mean`` (episode rewards), ``success_rate``,
-    ``model_calls``, ``groups`` (trained calls) and the trainer's metrics prefixed ``train_``.
+    ``model_calls``, ``groups`` (trained calls), the trainer's metrics prefixed ``train_`` and, after a
+    trained step, the refresh's ``refresh_s`` and check deltas (:func:`_refresh`).
     """
     with ledger.stage("rollout"):
         episodes = collect_episodes(engine, tokenizer, tasks, settings, step_seed=settings.seed * 100_003 + step,
@@ -213,15 +221,13 @@ def e2e_step(trainer: Any, engine: Any, tokenizer: Any, tasks: Sequence[Trajecto
     flat = [e for eps in episodes for e in eps]
     groups = episode_groups(episodes, settings)
     metrics: dict[str, float] = {}
+    refresh: dict[str, float] = {}
     if groups:
         with ledger.stage("train"):
             metrics = trainer.train_step(groups)
         ledger.add_trainer_metrics(metrics, naive_tokens(groups, int(metrics.get("updates", 0))))
         with ledger.stage("refresh"):
-            export = Path(work_dir) / f"policy-{step}"
-            trainer.export_hf(str(export))
-            engine.load_weights(str(export))
-            shutil.rmtree(export, ignore_errors=True)
+            refresh = _refresh(trainer, engine, groups[0], settings, step, Path(work_dir))
     return {
         "step": float(step + 1),
         "episodes": float(len(flat)),
@@ -230,7 +236,34 @@ def e2e_step(trainer: Any, engine: Any, tokenizer: Any, tasks: Sequence[Trajecto
         "model_calls": float(sum(len(e.calls) for e in flat)),
         "groups": float(len(groups)),
         **{f"train_{k}": float(v) for k, v in metrics.items()},
+        **refresh,
     }
+
+
+def _refresh(trainer: Any, engine: Any, group: Group, settings: E2ESettings, step: int,
+             work_dir: Path) -> dict[str, float]:
+    """Refresh π_old in ``engine`` the way PivotRL's loop does (``rollout.weight_sync``: ``memory`` =
+    the trainer's shared-memory block, ``disk`` = an HF export read back), then check that it took:
+    the engine's log-probs of the step's first trained action against the trainer's
+    (:func:`pivotrl.training.loop.check_refresh`, raising TrainingError). → ``refresh_s``,
+    ``refresh_max_abs_delta``, ``refresh_mean_abs_delta`` (nats per token)."""
+    from pivotrl.training.loop import check_refresh
+    from pivotrl.training.rank_engines import refresh_delta, reload
+
+    t0 = time.perf_counter()
+    if settings.weight_sync == "memory":
+        reload(engine, trainer.shared_weights())
+    else:
+        export = work_dir / f"policy-{step}"
+        trainer.export_hf(str(export))
+        reload(engine, str(export))
+        shutil.rmtree(export, ignore_errors=True)
+    refresh_s = time.perf_counter() - t0
+    action = group.actions[0] if group.actions else None
+    trainer_lp = trainer.old_policy_logprobs(group.prompt_ids, action) if action else []
+    d_max, d_mean = refresh_delta(engine, group.prompt_ids, action, trainer_lp)
+    check_refresh(step + 1, d_max, d_mean, settings.refresh_tolerance, settings.dtype)
+    return {"refresh_s": round(refresh_s, 4), "refresh_max_abs_delta": d_max, "refresh_mean_abs_delta": d_mean}
 
 
 def run_e2e(trainer: Any, engine: Any, tokenizer: Any, tasks: Sequence[Trajectory], settings: E2ESettings, *,

@@ -68,6 +68,12 @@ class CountingEngine:
     def load_weights(self, d):
         self.inner.load_weights(d)
 
+    def update_weights(self, block, meta):
+        self.inner.update_weights(block, meta)
+
+    def score(self, prompts, actions):
+        return self.inner.score(prompts, actions)
+
 
 @pytest.fixture(scope="module")
 def warm(tmp_path_factory: pytest.TempPathFactory) -> Path:
@@ -98,9 +104,13 @@ def test_reward_rises_and_the_ledger_counts_the_calls(warm: Path, tmp_path: Path
 
     trainer.train_step = counted
     settings = E2ESettings(group_size=8, tasks_per_batch=4, max_steps=STEPS, reward="full_task", temperature=1.0,
-                           max_tokens=16, max_steps_per_turn=1, max_context=2048, judge="pivotrl", seed=0)
+                           max_tokens=16, max_steps_per_turn=1, max_context=2048, judge="pivotrl", seed=0,
+                           weight_sync="memory")
     history, ledger = run_e2e(trainer, engine, tok, [toy_task(i) for i in range(4)], settings, executor=ToyEnv,
                               work_dir=tmp_path)
+    # π_old reached the engine in memory every step (nothing exported) and the check held in fp32.
+    assert not list(tmp_path.glob("policy-*"))
+    assert all(h["refresh_max_abs_delta"] <= 1e-4 for h in history if h["groups"]), history
     rewards = [h["reward_mean"] for h in history]
     # Reward rises: the policy learns to call the tool from the first user turn.
     assert sum(rewards[-4:]) / 4 > sum(rewards[:4]) / 4 + 0.15, rewards
@@ -123,8 +133,13 @@ def test_a_wall_time_budget_stops_at_the_first_step_past_it(warm: Path, tmp_path
     trainer = PivotRLTrainer.build(warm, group_size=2, dtype="float32", lr=1e-3, beta=0.0, micro_batch_groups=8,
                                    pivots_per_batch=8, seed=0)
     settings = E2ESettings(group_size=2, tasks_per_batch=1, max_steps=50, reward="full_task", max_tokens=8,
-                           max_steps_per_turn=1, max_context=2048, judge="pivotrl", seed=0, max_wall_s=1e-3)
+                           max_steps_per_turn=1, max_context=2048, judge="pivotrl", seed=0, max_wall_s=1e-3,
+                           weight_sync="disk")
     history, ledger = run_e2e(trainer, engine, tok, [toy_task(0)], settings, executor=ToyEnv, work_dir=tmp_path)
     assert len(history) == 1 and ledger.model_calls > 0  # the first step already passed 1 ms of 50 allowed
+    if history[0]["groups"]:  # the disk path's refresh is checked the same way
+        assert history[0]["refresh_max_abs_delta"] <= 1e-4
     with pytest.raises(ConfigError, match="max_wall_s"):
         E2ESettings(max_wall_s=0.0)
+    with pytest.raises(ConfigError, match="weight_sync"):
+        E2ESettings(weight_sync="nccl")
