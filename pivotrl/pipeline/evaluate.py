@@ -153,7 +153,9 @@ def policy_state_results(cfg: RunConfig, engine: Any, tok: Any, states: EvalStat
     ``parts``. ``measures`` (a subset of :data:`STATE_MEASURES`): held-out states greedy and with m
     samples at the probe temperature, stop decisions, out-of-domain states (greedy) and the pivot set
     (``evaluation.local_pivots``); ``pivotrl compare`` asks for the greedy held-out and
-    out-of-domain measures only."""
+    out-of-domain measures only. With ``quality.judge: bfcl`` the greedy held-out and out-of-domain
+    measures (:data:`BFCL_JUDGED`) take BFCL's ``ast_checker`` verdict on BFCL single-turn states,
+    pivotrl's verifier's kept beside (:func:`pivotrl.evaluation.bfcl_single.rejudge_local`)."""
     from pivotrl.evaluation.aggregate import accuracy_by_category
     from pivotrl.evaluation.local import evaluate_local
 
