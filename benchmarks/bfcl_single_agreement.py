@@ -8,12 +8,16 @@ no brackets, trailing prose, lists as tuples, positional arguments, integers as 
 is judged by both (:mod:`pivotrl.evaluation.bfcl_single`) and the texts their parsers read
 differently are counted by kind. Prints one line per variant: texts, agreement counts, kinds.
 """
-import os, json, time, collections
-from pivotrl.data.bfcl import load_bfcl, SINGLE_TURN_CATEGORIES, ensure_bfcl
-from pivotrl.data.states import extract_turn_states
+import collections
+import os
+import time
+
 from pivotrl.actions import format_action, format_call, format_value
+from pivotrl.data.bfcl import SINGLE_TURN_CATEGORIES, ensure_bfcl, load_bfcl
+from pivotrl.data.states import extract_turn_states
 from pivotrl.evaluation.bfcl_single import BFCLSingleTurnJudge, decoder_difference
 from pivotrl.verifiers import get_verifier
+
 cache = os.path.expanduser("~/.cache/pivotrl")
 root = ensure_bfcl(cache)
 states = [s for t in load_bfcl(SINGLE_TURN_CATEGORIES, cache) for s in extract_turn_states(t)]
@@ -28,7 +32,7 @@ def tuple_text(calls):
 def positional(calls, tools):
     out = []
     for c in calls:
-        props = list((next(t for t in tools if t.name == c.name).parameters.get("properties") or {}))
+        props = list(next(t for t in tools if t.name == c.name).parameters.get("properties") or {})
         pos, kw, i = [], dict(c.arguments), 0
         while i < len(props) and props[i] in kw:
             pos.append(format_value(kw.pop(props[i]))); i += 1

@@ -40,12 +40,14 @@ from __future__ import annotations
 import ast
 import importlib
 import json
+import math
 import sys
 import threading
 import types
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 from pivotrl.actions import parse_action
 from pivotrl.data.bfcl import SINGLE_TURN_CATEGORIES
@@ -424,12 +426,16 @@ def rejudge_local(frame: Any, summary: Mapping[str, Any], states: Sequence[Any],
 
 #: What still differs from BFCL's leaderboard for a score judged by BFCL's AST checker here.
 LEADERBOARD_DIFFERENCES = (
-    "prompt: pivotrl's renderer and action-format instruction, not BFCL's system prompt "
-    "(default_prompts.py) and its function-document layout",
-    "handler: pivotrl's engine and sampling settings (greedy, rollout.max_tokens, the policy's own context "
-    "budget), not a BFCL model handler; states whose prompt does not fit are skipped, BFCL would score them",
+    ("prompt: pivotrl's renderer and action-format instruction, not BFCL's system prompt "
+    "(default_prompts.py) and its function-document layout"),
+    ("handler: pivotrl's engine and sampling settings (greedy, rollout.max_tokens, the policy's own context "
+    "budget), not a BFCL model handler; states whose prompt does not fit are skipped, BFCL would score them"),
     "subset: the held-out states and the out-of-domain records evaluated here, not every record of a category",
 )
+
+
+def _rate(x: Any) -> str:
+    return "n/a" if not isinstance(x, (int, float)) or math.isnan(x) else f"{x:.3f}"
 
 
 def single_turn_judge_markdown(results: Mapping[str, Mapping[str, Any]]) -> list[str]:
@@ -443,11 +449,9 @@ def single_turn_judge_markdown(results: Mapping[str, Mapping[str, Any]]) -> list
             if not s.get("bfcl_judged_samples"):
                 continue
             decoder = s.get("bfcl_decoder", decoder)
-            acc = "n/a" if s.get("accuracy") != s.get("accuracy") else f"{s['accuracy']:.3f}"
-            pacc = s.get("pivotrl_accuracy")
-            pacc_s = "n/a" if pacc is None or pacc != pacc else f"{pacc:.3f}"
+            acc, pacc = _rate(s.get("accuracy")), _rate(s.get("pivotrl_accuracy"))
             rows.append(f"| {policy} | {label} | {s['bfcl_judged_states']:g} | {s['bfcl_judged_samples']:g} | {acc} | "
-                        f"{pacc_s} | " + " | ".join(f"{s.get(k, 0):g}" for k in AGREEMENT_KEYS) + " |")
+                        f"{pacc} | " + " | ".join(f"{s.get(k, 0):g}" for k in AGREEMENT_KEYS) + " |")
             diff_rows.append(f"| {policy} | {label} | " + " | ".join(f"{s.get(k, 0):g}" for k in DIFFERENCE_KEYS) + " |")
     if not rows:
         return []
@@ -457,8 +461,8 @@ def single_turn_judge_markdown(results: Mapping[str, Mapping[str, Any]]) -> list
              "the record's `possible_answer`; pivotrl's verifier's verdict is kept beside it. Other states keep "
              "pivotrl's verifier. Accuracy columns are over all states of the measure; agreement counts samples "
              "of BFCL single-turn states.", "",
-             "| policy | measure | BFCL states | BFCL samples | accuracy (judge of record) | pivotrl verifier | "
-             "both accept | only BFCL | only pivotrl | neither |",
+             ("| policy | measure | BFCL states | BFCL samples | accuracy (judge of record) | pivotrl verifier | "
+             "both accept | only BFCL | only pivotrl | neither |"),
              "|---|---|---|---|---|---|---|---|---|---|", *rows, "",
              "Texts that pivotrl's action parser and BFCL's decoder read differently (samples, by kind: "
              + ", ".join(DECODER_DIFFERENCES) + "):", "",

@@ -20,7 +20,7 @@ import pytest
 
 from pivotrl.actions import format_action, format_call
 from pivotrl.data.bfcl import SINGLE_TURN_CATEGORIES, ensure_bfcl, load_bfcl
-from pivotrl.data.schema import Message, ToolCall
+from pivotrl.data.schema import ToolCall
 from pivotrl.data.states import extract_turn_states
 from pivotrl.evaluation.bfcl_single import (
     AGREEMENT_KEYS,
@@ -163,7 +163,7 @@ def test_decoder_differences_are_named_by_kind(states, bfcl_root):
     }
     got = {text: decoder_difference(text, s.tools, bfcl_root) for text in cases}
     assert got == cases
-    assert set(v for v in cases.values() if v) == set(DECODER_DIFFERENCES)
+    assert {v for v in cases.values() if v} == set(DECODER_DIFFERENCES)
 
 
 def test_bfcl_never_evaluates_model_text(states, judge):
