@@ -209,11 +209,14 @@ def _bfcl_rejudge(cfg: RunConfig, tok: Any, frame: pd.DataFrame, summary: dict[s
                   judge: list[Any]) -> tuple[pd.DataFrame, dict[str, Any]]:
     """``frame``/``summary`` with BFCL's AST checker as the judge of record on their BFCL
     single-turn states (:func:`pivotrl.evaluation.bfcl_single.rejudge_local`); ``judge`` caches
-    the judge across calls (a one-element list once made)."""
-    from pivotrl.data.bfcl import ensure_bfcl
+    the judge across calls (a one-element list once made). Without a state of a BFCL single-turn
+    category nothing changes (and the wheel is not needed)."""
+    from pivotrl.data.bfcl import SINGLE_TURN_CATEGORIES, ensure_bfcl
     from pivotrl.evaluation.bfcl_single import BFCLSingleTurnJudge, rejudge_local
     from pivotrl.pipeline.common import prompt_format
 
+    if not any(s.category in SINGLE_TURN_CATEGORIES for s in states):
+        return frame, summary
     if not judge:
         judge.append(BFCLSingleTurnJudge(ensure_bfcl(cache_dir(cfg)), prompt_format(cfg, tok).tool_parser))
     return rejudge_local(frame, summary, states, judge[0])

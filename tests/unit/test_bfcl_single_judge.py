@@ -275,3 +275,13 @@ def test_the_evaluate_stage_takes_bfcl_verdict_on_single_turn_states(states, bfc
     else:  # pivotrl's verifier stays the judge
         assert local["n_accepted"] == 1 and "bfcl_judged_states" not in local
         assert "judge" not in frame and list(frame["n_accepted"]) == [0, 1, 1]
+
+
+def test_states_of_no_single_turn_category_are_left_to_pivotrl(states):
+    from pivotrl.config import load_config
+    from pivotrl.pipeline.evaluate import _bfcl_rejudge
+
+    other = dataclasses.replace(_state(states, "simple_python_0"), category="multi_turn_base")
+    frame, summary, made = _frame([(other, [("[x()]", 1.0)])]), {"n_accepted": 1}, []
+    out = _bfcl_rejudge(load_config(None, []), None, frame, summary, [other], made)
+    assert out[0] is frame and out[1] is summary and made == []  # no judge made, the wheel never read
