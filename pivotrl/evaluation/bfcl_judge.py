@@ -4,7 +4,8 @@ The judge of record for BFCL multi-turn tasks is ``multi_turn_checker`` of
 ``bfcl_eval/eval_checker/multi_turn_eval/multi_turn_checker.py``. It imports only
 ``multi_turn_utils`` and ``bfcl_eval.constants.executable_backend_config``, neither of which pulls an
 LLM SDK, so no stub is needed for it. (``ast_checker`` and ``eval_runner`` import every SDK through
-``bfcl_eval.constants.model_config``; they are not used here.)
+``bfcl_eval.constants.model_config``; they are not used here: BFCL's single-turn judge,
+:mod:`pivotrl.evaluation.bfcl_single`, imports ``ast_checker`` with that module replaced.)
 
 What this module adds is glue, each piece mirroring a named BFCL file:
 

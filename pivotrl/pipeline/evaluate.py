@@ -153,7 +153,9 @@ def policy_state_results(cfg: RunConfig, engine: Any, tok: Any, states: EvalStat
     ``parts``. ``measures`` (a subset of :data:`STATE_MEASURES`): held-out states greedy and with m
     samples at the probe temperature, stop decisions, out-of-domain states (greedy) and the pivot set
     (``evaluation.local_pivots``); ``pivotrl compare`` asks for the greedy held-out and
-    out-of-domain measures only."""
+    out-of-domain measures only. With ``quality.judge: bfcl`` the greedy held-out and out-of-domain
+    measures (:data:`BFCL_JUDGED`) take BFCL's ``ast_checker`` verdict on BFCL single-turn states,
+    pivotrl's verifier's kept beside (:func:`pivotrl.evaluation.bfcl_single.rejudge_local`)."""
     from pivotrl.evaluation.aggregate import accuracy_by_category
     from pivotrl.evaluation.local import evaluate_local
 
@@ -161,6 +163,7 @@ def policy_state_results(cfg: RunConfig, engine: Any, tok: Any, states: EvalStat
     if unknown:
         raise ValueError(f"unknown evaluation measures {unknown}; valid: {', '.join(STATE_MEASURES)}")
     ev, lkw, res = cfg.evaluation, _lkw(cfg), {}
+    judge: list[Any] = []  # BFCL's single-turn judge, made when first needed
     text_turn = {st.state_id: not st.demo_action.tool_calls for st in states.local}
     for seed in ev.seeds:
         greedy = sampling_for(cfg, n=1, temperature=ev.temperature, seed=seed)
@@ -180,6 +183,8 @@ def policy_state_results(cfg: RunConfig, engine: Any, tok: Any, states: EvalStat
             else:  # no stop decision or out-of-domain state: an empty table, no summary
                 some = next(iter(frames.values()), None)
                 frame, summary = (some.iloc[:0] if some is not None else pd.DataFrame()), None
+            if summary is not None and kind in BFCL_JUDGED and cfg.quality.judge == "bfcl":
+                frame, summary = _bfcl_rejudge(cfg, tok, frame, summary, chosen, judge)
             frames[kind] = frame
             res.setdefault(runs, []).append(summary)
             parts.local_frames.append(frame.assign(policy=policy, seed=seed, kind=kind))
@@ -194,6 +199,27 @@ def policy_state_results(cfg: RunConfig, engine: Any, tok: Any, states: EvalStat
             parts.pivot_frames.append(pdf.assign(policy=policy, seed=seed))
             res.setdefault("local_pivot_runs", []).append(psum)
     parts.results[policy] = res
+
+
+#: The measures whose BFCL single-turn states BFCL's AST checker judges with ``quality.judge: bfcl``.
+BFCL_JUDGED = ("heldout_greedy", "out_of_domain_greedy")
+
+
+def _bfcl_rejudge(cfg: RunConfig, tok: Any, frame: pd.DataFrame, summary: dict[str, Any], states: Sequence[Any],
+                  judge: list[Any]) -> tuple[pd.DataFrame, dict[str, Any]]:
+    """``frame``/``summary`` with BFCL's AST checker as the judge of record on their BFCL
+    single-turn states (:func:`pivotrl.evaluation.bfcl_single.rejudge_local`); ``judge`` caches
+    the judge across calls (a one-element list once made). Without a state of a BFCL single-turn
+    category nothing changes (and the wheel is not needed)."""
+    from pivotrl.data.bfcl import SINGLE_TURN_CATEGORIES, ensure_bfcl
+    from pivotrl.evaluation.bfcl_single import BFCLSingleTurnJudge, rejudge_local
+    from pivotrl.pipeline.common import prompt_format
+
+    if not any(s.category in SINGLE_TURN_CATEGORIES for s in states):
+        return frame, summary
+    if not judge:
+        judge.append(BFCLSingleTurnJudge(ensure_bfcl(cache_dir(cfg)), prompt_format(cfg, tok).tool_parser))
+    return rejudge_local(frame, summary, states, judge[0])
 
 
 def reprobe_pivots(cfg: RunConfig, engine: Any, tok: Any, pivots: Sequence[Any], verifier: Any) -> pd.DataFrame | None:
@@ -218,6 +244,7 @@ def write_report(cfg: RunConfig, store: ArtifactStore, ekey: str, demos: Mapping
     ``local.parquet``, ``rollouts.parquet``) from the per-policy task tables (policy order = the
     report's) and the state-level parts. ``report.json`` is written last."""
     from pivotrl.evaluation.aggregate import summarize_runs
+    from pivotrl.evaluation.bfcl_single import single_turn_judge_markdown
     from pivotrl.evaluation.comparison import compare_policies
     from pivotrl.evaluation.drift import drift_markdown, drift_table, zero_variance_summary
     from pivotrl.evaluation.report import build_report
@@ -247,6 +274,7 @@ def write_report(cfg: RunConfig, store: ArtifactStore, ekey: str, demos: Mapping
     drift = None if parts.reprobe is None else drift_table(parts.reprobe, cfg.probing.lambda_diff)
     pivot_mus = [float(x) for x in store.read_parquet(f"{probe.pivots_key}/pivots.parquet").get("mu", [])]
     zero_var = zero_variance_summary(metrics_df, cfg.training.group_size, pivot_mus)
+    sections += single_turn_judge_markdown(results)
     sections += drift_markdown(drift, zero_var, cfg.probing.num_probes)
     statistics["pivot_drift"], statistics["zero_variance"] = drift, zero_var
     meta["full_task_metric"], meta["full_task_metric_differs_from_bfcl"] = full_task_metric(
