@@ -253,7 +253,31 @@ def verdict_lines(stats: Mapping[str, Any] | None, a: str = "pivotrl", b: str = 
         unit = v["unit"] if v["n"] != 1 else v["unit"][:-1]
         out.append(f"- {v['measure']}: {rates[0]} vs {rates[1]}, {signed(v['difference'])} ({difference_ci(v)}; "
                    f"{v['test']} p = {v['p_value']:.3g}; n = {v['n']} {unit}): **{decision}**")
-    return ["## Verdict", "", f"{shown[a]} against {shown[b]} on the same held-out items (A − B):", "", *out, ""]
+    return ["## Verdict", "", f"{shown[a]} against {shown[b]} on the same held-out items (A − B):", "", *out,
+            *_too_small(rows, shown[a], shown[b]), ""]
+
+
+#: Where a run sized to show the method is described (a path in the repository).
+SHOWCASE = "configs/showcase.yaml"
+
+
+def _too_small(rows: Sequence[Mapping[str, Any]], a: str, b: str) -> list[str]:
+    """When no measure separates the two policies: what this run could have resolved (the half-width
+    of the 95 % interval of its most precise measure) and where a run sized to show the method is."""
+    if any(v["significant"] for v in rows):
+        return []
+    bounded = [v for v in rows if v.get("low") is not None and v.get("high") is not None]
+    if not bounded:
+        return []
+    best = min(bounded, key=lambda v: v["high"] - v["low"])
+    half = (best["high"] - best["low"]) / 2
+    unit = best["unit"] if best["n"] != 1 else best["unit"][:-1]
+    return ["", f"No measure separates {a} from {b}. The most precise one here ({best['measure']}, n = {best['n']} "
+                f"{unit}) has a 95% interval ±{half:.3f} wide, so a true difference smaller than about {half:.2f} "
+                "cannot show at this size: this run is too small to show the method, whether or not it works. A run "
+                "that is to show it needs a few hundred held-out items (`evaluation.local_states`) and enough "
+                f"training steps; `{SHOWCASE}` is one sized for a 2-core CPU (its measured result: "
+                "`benchmarks/showcase/`)."]
 
 
 def format_rate(rate: float | None, num: Any, den: Any, interval: tuple[float, float] | None = None,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 
@@ -20,6 +21,8 @@ from pivotrl.evaluation.stats import (
 
 Z = 1.959963984540054
 
+
+REPO = Path(__file__).resolve().parents[2]
 
 def test_wilson_known_bounds():
     # 0/10: low 0, high z²/(n+z²) = 3.84146/13.84146.
@@ -181,6 +184,14 @@ def test_compare_policies_pairs_on_the_same_tasks_and_states():
     assert opening[5].startswith("- turns passed per task: 0.250 vs 0.050, +0.200 (95% CI ")
     assert opening[6].startswith("- local accuracy, held-out states (greedy): 0.500 vs 0.500, +0.000 (95% CI ")
     assert opening[6].endswith("exact McNemar p = 1; n = 6 states): **no significant difference**")
+    # Nothing significant: the verdict says what this size could resolve and where a run sized to show it is.
+    rows = verdict(stats)
+    best = min(rows, key=lambda v: v["high"] - v["low"])
+    note = opening[-2]
+    assert opening[-1] == "" and note.startswith(f"No measure separates pivotrl from π_ref. The most precise one here "
+                                                 f"({best['measure']}, n = {best['n']} ")
+    assert f"±{(best['high'] - best['low']) / 2:.3f} wide" in note and "`configs/showcase.yaml`" in note
+    assert (REPO / "configs" / "showcase.yaml").is_file()
     # Asked the other way round, every difference and interval flips.
     flipped = verdict_lines(stats, a="reference", b="pivotrl")
     assert f"-0.400 (95% CI {-hi:+.3f}–{-lo:+.3f}; exact McNemar p = 0.125; n = 10 tasks)" in flipped[4]
@@ -239,3 +250,15 @@ def test_bootstrap_difference_of_two_independent_samples():
     a, b = [0.6, 0.7, 0.8, 0.65, 0.75], [0.1, 0.2, 0.15, 0.05, 0.1]
     assert bootstrap_difference_interval(a, b, seed=3) == bootstrap_difference_interval(a, b, seed=3)
     assert bootstrap_difference_interval(a, b)[1] > 0
+
+
+def test_a_significant_verdict_has_no_too_small_note():
+    import pandas as pd
+
+    from pivotrl.evaluation.comparison import compare_policies, verdict_lines
+
+    local = pd.DataFrame([{"policy": p, "seed": 0, "kind": "heldout_greedy", "state_id": f"s{i}", "status": "ok",
+                           "n_samples": 1, "n_accepted": int(i < k)} for p, k in (("pivotrl", 30), ("reference", 5))
+                          for i in range(40)])
+    lines = verdict_lines(compare_policies(None, local, ["pivotrl", "reference"]))
+    assert "**pivotrl better**" in lines[4] and not any(line.startswith("No measure separates") for line in lines)
