@@ -136,12 +136,22 @@ def _s3_credentials(what: str, options: Mapping[str, Any]) -> None:
 
 
 def _s3fs(options: Mapping[str, Any], timeout_s: float) -> Any:
-    """An S3FileSystem making one attempt per call, with ``timeout_s`` connect and read timeouts."""
+    """An S3FileSystem making one attempt per call, with ``timeout_s`` connect and read timeouts.
+
+    Two retry layers are turned off: botocore's (``total_max_attempts: 1``; its legacy
+    ``max_attempts: 1`` means one *retry*, so two attempts) and s3fs's own loop around every call
+    (``retries``, 5 attempts with backoff, a class attribute). With both on, an endpoint that does
+    not answer cost 10 read timeouts (46 s for 4-s timeouts) and a slow first answer a fixed
+    ``k × timeout_s`` stall before the real error.
+    """
     import s3fs
 
     cfg = dict(options.get("config_kwargs") or {})
-    cfg.update({"connect_timeout": timeout_s, "read_timeout": timeout_s, "retries": {"max_attempts": 1}})
-    return s3fs.S3FileSystem(**{**options, "config_kwargs": cfg, "skip_instance_cache": True})
+    cfg.update({"connect_timeout": timeout_s, "read_timeout": timeout_s,
+                "retries": {"mode": "standard", "total_max_attempts": 1}})
+    fs = s3fs.S3FileSystem(**{**options, "config_kwargs": cfg, "skip_instance_cache": True})
+    fs.retries = 1  # s3fs's _error_wrapper: one try, no sleep-and-retry on timeouts
+    return fs
 
 
 def _check_s3(url: str, options: dict[str, Any], timeout_s: float) -> None:

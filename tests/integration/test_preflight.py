@@ -97,6 +97,59 @@ def test_access_errors_are_permanent_and_not_retried(s3_endpoint, monkeypatch, t
     assert fs.find("pivotrl-writable", refresh=True) == []
 
 
+def test_an_endpoint_that_does_not_answer_gets_one_request_per_check(monkeypatch):
+    """The pre-run checks make one attempt: an endpoint that accepts connections and never answers
+    sees one request from the storage root's check and one from a source's, each ending in a
+    StorageError naming the endpoint (botocore's own retry and s3fs's retry loop made it 10 requests,
+    each waiting out the read timeout: 46 s with the default 4-s timeout)."""
+    import socket
+    import threading
+
+    pytest.importorskip("s3fs")
+    from pivotrl.errors import StorageError
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(32)
+    requests: list[bytes] = []
+    held: list[socket.socket] = []
+
+    def accept() -> None:
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            held.append(conn)  # kept open, never answered
+            conn.settimeout(5)
+            try:
+                requests.append(conn.recv(65536))
+            except OSError:
+                pass
+
+    threading.Thread(target=accept, daemon=True).start()
+    endpoint = f"http://127.0.0.1:{listener.getsockname()[1]}"
+    for k in [k for k in os.environ if k.startswith("AWS_")]:
+        monkeypatch.delenv(k)
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", endpoint)
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    from pivotrl.storage_check import check_source
+
+    try:
+        with pytest.raises(StorageError, match=rf"does not answer at {endpoint} .*ReadTimeoutError"):
+            check_storage("s3://a-bucket/runs", timeout_s=0.5)
+        assert len(requests) == 1 and requests[0].startswith(b"GET /a-bucket"), requests
+        with pytest.raises(StorageError, match=rf"does not answer at {endpoint} .*ReadTimeoutError"):
+            check_source("s3://a-bucket/demos.jsonl", timeout_s=0.5)
+        assert len(requests) == 2 and requests[1].startswith(b"HEAD /a-bucket/demos.jsonl"), requests
+    finally:
+        listener.close()
+        for conn in held:
+            conn.close()
+
+
 def test_flow_checks_storage_before_any_stage(s3_endpoint, tiny, tmp_path, monkeypatch):
     """A deployment run has no CLI in front of it: the flow itself fails first, not retried."""
     from pivotrl.flows.nightly import nightly

@@ -56,8 +56,9 @@ class S3Server:
         )
         deadline = time.time() + 60
         while True:
-            try:
-                urllib.request.urlopen(f"{self.endpoint}/moto-api/", timeout=2)
+            try:  # an S3 call (ListBuckets), not /moto-api/: moto loads its S3 backend on the first
+                # one (seconds under load), which a client's short read timeout must not pay
+                urllib.request.urlopen(f"{self.endpoint}/", timeout=30)
                 return
             except OSError:
                 if self.proc.poll() is not None or time.time() > deadline:
