@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 import math
 import random
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -38,6 +39,7 @@ from pivotrl.pipeline.demos import cache_dir, read_trajectories
 from pivotrl.pipeline.reference import TRAINER_DTYPE, reference_dir
 from pivotrl.training.loop import pivot_schedule
 from pivotrl.storage import ArtifactStore
+from pivotrl.storage.dirs import COMPLETE_MARKER
 
 log = logging.getLogger("pivotrl.pipeline.compare")
 
@@ -231,7 +233,9 @@ def stage_e2e_baseline(cfg: RunConfig, store: ArtifactStore, demos: dict[str, An
                                "reward": cp.e2e_reward, "start_hash": start_hash, "reference_hash": ref["ref_hash"]}
     if not tasks or budget == 0:
         summary.update(steps=0, policy="reference", note="no pivot-split task with an environment or no budget")
-        store.put_dir(str(rdir), f"{key}/policy")
+        with tempfile.TemporaryDirectory(dir=cache_dir(cfg)) as tmp:  # π_ref as it is, without its cache marker
+            shutil.copytree(rdir, Path(tmp) / "policy", ignore=shutil.ignore_patterns(COMPLETE_MARKER))
+            store.put_dir(str(Path(tmp) / "policy"), f"{key}/policy")
     else:
         settings = E2ESettings(group_size=cp.e2e_group_size, tasks_per_batch=cp.e2e_tasks_per_batch,
                                max_steps=cp.e2e_max_steps, max_generated_tokens=int(budget) if by_tokens else None,

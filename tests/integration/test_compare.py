@@ -4,6 +4,7 @@ ledgers are present and summed in the report."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import os
@@ -130,3 +131,19 @@ def test_the_comparison_report_traces_every_policy_back_to_the_reference(compare
     # (this root is a copy of the session's smoke run, whose manifests name the original root: the
     # PivotRL policy is named here, and described by its summary in an uncopied run)
     assert tree["inputs"]["pivotrl"]["uri"] == store.url(train.policy_key)
+
+
+def test_without_a_task_with_an_environment_the_e2e_baseline_is_the_reference(compared, tmp_path, monkeypatch):
+    """Single-turn data (no simulated environment): end-to-end RL has nothing to play, so its policy is
+    π_ref, published as it is (a checkpoint from the store carries a marker the store must not copy)."""
+    from pivotrl.pipeline import compare as compare_mod
+    from pivotrl.pipeline.reference import reference_dir
+
+    cfg, store, demos, ref, probe, train, *_ = compared
+    cfg = cfg.model_copy(update={"compare": cfg.compare.model_copy(update={"e2e_max_steps": 3})})  # another key
+    no_env = [dataclasses.replace(t, env=None) for t in read_trajectories(store, demos["key"], split="pivot")]
+    monkeypatch.setattr(compare_mod, "read_trajectories", lambda *a, **k: no_env)
+    e2e = stage_e2e_baseline(cfg, store, demos, ref.to_dict(), probe.to_dict(), train.to_dict())
+    assert e2e["summary"]["steps"] == 0 and e2e["summary"]["policy"] == "reference"
+    published = store.get_dir(e2e["policy_key"], str(tmp_path / "e2e"))
+    assert checkpoint_hash(published) == checkpoint_hash(reference_dir(cfg, store, ref))
