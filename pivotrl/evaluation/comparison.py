@@ -194,6 +194,8 @@ def comparison_markdown(stats: dict[str, Any]) -> list[str]:
 _VERDICT_MEASURES = ((("full_task",), "task_success", "task_success", "full-task success", "tasks"),
                      (("full_task",), "turn_fraction", "turn_pass", "turns passed per task", "tasks"),
                      (("local", "heldout_greedy"), None, None, "local accuracy, held-out states (greedy)", "states"),
+                     (("local", "heldout_sampled"), None, None,
+                      "local accuracy, held-out states (m samples per state at the probe temperature)", "states"),
                      (("local", "out_of_domain_greedy"), None, None, "local accuracy, out-of-domain states (greedy)",
                       "states"))
 

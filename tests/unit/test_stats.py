@@ -260,5 +260,11 @@ def test_a_significant_verdict_has_no_too_small_note():
     local = pd.DataFrame([{"policy": p, "seed": 0, "kind": "heldout_greedy", "state_id": f"s{i}", "status": "ok",
                            "n_samples": 1, "n_accepted": int(i < k)} for p, k in (("pivotrl", 30), ("reference", 5))
                           for i in range(40)])
-    lines = verdict_lines(compare_policies(None, local, ["pivotrl", "reference"]))
+    sampled = pd.DataFrame([{"policy": p, "seed": 0, "kind": "heldout_sampled", "state_id": f"s{i}", "status": "ok",
+                             "n_samples": 4, "n_accepted": a} for p, a in (("pivotrl", 3), ("reference", 1))
+                            for i in range(40)])
+    lines = verdict_lines(compare_policies(None, pd.concat([local, sampled]), ["pivotrl", "reference"]))
     assert "**pivotrl better**" in lines[4] and not any(line.startswith("No measure separates") for line in lines)
+    # The sampled held-out measure is in the verdict too: per-state accuracy over m samples, paired by state.
+    assert lines[5].startswith("- local accuracy, held-out states (m samples per state at the probe temperature): "
+                               "0.750 vs 0.250, +0.500") and "n = 40 states" in lines[5]
