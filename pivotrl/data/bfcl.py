@@ -53,11 +53,21 @@ from pathlib import Path
 from typing import Any, Literal, Mapping, Sequence
 
 from pivotrl.actions import format_call, parse_call
-from pivotrl.data.audit import (AUDIT_FLAGS_KEY, audit_bfcl_replay, audit_bfcl_turn, failure_status,
-                                 not_in_history_flags)
+from pivotrl.data.audit import (
+    AUDIT_FLAGS_KEY,
+    audit_bfcl_replay,
+    audit_bfcl_turn,
+    failure_status,
+    not_in_history_flags,
+)
 from pivotrl.data.schema import Message, ToolCall, ToolSpec, Trajectory, file_sha256
 from pivotrl.data.sources import validate_trajectory
-from pivotrl.envs.bfcl import BFCL_CLASSES, BFCLEnvironment, GroundTruthChecker, method_parameter_names
+from pivotrl.envs.bfcl import (
+    BFCL_CLASSES,
+    BFCLEnvironment,
+    GroundTruthChecker,
+    method_parameter_names,
+)
 from pivotrl.errors import ActionParseError, ConfigError, DataError, StorageError
 from pivotrl.storage.files import atomic_dir
 

@@ -298,7 +298,10 @@ class GroundTruthChecker:
 
         _ensure_on_path(bfcl_root)
         try:
-            from bfcl_eval.eval_checker.multi_turn_eval import multi_turn_checker, multi_turn_utils
+            from bfcl_eval.eval_checker.multi_turn_eval import (
+                multi_turn_checker,
+                multi_turn_utils,
+            )
         except Exception as e:  # noqa: BLE001 - any import failure means the checker cannot run
             raise ToolExecutionError(f"cannot import BFCL's multi-turn checker: {type(e).__name__}: {e}") from e
         self._checker, self._utils = multi_turn_checker, multi_turn_utils

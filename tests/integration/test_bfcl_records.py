@@ -206,9 +206,9 @@ def test_hand_made_tasks_that_contradict_bfcls_ground_truth_or_the_history_are_f
     assert got == {
         "hand_tuple": ["turn 0: not BFCL's ground truth: the replayed state differs in TwitterAPI.tweets"],
         "hand_list": [],
-        "hand_id_unseen": ["turn 0 call 0 \"send_message(message='hi', receiver_id='USR002')\": not in the history: "
-                           "receiver_id='USR002' (no 'USR002' in the user turns, earlier outputs and calls, or the "
-                           "tool schemas)"],
+        "hand_id_unseen": [("turn 0 call 0 \"send_message(message='hi', receiver_id='USR002')\": not in the history: "
+                            "receiver_id='USR002' (no 'USR002' in the user turns, earlier outputs and calls, or the "
+                            "tool schemas)")],
         "hand_id_looked_up": [],
         "hand_two_turns": [],
     }

@@ -197,3 +197,14 @@ def test_the_demonstrations_are_audited_with_the_configured_parser(tmp_path):
         out = build_demonstrations(cfg, ArtifactStore(cfg.run.storage_root))
         counts[parser] = (out["counts"]["trajectories"], out["counts"]["quarantined"])
     assert counts == {"auto": (1, 1), "hermes": (2, 0)}
+
+
+def test_the_report_counts_the_flags_by_kind():
+    from pivotrl.evaluation.trust import trust_sections
+
+    counts = {"flagged": 2, "flagged_ids": ["a", "b"], "flags_by_kind": {"failing_call": 0, "no_op": 1,
+              "not_reproduced": 0, "not_ground_truth": 1, "not_in_history": 3}}
+    lines = trust_sections(load_config(None, []), counts, [])
+    assert "- tasks flagged (pivotrl.data.audit): 2 (a, b)" in lines
+    assert ("- flags by kind: failing_call 0, no_op 1, not_reproduced 0, not_ground_truth 1, not_in_history 3"
+            in lines)
