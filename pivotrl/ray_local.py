@@ -51,22 +51,32 @@ class RayCluster:
              f"--temp-dir={self.tmp}", *common], env=env, start_new_session=True,
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]
         self._wait(lambda n: len(n) >= 1)
-        for i in range(workers):  # one at a time: nodes starting together on one host collide
-            self.procs.append(subprocess.Popen(
-                [ray, "start", f"--address={self.address}", f"--num-cpus={cpus_per_worker}", *common], env=env,
-                start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
-            self._wait(lambda n, k=i + 1: sum(x.get("Resources", {}).get("CPU", 0) for x in n) >= k * cpus_per_worker)
+        self._ray, self._env, self._common = ray, env, common
+        for _ in range(workers):  # one at a time: nodes starting together on one host collide
+            self.add_worker(cpus_per_worker)
+
+    def add_worker(self, cpus: int = 1) -> None:
+        """Start one more worker node of ``cpus`` CPUs and wait until the cluster counts it (e.g. to
+        replace a node a test has lost)."""
+        have = sum(x.get("Resources", {}).get("CPU", 0) for x in self.nodes())
+        self.procs.append(subprocess.Popen(
+            [self._ray, "start", f"--address={self.address}", f"--num-cpus={cpus}", *self._common], env=self._env,
+            start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        self._wait(lambda n: sum(x.get("Resources", {}).get("CPU", 0) for x in n) >= have + cpus)
 
     def nodes(self) -> list[dict[str, Any]]:
         code = ("import json, ray; ray.init(address=%r, logging_level='ERROR'); "
                 "print(json.dumps([n for n in ray.nodes() if n['Alive']], default=str))" % self.address)
-        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+        try:
+            out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+        except subprocess.TimeoutExpired:  # a head still starting (or a loaded machine): none known yet
+            return []
         return json.loads(out.stdout.strip().splitlines()[-1]) if out.returncode == 0 and out.stdout.strip() else []
 
     def _wait(self, ready, timeout: float = 120) -> None:
         t0 = time.time()
         while time.time() - t0 < timeout:
-            if any(p.poll() is not None for p in self.procs):
+            if self.procs and self.procs[-1].poll() is not None:
                 raise RuntimeError("a ray node exited during start-up")
             if ready(self.nodes()):
                 return

@@ -197,7 +197,7 @@ class QualitySection(Section):
     )
     keep_flagged: bool = Field(
         False,
-        description="Keep tasks the data audit flagged (failing or no-op gold calls) in warm start, pivots and evaluation.",
+        description="Keep tasks the data audit flagged (failing, no-op or not-ground-truth gold, gold values the history lacks) in warm start, pivots and evaluation.",
     )
     out_of_domain: list[str] = Field(
         default_factory=lambda: ["parallel"],

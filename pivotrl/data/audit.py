@@ -7,9 +7,46 @@ BFCL multi-turn gold (:func:`failure_status`, :func:`audit_bfcl_replay`)
     *flag*; so is a second replay from the same ``initial_config`` that does not give the same
     outputs and final state, and so is a *no-op* gold call (``pivotrl.data.bfcl``): a call of a
     method that changes the environment's state in some other gold replay of the category but
-    leaves it unchanged here (e.g. ``{"retweet_status": "Already retweeted"}``). Flags go to ``trajectory.meta["audit_flags"]`` (one string each,
-    naming turn, call and reason). A flagged task stays loadable but is kept out of the warm start,
-    the pivot candidates and the evaluation unless ``quality.keep_flagged`` is set.
+    leaves it unchanged here (e.g. ``{"retweet_status": "Already retweeted"}``).
+
+    *Not BFCL's ground truth* (:func:`audit_bfcl_turn`). At the end of every user turn the state
+    reached by replaying the demonstration's calls is compared with the state BFCL's own checker
+    reaches by executing that task's ground truth turn by turn
+    (:class:`pivotrl.envs.bfcl.GroundTruthChecker`: BFCL's ``execute_multi_turn_func_call``,
+    ``state_checker`` and ``response_checker``, i.e. exactly what a model answering with the
+    demonstration would be scored against). A turn whose state differs (a class attribute that is
+    ``!=``), or whose ground-truth outputs are not all among the replay's outputs so far, is
+    flagged. BFCL defines no other ground-truth state: its multi-turn records hold
+    ``initial_config`` and the answers only the per-turn call strings, so the checker's replay of
+    the ground truth *is* the task's ground-truth state. (The demonstration's calls come from the
+    same strings, so this flags what our conversion reads differently from Python's evaluation of
+    them, e.g. a tuple argument, which BFCL stores as a tuple and JSON, hence our call, as a list.)
+
+    *Not in the history* (:func:`underivable_values`, conservative: it looks only at identifiers,
+    whose value the model cannot compute or know from the world). For each gold call, every leaf
+    of its arguments (recursing into lists and objects) is *checked* if it is
+
+    * a string without whitespace that contains a digit and a letter (``USR002``, ``report1.txt``,
+      ``@mike53``), or a string containing a digit given for a parameter named ``*_id``; or
+    * an integer (not a boolean) given for a parameter named ``*_id`` (``order_id=12446``).
+
+    Its *tokens* are its maximal runs of ASCII letters and digits that contain a digit
+    (``report1.txt`` → ``report1``; ``ticket_001`` → ``001``; ``12446`` → ``12446``). A token is
+    *found* when it occurs, case-insensitively and as a substring, in the visible text, or when it
+    has runs of four or more digits and each of them occurs there (the letters around a long number
+    may be spelled out: "P followed by 12345678" gives ``P12345678``). A checked value is in the
+    history when each of its tokens is found in the *visible text*: the content of every system and user message up to and including the
+    current turn's, every earlier tool output (this is how the initial configuration becomes
+    visible: only through the outputs of calls made before), the arguments of every earlier call,
+    and the trajectory's tool schemas (names, descriptions, parameters). Anything else is not
+    checked: free text (it may paraphrase the user), words without digits (stock symbols, airport
+    codes, currency codes: world knowledge or a lookup tool gives them), dates and other numbers
+    (they may be computed, e.g. ``79.pdf`` from ``"79.00 B"``). A value that fails is flagged
+    ``not in the history`` with the token that is nowhere.
+
+    Flags go to ``trajectory.meta["audit_flags"]`` (one string each, naming turn, call and reason).
+    A flagged task stays loadable but is kept out of the warm start, the pivot candidates and the
+    evaluation unless ``quality.keep_flagged`` is set.
 
 Chat records (:func:`audit_chat_record`, raises DataError, so ``data.on_invalid = "quarantine"``
 skips the record and names file, line, id and field)
@@ -29,16 +66,24 @@ from __future__ import annotations
 
 import json
 import math
-from typing import Any, Mapping, Sequence
+import re
+from typing import Any, Iterator, Mapping, Sequence
 
 from pivotrl.data.schema import Message, Trajectory
 from pivotrl.errors import ActionParseError, DataError
 
-__all__ = ["AUDIT_FLAGS_KEY", "audit_bfcl_replay", "audit_chat_record", "audit_parser", "failure_status",
-           "is_flagged"]
+__all__ = ["AUDIT_FLAGS_KEY", "GROUND_TRUTH_MARK", "NOT_IN_HISTORY_MARK", "audit_bfcl_replay", "audit_bfcl_turn",
+           "audit_chat_record", "audit_parser", "failure_status", "is_flagged", "not_in_history_flags",
+           "underivable_values"]
 
 AUDIT_FLAGS_KEY = "audit_flags"
 _ERROR_PREFIX = "Error during execution"
+#: In a flag's text: a turn that does not reach BFCL's ground truth (:func:`audit_bfcl_turn`).
+GROUND_TRUTH_MARK = ": not BFCL's ground truth: "
+#: In a flag's text: a gold call value the history does not hold (:func:`not_in_history_flags`).
+NOT_IN_HISTORY_MARK = ": not in the history: "
+_TOKEN = re.compile(r"[A-Za-z0-9]+")
+_LONG_DIGITS = re.compile(r"[0-9]{4,}")
 
 
 def is_flagged(traj: Trajectory) -> bool:
@@ -83,6 +128,69 @@ def audit_bfcl_replay(
     elif json.dumps(first[1], sort_keys=True, default=str) != json.dumps(second[1], sort_keys=True, default=str):
         flags.append("replay does not reproduce: final state differs")
     return flags
+
+
+def audit_bfcl_turn(turn: int, differences: Mapping[str, Sequence[str]], missing: Sequence[str]) -> list[str]:
+    """Flags of one turn compared with BFCL's ground truth (module docstring): ``differences`` =
+    class name → attributes whose state differs (``GroundTruthChecker.state_differences``),
+    ``missing`` = ground-truth outputs of the turn not among the replay's outputs so far."""
+    flags = []
+    if differences:
+        where = ", ".join(f"{c}.{a}" for c, attrs in differences.items() for a in attrs)
+        flags.append(f"turn {turn}{GROUND_TRUTH_MARK}the replayed state differs in {where}")
+    if missing:
+        shown = ", ".join(repr(m[:120]) for m in missing[:3])
+        flags.append(f"turn {turn}{GROUND_TRUTH_MARK}{len(missing)} ground-truth outputs are not among the "
+                     f"replay's: {shown}")
+    return flags
+
+
+def _leaves(value: Any, path: str, param: str) -> Iterator[tuple[str, str, Any]]:
+    """(path, name of the parameter or key it is under, value) of every scalar in ``value``."""
+    if isinstance(value, Mapping):
+        for k, v in value.items():
+            yield from _leaves(v, f"{path}.{k}", str(k))
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            yield from _leaves(v, f"{path}[{i}]", param)
+    else:
+        yield path, param, value
+
+
+def _checked_tokens(param: str, value: Any) -> list[str]:
+    """The tokens of ``value`` that must be in the history (module docstring), [] if unchecked."""
+    is_id = param.endswith("_id")
+    if isinstance(value, bool):
+        return []
+    if isinstance(value, int):
+        return [str(value)] if is_id else []
+    if not isinstance(value, str) or not any(ch.isdigit() for ch in value):
+        return []
+    if not is_id and (any(ch.isspace() for ch in value.strip()) or not any(ch.isalpha() for ch in value)):
+        return []
+    return [t for t in _TOKEN.findall(value) if any(ch.isdigit() for ch in t)]
+
+
+def underivable_values(arguments: Mapping[str, Any], visible: str) -> list[tuple[str, Any, str]]:
+    """The checked values of a call's ``arguments`` (module docstring, "Not in the history") with a
+    token that does not occur in ``visible`` (the visible text, case-insensitive): (argument path,
+    value, the missing token) each, in argument order."""
+    seen = visible.casefold()
+    out = []
+    for path, param, value in _leaves(dict(arguments), "", ""):
+        for token in _checked_tokens(param, value):
+            long_runs = _LONG_DIGITS.findall(token)
+            if token.casefold() not in seen and not (long_runs and all(r in seen for r in long_runs)):
+                out.append((path.lstrip("."), value, token))
+                break
+    return out
+
+
+def not_in_history_flags(where: str, call: str, arguments: Mapping[str, Any], visible: str) -> list[str]:
+    """One flag per value of the gold call ``call`` (its text; ``where`` = ``"turn 2 call 0"``)
+    that the visible text does not hold (:func:`underivable_values`)."""
+    return [f"{where} {call!r}{NOT_IN_HISTORY_MARK}{path}={value!r} (no {token!r} in the user turns, earlier "
+            "outputs and calls, or the tool schemas)" for path, value, token in underivable_values(arguments, visible)]
 
 
 def _non_finite(value: Any, path: str) -> str | None:

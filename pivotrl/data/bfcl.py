@@ -40,6 +40,7 @@ Tool schemas: BFCL writes object types as ``"dict"``; they are rewritten to JSON
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -52,10 +53,21 @@ from pathlib import Path
 from typing import Any, Literal, Mapping, Sequence
 
 from pivotrl.actions import format_call, parse_call
-from pivotrl.data.audit import AUDIT_FLAGS_KEY, audit_bfcl_replay, failure_status
+from pivotrl.data.audit import (
+    AUDIT_FLAGS_KEY,
+    audit_bfcl_replay,
+    audit_bfcl_turn,
+    failure_status,
+    not_in_history_flags,
+)
 from pivotrl.data.schema import Message, ToolCall, ToolSpec, Trajectory, file_sha256
 from pivotrl.data.sources import validate_trajectory
-from pivotrl.envs.bfcl import BFCL_CLASSES, BFCLEnvironment, method_parameter_names
+from pivotrl.envs.bfcl import (
+    BFCL_CLASSES,
+    BFCLEnvironment,
+    GroundTruthChecker,
+    method_parameter_names,
+)
 from pivotrl.errors import ActionParseError, ConfigError, DataError, StorageError
 from pivotrl.storage.files import atomic_dir
 
@@ -277,10 +289,13 @@ def _state(env: BFCLEnvironment) -> str:
 def _multi_turn(
     record: Mapping[str, Any], answer: Mapping[str, Any], category: str, where: str, docs: _FuncDocs,
     mutating: frozenset[str] | None = None, effects: list[tuple[str, bool]] | None = None,
+    against_ground_truth: bool = True,
 ) -> Trajectory:
     """One multi-turn task (module docstring). ``mutating``: the methods that change the state in
     some gold replay of the category (a call of one that changes nothing is flagged a no-op);
-    ``effects``, when given, gets (method, changed the state) for each gold call."""
+    ``effects``, when given, gets (method, changed the state) for each gold call;
+    ``against_ground_truth``: compare every turn with BFCL's checker and flag gold values the
+    history does not hold (:mod:`pivotrl.data.audit`)."""
     classes = record.get("involved_classes")
     if not isinstance(classes, list) or not classes:
         raise DataError(f"{where}.involved_classes: missing or empty")
@@ -302,38 +317,55 @@ def _multi_turn(
     outputs: list[str] = []
     call_where: list[str] = []
     noops: list[str] = []
-    for turn, turn_calls in enumerate(gt):
-        messages.extend(_question_messages(record, turn, where))
-        if not isinstance(turn_calls, list):
-            raise DataError(f"{where}.ground_truth[{turn}]: expected a list of call strings")
-        for k, text in enumerate(turn_calls):
-            field = f"{where}.ground_truth[{turn}][{k}]"
-            try:
-                parsed = parse_call(text, list(sigs.values()))
-            except ActionParseError as e:
-                raise DataError(f"{field}: {text!r} is not a call ({e})") from None
-            unknown = [a for a in parsed.arguments if a not in tool_props.get(parsed.name, {})]
-            if parsed.name not in tool_props or unknown:
-                raise DataError(f"{field}: {text!r} calls an unknown tool or parameter ({unknown or parsed.name})")
-            call = ToolCall(name=parsed.name, arguments=parsed.arguments, id=f"call_{n_call}")
-            n_call += 1
-            before = _state(env)
-            output = env.execute(call)
-            changed = _state(env) != before
-            if effects is not None:
-                effects.append((call.name, changed))
-            if mutating is not None and call.name in mutating and not changed and not failure_status(output):
-                noops.append(f"turn {turn} call {k} {format_call(call)!r}: no-op: {call.name} changes the "
-                             f"environment in other gold replays, not here (output: {output[:120]})")
-            gold.append(call)
-            outputs.append(output)
-            call_where.append(f"turn {turn} call {k}")
-            messages.append(Message(role="assistant", tool_calls=(call,)))
-            messages.append(Message(role="tool", content=output, tool_call_id=call.id, name=call.name))
-        messages.append(Message(role="assistant", content=CLOSING_TEXT))
+    turn_flags: list[str] = []
+    # The text the model has seen before each gold call (pivotrl.data.audit, "Not in the history").
+    visible = [json.dumps([{"name": t.name, "description": t.description, "parameters": t.parameters}
+                           for t in tools])]
+    # BFCL's checker on the ground truth, turn by turn (its instances are released on leaving).
+    ground_truth = GroundTruthChecker(env_ctx, str(record.get("id")), docs.root) if against_ground_truth else None
+    with ground_truth or contextlib.nullcontext() as checker:
+        for turn, turn_calls in enumerate(gt):
+            question = _question_messages(record, turn, where)
+            messages.extend(question)
+            visible.extend(m.content or "" for m in question)
+            if not isinstance(turn_calls, list):
+                raise DataError(f"{where}.ground_truth[{turn}]: expected a list of call strings")
+            for k, text in enumerate(turn_calls):
+                field = f"{where}.ground_truth[{turn}][{k}]"
+                try:
+                    parsed = parse_call(text, list(sigs.values()))
+                except ActionParseError as e:
+                    raise DataError(f"{field}: {text!r} is not a call ({e})") from None
+                unknown = [a for a in parsed.arguments if a not in tool_props.get(parsed.name, {})]
+                if parsed.name not in tool_props or unknown:
+                    raise DataError(f"{field}: {text!r} calls an unknown tool or parameter ({unknown or parsed.name})")
+                call = ToolCall(name=parsed.name, arguments=parsed.arguments, id=f"call_{n_call}")
+                n_call += 1
+                if checker is not None:
+                    turn_flags.extend(not_in_history_flags(f"turn {turn} call {k}", format_call(call),
+                                                           call.arguments, "\n".join(visible)))
+                before = _state(env)
+                output = env.execute(call)
+                changed = _state(env) != before
+                if effects is not None:
+                    effects.append((call.name, changed))
+                if mutating is not None and call.name in mutating and not changed and not failure_status(output):
+                    noops.append(f"turn {turn} call {k} {format_call(call)!r}: no-op: {call.name} changes the "
+                                 f"environment in other gold replays, not here (output: {output[:120]})")
+                gold.append(call)
+                outputs.append(output)
+                call_where.append(f"turn {turn} call {k}")
+                messages.append(Message(role="assistant", tool_calls=(call,)))
+                messages.append(Message(role="tool", content=output, tool_call_id=call.id, name=call.name))
+                visible.extend([json.dumps(dict(call.arguments)), output])
+            messages.append(Message(role="assistant", content=CLOSING_TEXT))
+            if checker is not None:
+                theirs = checker.turn(turn_calls)
+                turn_flags.extend(audit_bfcl_turn(turn, checker.state_differences(env),
+                                                  checker.missing_outputs(outputs, theirs, turn)))
     again = BFCLEnvironment.from_context(env_ctx, docs.root)
     flags = audit_bfcl_replay((outputs, env.snapshot()), (again.execute_all(gold), again.snapshot()),
-                              call_where, [format_call(c) for c in gold]) + noops
+                              call_where, [format_call(c) for c in gold]) + noops + turn_flags
     meta: dict[str, Any] = {"ground_truth": [list(t) for t in gt], "stop_text": CLOSING_TEXT}
     if flags:
         meta[AUDIT_FLAGS_KEY] = flags
@@ -362,7 +394,8 @@ def _mutating_methods(records: Sequence[Mapping[str, Any]], answers: Mapping[Any
         rid = record.get("id")
         if rid in answers:
             try:
-                _multi_turn(record, answers[rid], category, f"{fname} {rid!r}", docs, effects=effects)
+                _multi_turn(record, answers[rid], category, f"{fname} {rid!r}", docs, effects=effects,
+                            against_ground_truth=False)
             except DataError:
                 continue
     return frozenset(name for name, changed in effects if changed)

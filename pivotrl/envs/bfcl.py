@@ -40,6 +40,7 @@ __all__ = [
     "BFCL_CLASSES",
     "STATELESS_CLASSES",
     "BFCLEnvironment",
+    "GroundTruthChecker",
     "bfcl_class",
     "method_parameter_names",
     "replay",
@@ -208,6 +209,11 @@ class BFCLEnvironment:
         return cls(instances)
 
     @property
+    def instances(self) -> dict[str, Any]:
+        """Class name → the live simulator instance (a new dict; the instances are not copied)."""
+        return dict(self._instances)
+
+    @property
     def class_names(self) -> list[str]:
         """Involved class names, in context order."""
         return list(self._instances)
@@ -271,3 +277,75 @@ def replay(ctx: Mapping[str, Any], prior_calls: Sequence[Mapping[str, Any]], bfc
     for i, d in enumerate(prior_calls):
         env.execute(ToolCall.from_dict(d, where=f"prior_calls[{i}]"))
     return env
+
+
+class GroundTruthChecker:
+    """BFCL's own multi-turn checker (``bfcl_eval.eval_checker.multi_turn_eval``) run on one task's
+    ground truth, turn by turn, to compare another replay of the task with it.
+
+    :meth:`turn` executes one turn's ground-truth call strings exactly as BFCL's ``multi_turn_checker``
+    does (its ``execute_multi_turn_func_call``: the strings are evaluated by BFCL's code, the
+    instances are loaded from ``initial_config`` on the first turn and kept for the next);
+    :meth:`state_differences` applies BFCL's ``state_checker`` (public attributes compared with
+    ``!=``) to each class; :meth:`missing_outputs` applies its ``response_checker`` (every
+    ground-truth output of the turn must be among the other replay's outputs so far). BFCL keeps the
+    checker's instances in a module-level dict under a name built from ``model_name`` and the task
+    id; :meth:`close` (or leaving the ``with`` block) removes this checker's entries.
+    """
+
+    def __init__(self, ctx: Mapping[str, Any], task_id: str, bfcl_root: str | Path) -> None:
+        import uuid
+
+        _ensure_on_path(bfcl_root)
+        try:
+            from bfcl_eval.eval_checker.multi_turn_eval import (
+                multi_turn_checker,
+                multi_turn_utils,
+            )
+        except Exception as e:  # noqa: BLE001 - any import failure means the checker cannot run
+            raise ToolExecutionError(f"cannot import BFCL's multi-turn checker: {type(e).__name__}: {e}") from e
+        self._checker, self._utils = multi_turn_checker, multi_turn_utils
+        self._ctx, self._task_id = ctx, str(task_id)
+        self._model = f"pivotrl_audit_{uuid.uuid4().hex}"
+        self._instances: dict[str, Any] = {}
+
+    def turn(self, calls: Sequence[str]) -> list[str]:
+        """Execute one turn's ground-truth call strings in BFCL's checker; their output strings."""
+        outputs, self._instances = self._utils.execute_multi_turn_func_call(
+            func_call_list=list(calls), initial_config=dict(self._ctx.get("initial_config") or {}),
+            involved_classes=list(self._ctx["involved_classes"]), model_name=self._model,
+            test_entry_id=self._task_id, long_context=False, is_evaL_run=True)
+        return list(outputs)
+
+    def state_differences(self, env: BFCLEnvironment) -> dict[str, list[str]]:
+        """Class name → the public attributes where ``env``'s instance differs from the ground
+        truth's after the last :meth:`turn` (BFCL's ``state_checker``); empty when they agree."""
+        mine = env.instances
+        out: dict[str, list[str]] = {}
+        for class_name, theirs in self._instances.items():
+            if class_name not in mine:
+                out[class_name] = ["(class missing)"]
+                continue
+            result = self._checker.state_checker({class_name: mine[class_name]}, {class_name: theirs})
+            if not result["valid"]:
+                out[class_name] = sorted(result["details"]["differences"])
+        return out
+
+    def missing_outputs(self, outputs_so_far: Sequence[str], turn_outputs: Sequence[str], turn: int) -> list[str]:
+        """The ground-truth outputs of turn ``turn`` (:meth:`turn`'s result) that are not among
+        ``outputs_so_far`` (BFCL's ``response_checker``: unordered, with multiplicity)."""
+        result = self._checker.response_checker(list(outputs_so_far), list(turn_outputs), turn)
+        return [] if result["valid"] else [str(x) for x in result["details"]["missing_items"]]
+
+    def close(self) -> None:
+        """Remove this checker's instances from BFCL's module-level store."""
+        store = vars(self._utils)
+        for name in [n for n in store if n.startswith(self._model)]:
+            del store[name]
+        self._instances = {}
+
+    def __enter__(self) -> "GroundTruthChecker":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

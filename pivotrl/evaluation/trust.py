@@ -49,8 +49,10 @@ def trust_sections(cfg: Any, counts: Mapping[str, Any], heldout: Sequence[Any], 
     flagged = counts.get("flagged", 0)
     lines += ["", "## Data audit", "",
               f"- records quarantined at load: {counts.get('quarantined', 0)}",
-              f"- tasks flagged (gold call failed or replay did not reproduce): {flagged}"
+              f"- tasks flagged (pivotrl.data.audit): {flagged}"
               + (f" ({', '.join(counts.get('flagged_ids', []))})" if flagged else ""),
+              "- flags by kind: " + (", ".join(f"{k} {v}" for k, v in (counts.get("flags_by_kind") or {}).items())
+                                     or "none"),
               f"- flagged tasks {'kept (quality.keep_flagged)' if counts.get('flagged_kept') else 'kept out of warm start, pivots and evaluation'}",
               "", "## Candidate kinds", ""]
     kinds = counts.get("candidates_per_kind") or {}

@@ -4,7 +4,9 @@ Outputs (under ``demos/<key>/``):
 - ``trajectories.parquet``: one row per trajectory (id, source, category, split, record JSON);
 - ``quarantine.jsonl``: skipped invalid records (only when ``data.on_invalid = "quarantine"``);
 - ``flagged.jsonl``: tasks the data audit flagged (``pivotrl.data.audit``: failing gold calls,
-  no-op gold calls, replays that do not reproduce; counted by kind in ``counts["flags_by_kind"]``), one ``{"id", "category", "flags"}`` per line (only when some are);
+  no-op gold calls, replays that do not reproduce, turns that do not reach BFCL's ground truth,
+  gold values the history does not hold; counted by kind in ``counts["flags_by_kind"]``,
+  :func:`flag_kind`), one ``{"id", "category", "flags"}`` per line (only when some are);
   unless ``quality.keep_flagged`` they get the split "flagged", so no warm start, pivot or
   evaluation ever sees them;
 - ``candidates.parquet``: one row per assistant turn, with its split, in the candidates form of
@@ -56,18 +58,35 @@ def demos_key(cfg: RunConfig) -> str:
     )[:16]
 
 
+#: The kinds of audit flags, in the order ``counts["flags_by_kind"]`` lists them.
+FLAG_KINDS = ("failing_call", "no_op", "not_reproduced", "not_ground_truth", "not_in_history")
+
+
+def flag_kind(flag: str) -> str:
+    """The kind of one audit flag (:mod:`pivotrl.data.audit`): ``failing_call`` (an error or failure
+    status), ``no_op`` (a gold call that changes nothing where it should), ``not_reproduced`` (a
+    second replay differs), ``not_ground_truth`` (a turn whose replay does not reach the state or
+    outputs of BFCL's checker on the ground truth) or ``not_in_history`` (a gold value the history
+    does not hold)."""
+    from pivotrl.data.audit import GROUND_TRUTH_MARK, NOT_IN_HISTORY_MARK
+
+    if ": no-op: " in flag:
+        return "no_op"
+    if flag.startswith("replay does not reproduce"):
+        return "not_reproduced"
+    if GROUND_TRUTH_MARK in flag:
+        return "not_ground_truth"
+    if NOT_IN_HISTORY_MARK in flag:
+        return "not_in_history"
+    return "failing_call"
+
+
 def flag_kinds(flagged: list[Any]) -> dict[str, int]:
-    """How many audit flags of ``flagged`` trajectories are of each kind: ``failing_call`` (an error
-    or failure status), ``no_op`` (a gold call that changes nothing where it should) and
-    ``not_reproduced`` (a second replay differs)."""
+    """How many audit flags of ``flagged`` trajectories are of each kind (:func:`flag_kind`)."""
     from pivotrl.data.audit import AUDIT_FLAGS_KEY
 
-    kinds: Counter[str] = Counter()
-    for t in flagged:
-        for f in t.meta[AUDIT_FLAGS_KEY]:
-            kinds["no_op" if ": no-op: " in f else "not_reproduced" if f.startswith("replay does not reproduce")
-                  else "failing_call"] += 1
-    return {k: kinds.get(k, 0) for k in ("failing_call", "no_op", "not_reproduced")}
+    kinds = Counter(flag_kind(f) for t in flagged for f in t.meta[AUDIT_FLAGS_KEY])
+    return {k: kinds.get(k, 0) for k in FLAG_KINDS}
 
 
 def bad_records(quarantine: list[dict[str, Any]]) -> int:

@@ -1,5 +1,6 @@
 """Tests that read the pinned BFCL records (the data marker: the bfcl-eval wheel is downloaded once
-into the cache): the load-time audit replays BFCL's gold calls and keeps the failing tasks out;
+into the cache): the load-time audit replays BFCL's gold calls and keeps the failing tasks out
+(also on small hand-made tasks run in BFCL's simulators and checker);
 BFCL's closing turns are stop decisions; out-of-domain categories load as states."""
 
 from __future__ import annotations
@@ -32,7 +33,16 @@ NO_OP = ["multi_turn_base_5", "multi_turn_base_8", "multi_turn_base_72", "multi_
          "multi_turn_base_170", "multi_turn_base_171", "multi_turn_base_173", "multi_turn_base_174",
          "multi_turn_base_182", "multi_turn_base_185", "multi_turn_base_188", "multi_turn_base_192",
          "multi_turn_base_195"]
-FLAGGED = sorted(set(FAILING) | set(NO_OP), key=lambda i: int(i.rsplit("_", 1)[1]))
+#: ... and those with a gold value the history does not hold (pivotrl.data.audit, "Not in the history"):
+#: a receiver's user id never looked up (get_user_id is there), an order id never listed, file names
+#: in a directory never listed.
+NOT_IN_HISTORY = ["multi_turn_base_18", "multi_turn_base_20", "multi_turn_base_33", "multi_turn_base_48",
+                  "multi_turn_base_62", "multi_turn_base_72", "multi_turn_base_91", "multi_turn_base_95",
+                  "multi_turn_base_97", "multi_turn_base_111", "multi_turn_base_112", "multi_turn_base_115",
+                  "multi_turn_base_131", "multi_turn_base_132", "multi_turn_base_134", "multi_turn_base_137",
+                  "multi_turn_base_138", "multi_turn_base_141", "multi_turn_base_143", "multi_turn_base_145",
+                  "multi_turn_base_173"]
+FLAGGED = sorted(set(FAILING) | set(NO_OP) | set(NOT_IN_HISTORY), key=lambda i: int(i.rsplit("_", 1)[1]))
 
 
 def test_bfcl_gold_is_replayed_and_failing_tasks_are_flagged():
@@ -66,8 +76,9 @@ def test_flagged_tasks_are_counted_recorded_and_kept_out_unless_asked(tmp_path):
     out = build_demonstrations(cfg, store)
     c = out["counts"]
     assert (c["flagged"], c["flagged_ids"], c["flagged_kept"]) == (len(FLAGGED), sorted(FLAGGED), False)
-    assert c["trajectories_per_split"]["flagged"] == len(FLAGGED) == 25
-    assert c["flags_by_kind"] == {"failing_call": 4, "no_op": 25, "not_reproduced": 0}
+    assert c["trajectories_per_split"]["flagged"] == len(FLAGGED) == 41
+    assert c["flags_by_kind"] == {"failing_call": 4, "no_op": 25, "not_reproduced": 0, "not_ground_truth": 0,
+                                  "not_in_history": 27}
     traj_df = store.read_parquet(f"{out['key']}/trajectories.parquet")
     cand = store.read_parquet(f"{out['key']}/candidates.parquet")
     assert set(traj_df[traj_df["id"].isin(FLAGGED)]["split"]) == {"flagged"}
@@ -112,3 +123,109 @@ def test_out_of_domain_categories_must_be_unseen_and_load_as_states():
     bad = load_config(None, ["quality.out_of_domain=[multiple]"])
     with pytest.raises(ConfigError, match=r"quality.out_of_domain = \['multiple'\]: \['multiple'\] also in data.sources"):
         out_of_domain_states(bad, os.environ["PIVOTRL_CACHE_DIR"])
+
+
+def test_audit_counts_by_kind_on_all_200_multi_turn_tasks():
+    """Every kind of flag over the 200 multi_turn_base tasks (printed, then checked): which tasks and
+    how many flags. Every turn's replay reaches BFCL's own checker's ground-truth state and outputs
+    (no ``not_ground_truth``); 21 tasks need a value the history does not hold."""
+    from collections import Counter
+
+    from pivotrl.pipeline.demos import FLAG_KINDS, flag_kind
+
+    trajs = load_bfcl(["multi_turn_base"], os.environ["PIVOTRL_CACHE_DIR"])
+    assert len(trajs) == 200
+    flags = Counter(flag_kind(f) for t in trajs for f in t.meta.get("audit_flags", []))
+    tasks = {k: sorted({t.id for t in trajs for f in t.meta.get("audit_flags", []) if flag_kind(f) == k},
+                       key=lambda i: int(i.rsplit("_", 1)[1])) for k in FLAG_KINDS}
+    print({k: (flags[k], len(tasks[k])) for k in FLAG_KINDS}, f"{len(FLAGGED)} tasks flagged of 200")
+    assert {k: flags[k] for k in FLAG_KINDS} == {"failing_call": 4, "no_op": 25, "not_reproduced": 0,
+                                                 "not_ground_truth": 0, "not_in_history": 27}
+    assert tasks["failing_call"] == FAILING and tasks["not_in_history"] == NOT_IN_HISTORY
+    assert set(tasks["no_op"]) == set(NO_OP) | {"multi_turn_base_153", "multi_turn_base_154"}
+    assert tasks["not_reproduced"] == tasks["not_ground_truth"] == []
+    assert sorted({t.id for t in trajs if is_flagged(t)}, key=lambda i: int(i.rsplit("_", 1)[1])) == FLAGGED
+
+
+# ------------------------------------------------------------------------------- hand-made tasks
+
+#: Small hand-made multi-turn tasks: (id, classes, initial_config, user turns, ground truth per turn).
+HAND_MADE = [
+    # BFCL evaluates ``('#a',)`` to a tuple and stores it; JSON (and so the demonstration) has a list,
+    # so a model that writes the demonstration fails BFCL's state check.
+    ("hand_tuple", ["TwitterAPI"], {"TwitterAPI": {"username": "ann", "password": "pw", "authenticated": True}},
+     ["Post 'hi' tagged #a."], [["post_tweet(content='hi', tags=('#a',))"]]),
+    ("hand_list", ["TwitterAPI"], {"TwitterAPI": {"username": "ann", "password": "pw", "authenticated": True}},
+     ["Post 'hi' tagged #a."], [["post_tweet(content='hi', tags=['#a'])"]]),
+    # Bob's user id is never shown to the model (get_user_id would give it).
+    ("hand_id_unseen", ["MessageAPI"], {"MessageAPI": {"current_user": "USR001"}},
+     ["Tell Bob 'hi'."], [["send_message(receiver_id='USR002', message='hi')"]]),
+    ("hand_id_looked_up", ["MessageAPI"], {"MessageAPI": {"current_user": "USR001"}},
+     ["Tell Bob 'hi'."], [["get_user_id(user='Bob')", "send_message(receiver_id='USR002', message='hi')"]]),
+    # Two turns: the id is looked up in the first, used in the second; each turn reaches BFCL's state.
+    ("hand_two_turns", ["MessageAPI"], {"MessageAPI": {"current_user": "USR001"}},
+     ["Who is Catherine?", "Send her 'on my way'."],
+     [["get_user_id(user='Catherine')"], ["send_message(receiver_id='USR003', message='on my way')"]]),
+]
+
+
+@pytest.fixture()
+def hand_made_cache(tmp_path) -> Path:
+    """A cache whose BFCL copy has the real simulators and tool schemas, and HAND_MADE as its
+    multi_turn_base records and answers."""
+    import importlib
+
+    from pivotrl.data.bfcl import ensure_bfcl
+    from pivotrl.envs.bfcl import BFCL_CLASSES, bfcl_class
+
+    real = ensure_bfcl(os.environ["PIVOTRL_CACHE_DIR"])
+    for c in BFCL_CLASSES:  # imported from the real copy, which outlives this test's
+        bfcl_class(c, real)
+    importlib.import_module("bfcl_eval.eval_checker.multi_turn_eval.multi_turn_checker")
+    fake = tmp_path / "cache" / real.name
+    (fake / "bfcl_eval" / "data" / "possible_answer").mkdir(parents=True)
+    (fake / ".sha256").write_text((real / ".sha256").read_text())
+    for child in (real / "bfcl_eval").iterdir():
+        if child.name != "data":
+            (fake / "bfcl_eval" / child.name).symlink_to(child)
+    (fake / "bfcl_eval" / "data" / "multi_turn_func_doc").symlink_to(real / "bfcl_eval" / "data" / "multi_turn_func_doc")
+    records = [{"id": i, "question": [[{"role": "user", "content": q}] for q in qs], "initial_config": cfg,
+                "involved_classes": classes} for i, classes, cfg, qs, _ in HAND_MADE]
+    answers = [{"id": i, "ground_truth": gt} for i, *_, gt in HAND_MADE]
+    data = fake / "bfcl_eval" / "data"
+    (data / "BFCL_v4_multi_turn_base.json").write_text("".join(json.dumps(r) + "\n" for r in records))
+    (data / "possible_answer" / "BFCL_v4_multi_turn_base.json").write_text("".join(json.dumps(a) + "\n" for a in answers))
+    return tmp_path / "cache"
+
+
+def test_hand_made_tasks_that_contradict_bfcls_ground_truth_or_the_history_are_flagged(hand_made_cache):
+    """A demonstration whose replay does not reach BFCL's own checker's state, and one whose call
+    needs an id the model was never shown, are flagged; their twins that do are not. (Before: no
+    task here was flagged.)"""
+    got = {t.id: t.meta.get("audit_flags", []) for t in load_bfcl(["multi_turn_base"], hand_made_cache)}
+    assert got == {
+        "hand_tuple": ["turn 0: not BFCL's ground truth: the replayed state differs in TwitterAPI.tweets"],
+        "hand_list": [],
+        "hand_id_unseen": [("turn 0 call 0 \"send_message(message='hi', receiver_id='USR002')\": not in the history: "
+                            "receiver_id='USR002' (no 'USR002' in the user turns, earlier outputs and calls, or the "
+                            "tool schemas)")],
+        "hand_id_looked_up": [],
+        "hand_two_turns": [],
+    }
+    # BFCL's checker keeps its instances in a module dict; the audit removes its own.
+    from bfcl_eval.eval_checker.multi_turn_eval import multi_turn_utils
+
+    assert not [k for k in vars(multi_turn_utils) if k.startswith("pivotrl_audit_")]
+
+
+def test_hand_made_flags_are_counted_by_kind_and_kept_out_by_default(hand_made_cache, tmp_path, monkeypatch):
+    monkeypatch.setenv("PIVOTRL_CACHE_DIR", str(hand_made_cache))
+    cfg = _bfcl_config(tmp_path / "root")
+    out = build_demonstrations(cfg, ArtifactStore(cfg.run.storage_root))
+    c = out["counts"]
+    assert (c["flagged_ids"], c["flagged_kept"]) == (["hand_id_unseen", "hand_tuple"], False)
+    assert c["flags_by_kind"] == {"failing_call": 0, "no_op": 0, "not_reproduced": 0, "not_ground_truth": 1,
+                                  "not_in_history": 1}
+    kept = build_demonstrations(_bfcl_config(tmp_path / "root", "quality.keep_flagged=true"),
+                                ArtifactStore(cfg.run.storage_root))
+    assert kept["counts"]["flagged_kept"] is True and "flagged" not in kept["counts"]["trajectories_per_split"]

@@ -348,3 +348,61 @@ def test_losing_the_drivers_own_raylet_reruns_the_lost_shards_then_fails_naming_
     assert len(rounds) == 3  # one subflow run for the failed run, two (a rerun) for the retried one
     probes, pivots = _tables(ArtifactStore(str(tmp_path / "retried")), out)
     assert len(probes) > 0 and set(probes["trajectory_id"]) >= set(pivots["trajectory_id"])
+
+
+def test_losing_a_worker_node_reruns_its_shard_on_the_others_then_fails_naming_it(tmp_path, monkeypatch):
+    """A cluster the flow does not own (``ray_address`` set: a head and two one-CPU worker nodes on
+    127.0.0.1). The ``faults.ray_node_loss_shards`` drill SIGKILLs the raylet of the worker node
+    running shard 0, so that node is lost with the shard on it while the other node goes on. With
+    ``shard_retries=0`` the flow fails naming shard 0 (Crashed, NodeDiedError) and shard 1 finishes
+    on the other node; with a node added back and ``shard_retries=1`` the next round reruns only
+    shard 0, on the node that is left, and the probe table and pivot set equal the in-process,
+    unsharded run's. (The product needed no change: ``pivotrl.flows.shards`` already treats a
+    Crashed shard as lost whichever node it was on.)"""
+    from prefect.testing.utilities import prefect_test_harness
+
+    from pivotrl.flows.nightly import probe_only
+    from pivotrl.tasks.shards import ShardsFailed
+
+    tiny = save_tiny_checkpoint(tmp_path / "tiny")
+    cfg = load_config(str(REPO / "configs" / "smoke.yaml"), [f"run.storage_root={tmp_path / 'local'}",
+                                                             f"model.source={tiny}"])
+    store0 = ArtifactStore(cfg.run.storage_root)
+    demos = build_demonstrations(cfg, store0)
+    probe0 = stages.stage_probe(cfg, store0, demos, stages.stage_reference(cfg, store0, demos))
+    monkeypatch.setenv("PREFECT_HOME", str(tmp_path / "prefect"))
+    monkeypatch.setenv("RAY_USAGE_STATS_ENABLED", "0")
+    with RayCluster(workers=2) as cluster:
+        ray = ["scale_out.task_runner=ray", f"scale_out.ray_address={cluster.address}", "scale_out.ray_cpus_per_shard=1",
+               "scale_out.probe_shard_size=4", "faults.ray_node_loss_shards=[0]", f"model.source={tiny}"]
+        with prefect_test_harness(server_startup_timeout=120):
+            with pytest.raises(ShardsFailed) as lost:
+                probe_only(config_path=str(REPO / "configs" / "smoke.yaml"), overrides=[
+                    f"run.storage_root={tmp_path / 'once'}", *ray, "scale_out.shard_retries=0"])
+            first = list(asyncio.run(_shard_runs()).values())[0]
+            workers_left = {n["NodeID"] for n in cluster.nodes() if n["Resources"].get("CPU") == 1}
+            cluster.add_worker()  # two worker nodes again, so the drill can take one of them once more
+            out = probe_only(config_path=str(REPO / "configs" / "smoke.yaml"), overrides=[
+                f"run.storage_root={tmp_path / 'retried'}", *ray, "scale_out.shard_retries=1"])
+            rounds = list(asyncio.run(_shard_runs()).values())
+        nodes = {n["NodeID"] for n in cluster.nodes() if n["Resources"].get("CPU") == 1}
+    assert lost.value.lost == [0] and lost.value.failed == []
+    assert "lost their Ray worker or node in each of 1 rounds" in str(lost.value)
+    assert "shard 0 (" in str(lost.value) and "Crashed" in str(lost.value) and "shard 1 (" not in str(lost.value)
+    # Shard 1 finished on the other node (the lost shard's task run never reached the server).
+    assert [r.state.name for r in first] == ["Completed"]
+    assert [s["index"] for s in _results(tmp_path / "once", "pivotrl-probe-shard-*")] == [1]
+    assert len(workers_left) == 1  # the drill took one worker node (not the head, not the other worker)
+    for root in ("once", "retried"):
+        drill = json.loads(next((tmp_path / root).rglob("node-loss-drill.json")).read_text())
+        assert not Path(f"/proc/{drill['raylet']}").exists()  # that node's raylet was killed
+    assert len(rounds) == 3  # one subflow run for the failed run, two (a rerun) for the retried one
+    second_round = [r.state.name for r in rounds[2]]
+    assert (second_round.count("Cached"), second_round.count("Completed")) == (1, 1)  # shard 0 rerun alone
+    shards = {s["index"]: s for s in _results(tmp_path / "retried", "pivotrl-probe-shard-*")}
+    assert sorted(shards) == [0, 1] and shards[0]["worker"]["node"] in nodes  # shard 0 on a node that is left
+    probes, pivots = _tables(ArtifactStore(str(tmp_path / "retried")), out)
+    probes0, pivots0 = _tables(store0, probe0)
+    pd.testing.assert_frame_equal(probes, probes0)
+    pd.testing.assert_frame_equal(pivots, pivots0)
+    assert out["stats"] == probe0.stats

@@ -8,10 +8,11 @@ import json
 import pytest
 
 from pivotrl.config import load_config
-from pivotrl.data.audit import audit_bfcl_replay, failure_status
+from pivotrl.data.audit import (audit_bfcl_replay, audit_bfcl_turn, failure_status, not_in_history_flags,
+                                 underivable_values)
 from pivotrl.data.sources import load_trajectories
 from pivotrl.errors import DataError
-from pivotrl.pipeline.demos import build_demonstrations
+from pivotrl.pipeline.demos import build_demonstrations, flag_kind
 from pivotrl.storage import ArtifactStore
 
 
@@ -35,6 +36,50 @@ def test_a_replay_that_does_not_reproduce_is_flagged():
         "replay does not reproduce: final state differs"]
     failing = (['{"error": "nope"}', "2"], {})
     assert audit_bfcl_replay(failing, failing, where, calls) == ["turn 0 call 0 'a()': error status: nope"]
+
+
+SEEN = ("Send 'hi' to Bob (user id USR001 is me). The number on my passport is P followed by 12345678. "
+        '{"current_directory_content": ["report1.txt"]} {"order_id": 12446}')
+
+
+@pytest.mark.parametrize("arguments, missing", [
+    ({"receiver_id": "USR002", "message": "hi"}, [("receiver_id", "USR002", "USR002")]),  # an id never shown
+    ({"receiver_id": "usr001"}, []),  # case-insensitive
+    ({"source": "report1.txt"}, []), ({"source": "report2.txt"}, [("source", "report2.txt", "report2")]),
+    ({"passport_number": "P12345678"}, []),  # letters around a long number may be spelled out
+    ({"passport_number": "P9999"}, [("passport_number", "P9999", "P9999")]),
+    ({"order_id": 12446}, []), ({"order_id": 54321}, [("order_id", 54321, "54321")]),  # an integer *_id
+    ({"ticket_id": "ticket_007"}, [("ticket_id", "ticket_007", "007")]), ({"booking_id": "3426"}, [("booking_id", "3426", "3426")]),
+    ({"ticket_id": "ticket_001"}, []),  # lenient: "001" occurs (in "USR001")
+    # Not checked: free text, words, codes without digits, dates, other numbers, booleans.
+    ({"message": "Meet at gate B12 at 9"}, []), ({"symbol": "NVDA", "travel_to": "LAX"}, []),
+    ({"travel_date": "2026-12-15", "amount": 40, "budget_limit": 1234.5, "flag": True}, []),
+    ({"file_name": "79.pdf"}, [("file_name", "79.pdf", "79")]),
+    ({"updates": {"owner_id": "USR009"}, "tags": ["#ok"]}, [("updates.owner_id", "USR009", "USR009")]),
+    ({"tags": ["#ok", "#z9"]}, [("tags[1]", "#z9", "z9")]),
+])
+def test_a_gold_value_the_history_does_not_hold_is_found(arguments, missing):
+    assert underivable_values(arguments, SEEN) == missing
+
+
+def test_not_in_history_flags_name_turn_call_value_and_token():
+    (flag,) = not_in_history_flags("turn 2 call 0", "send_message(receiver_id='USR002')", {"receiver_id": "USR002"}, SEEN)
+    assert flag == ("turn 2 call 0 \"send_message(receiver_id='USR002')\": not in the history: receiver_id='USR002' "
+                    "(no 'USR002' in the user turns, earlier outputs and calls, or the tool schemas)")
+    assert flag_kind(flag) == "not_in_history"
+    assert not_in_history_flags("turn 0 call 0", "f(x='USR001')", {"x": "USR001"}, SEEN) == []
+
+
+def test_a_turn_that_is_not_bfcls_ground_truth_is_flagged():
+    assert audit_bfcl_turn(1, {}, []) == []
+    state, outputs = audit_bfcl_turn(1, {"TwitterAPI": ["tweets"], "MessageAPI": ["inbox", "sent"]}, ["{'a': 1}"] * 4)
+    assert state == "turn 1: not BFCL's ground truth: the replayed state differs in TwitterAPI.tweets, MessageAPI.inbox, MessageAPI.sent"
+    assert outputs == "turn 1: not BFCL's ground truth: 4 ground-truth outputs are not among the replay's: " + ", ".join(
+        [repr("{'a': 1}")] * 3)
+    assert flag_kind(state) == flag_kind(outputs) == "not_ground_truth"
+    assert [flag_kind(f) for f in ("turn 0 call 1 'a()': error status: nope", "replay does not reproduce: final state differs",
+                                   "turn 3 call 0 'retweet(tweet_id=1)': no-op: retweet changes ...")] == [
+        "failing_call", "not_reproduced", "no_op"]
 
 
 # ---------------------------------------------------------------------------------- chat records
@@ -152,3 +197,14 @@ def test_the_demonstrations_are_audited_with_the_configured_parser(tmp_path):
         out = build_demonstrations(cfg, ArtifactStore(cfg.run.storage_root))
         counts[parser] = (out["counts"]["trajectories"], out["counts"]["quarantined"])
     assert counts == {"auto": (1, 1), "hermes": (2, 0)}
+
+
+def test_the_report_counts_the_flags_by_kind():
+    from pivotrl.evaluation.trust import trust_sections
+
+    counts = {"flagged": 2, "flagged_ids": ["a", "b"], "flags_by_kind": {"failing_call": 0, "no_op": 1,
+              "not_reproduced": 0, "not_ground_truth": 1, "not_in_history": 3}}
+    lines = trust_sections(load_config(None, []), counts, [])
+    assert "- tasks flagged (pivotrl.data.audit): 2 (a, b)" in lines
+    assert ("- flags by kind: failing_call 0, no_op 1, not_reproduced 0, not_ground_truth 1, not_in_history 3"
+            in lines)
