@@ -210,6 +210,19 @@ def _question_messages(record: Mapping[str, Any], turn: int, where: str) -> list
 # ---------------------------------------------------------------------------------------- single-turn
 
 
+def _declared_parameters(funcs: Sequence[Any], name: str) -> tuple[set[str] | None, set[str]]:
+    """The parameter names function ``name`` of a record declares (None when it is not listed or
+    lists no properties) and those it requires."""
+    for f in funcs:
+        if isinstance(f, Mapping) and f.get("name") == name:
+            params = f.get("parameters") or {}
+            props = params.get("properties") if isinstance(params, Mapping) else None
+            req = params.get("required") if isinstance(params, Mapping) else None
+            return (set(props) if isinstance(props, Mapping) else None,
+                    set(req) if isinstance(req, list) else set())
+    return None, set()
+
+
 def _single_turn(record: Mapping[str, Any], answer: Mapping[str, Any], category: str, where: str) -> Trajectory:
     questions = record.get("question")
     if not isinstance(questions, list) or len(questions) != 1:
@@ -229,12 +242,17 @@ def _single_turn(record: Mapping[str, Any], answer: Mapping[str, Any], category:
         (fname, params), = entry.items()
         if not isinstance(params, Mapping):
             raise DataError(f"{where}.ground_truth[{i}].{fname}: expected an object of parameters")
+        declared, required = _declared_parameters(funcs, fname)
         args = {}
         for p, acceptable in params.items():
             if not isinstance(acceptable, list) or not acceptable:
                 raise DataError(f"{where}.ground_truth[{i}].{fname}.{p}: expected a non-empty list of values")
-            if acceptable[0] != "":
-                args[p] = _demo_value(acceptable[0])
+            if declared is not None and p not in declared:
+                continue  # an answer key the function does not declare: BFCL rejects a call that passes it
+            given = [v for v in acceptable if v != ""]
+            # "" = may be omitted; a required parameter still gets its first real value (BFCL requires it)
+            if given and (acceptable[0] != "" or p in required):
+                args[p] = _demo_value(given[0])
         calls.append(ToolCall(name=fname, arguments=args, id=f"call_{i}"))
         possible.append({"name": fname, "arguments": {p: list(v) for p, v in params.items()}})
     messages.append(Message(role="assistant", tool_calls=tuple(calls)))
