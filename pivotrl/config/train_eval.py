@@ -189,7 +189,8 @@ class QualitySection(Section):
 
     judge: Literal["bfcl", "pivotrl"] = Field(
         "bfcl",
-        description="Full-task judge: BFCL's own multi-turn checker from the wheel, or pivotrl's own judge.",
+        description=("Judge of record: bfcl = BFCL's own checkers from the wheel (multi-turn checker for full "
+                     "tasks, ast_checker for greedy single-turn BFCL items); pivotrl = pivotrl's own judge and verifier."),
     )
     include_stop_decisions: bool = Field(
         False,
