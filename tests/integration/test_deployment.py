@@ -76,6 +76,9 @@ def _cli(env: dict[str, str], *args: str) -> str:
 #: worker poll that races another write gets "database is locked" at once; the server retries it
 #: (PrefectHQ/prefect#23051, fixed in 3.8 by #22967, which needs a fastapi vLLM does not allow).
 KNOWN_SQLITE_RACE = ("mark_deployments_ready", "database is locked")
+#: The same SQLite lock met by the server's task-run event recorder: the batch is kept and flushed
+#: again ("N to retry, 0 dropped"), so nothing is lost.
+KNOWN_RECORDER_RETRY = ("task_run_recorder - Error flushing", "to retry, 0 dropped")
 
 
 def _server_errors(log_path: Path) -> tuple[list[str], int]:
@@ -92,7 +95,8 @@ def _server_errors(log_path: Path) -> tuple[list[str], int]:
         text = "\n".join(rec)
         if not ("Traceback" in text or re.search(r"\| (ERROR|CRITICAL) ", rec[0]) or "Error:" in text):
             continue
-        if all(k in text for k in KNOWN_SQLITE_RACE) and "bulk DML" not in text:
+        if ((all(k in text for k in KNOWN_SQLITE_RACE) and "bulk DML" not in text)
+                or all(k in rec[0] for k in KNOWN_RECORDER_RETRY)):
             known += 1
             continue
         errors.append(text[:2000])
