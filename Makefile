@@ -22,9 +22,11 @@ $(STAMP): pyproject.toml setup.py infra/install.sh infra/constraints-cpu.txt
 
 install: $(STAMP)
 
-# The whole suite (CI runs this).
+# The whole suite (CI runs this), on TEST_WORKERS worker processes (pytest-xdist). A module's tests
+# stay on one worker; the groups are made in tests/conftest.py.
+TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -ra --durations=25
+	$(BIN)/python -m pytest -q -ra --durations=25 -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder
 
 # Offline: everything but the vLLM, real-model (slow), downloaded-data and multi-process tests.
 test-fast: $(STAMP)

@@ -32,3 +32,35 @@ def _no_leaked_launcher_env():
             os.environ.pop(k, None)
         else:
             os.environ[k] = v
+
+
+def _xdist_worker() -> str | None:
+    return os.environ.get("PYTEST_XDIST_WORKER")
+
+
+if _xdist_worker():
+    # Each worker of a parallel run (`make test`: pytest-xdist) gets its own Prefect home, so two
+    # ephemeral Prefect servers never share one SQLite database. Kept across runs (the database's
+    # migrations run once per worker name, not once per run).
+    os.environ.setdefault("PREFECT_HOME", str(Path.home() / ".cache" / "pivotrl-tests" / f"prefect-{_xdist_worker()}"))
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """Groups for a parallel run (``--dist loadgroup``): a module's tests run on one worker, so its
+    module fixtures (a cluster, a server, a trained model) are built once; every module with a test
+    that reads the session's smoke run (``smoke_run``) joins one group, so that run is computed
+    once. Groups holding integration tests go first: they are the long ones, and the short unit
+    groups then fill the workers' last minutes."""
+    if not config.pluginmanager.hasplugin("xdist") or not getattr(config.option, "numprocesses", None):
+        return
+    smoke_modules = {item.module.__name__ for item in items if "smoke_run" in getattr(item, "fixturenames", ())}
+    groups: dict[str, list] = {}
+    for item in items:
+        name = item.module.__name__
+        groups.setdefault("smoke-run" if name in smoke_modules else name, []).append(item)
+    for group, members in groups.items():
+        for item in members:
+            item.add_marker(pytest.mark.xdist_group(group))
+    long_first = sorted(groups.values(), key=lambda ms: not any(i.get_closest_marker("integration") for i in ms))
+    items[:] = [item for members in long_first for item in members]
