@@ -158,12 +158,14 @@ def run_stage_process(stage: str, config: dict[str, Any], inputs: dict[str, Any]
     """
     log_path = stage_log_path(config, stage)
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    from pivotrl.pipeline.processes import StopChildOnInterrupt, stage_tempdir
+    from pivotrl.pipeline.processes import StopChildOnInterrupt, child_lines, stage_tempdir, wait_child
 
     # The spec (the whole config) and the result live in a temporary directory removed on success,
     # failure, KeyboardInterrupt and a stop by the CLI's signal handler (processes.stage_tempdir).
     # A Ctrl-C without the CLI's handler stops the child wherever it lands, even mid-Popen
-    # (processes.StopChildOnInterrupt), and ends in KeyboardInterrupt once the child is gone.
+    # (processes.StopChildOnInterrupt), and ends in KeyboardInterrupt once the child is gone. The
+    # output is read in short select slices (processes.child_lines): a blocking read would keep a
+    # SIGINT that lands just before it from being handled until the child prints again.
     with (StopChildOnInterrupt() as interrupt, stage_tempdir(stage) as tmp, announce(stage, log_path),
           open(log_path, "w", encoding="utf-8") as log_file):
         spec = tmp / "spec.json"
@@ -181,16 +183,15 @@ def run_stage_process(stage: str, config: dict[str, Any], inputs: dict[str, Any]
                                 start_new_session=True)
         interrupt.watch(proc.pid)
         tail: list[str] = []
-        assert proc.stdout is not None
         shown = ConsoleFilter()  # engine start-up and library warnings: in the log only
         try:
-            for line in proc.stdout:
+            for line in child_lines(proc):
                 if shown(line):
                     sys.stdout.write(line)
                 log_file.write(line)
                 log_file.flush()
                 tail = (tail + [line])[-60:]
-            rc = proc.wait()
+            rc = wait_child(proc)
         except BaseException:  # interrupted here (not through the CLI's handler): stop the stage
             from pivotrl.pipeline.processes import descendants, stop_tree
 

@@ -19,7 +19,9 @@ processes, DeepSpeed ranks, sandbox workers (their own sessions too). Three mech
   :func:`pivotrl.pipeline.entry.run_stage_process` takes SIGINT over while it starts and streams a
   stage: the stage's tree is stopped wherever the signal lands (Python's own handler raised
   KeyboardInterrupt inside ``subprocess.Popen`` after the fork, leaving the started stage running)
-  and KeyboardInterrupt is raised once it is gone.
+  and KeyboardInterrupt is raised once it is gone. The stage's output is read in short ``select``
+  slices (:func:`child_lines`), so that a signal's Python handler — this one, the CLI's, Python's
+  own — runs within :data:`SIGNAL_CHECK_S` wherever the signal lands, also just before the wait.
 - :func:`watch_parent`: a stage process kills its own process group when its parent dies (e.g. the
   CLI was SIGKILLed), so no stage outlives its run.
 
@@ -269,6 +271,58 @@ def watch_parent(interval_s: float = 1.0) -> threading.Thread | None:
     t = threading.Thread(target=watch, name="watch-parent", daemon=True)
     t.start()
     return t
+
+
+#: Longest time (seconds) the main thread waits on a child's output or exit before it runs
+#: Python's pending signal handlers (see :func:`child_lines`).
+SIGNAL_CHECK_S = 0.2
+
+
+def child_lines(proc: subprocess.Popen, poll_s: float = SIGNAL_CHECK_S) -> Iterator[str]:
+    """The lines a child writes to its ``stdout`` pipe (``proc`` started with ``stdout=PIPE``),
+    each as it comes, until end of file; universal newlines, as ``text=True`` reads them, and
+    undecodable bytes replaced. The text ``proc.stdout`` wrapper, if any, is not read.
+
+    Waits in ``select`` slices of at most ``poll_s`` seconds and reads only what is there, so a
+    signal's Python handler runs within ``poll_s`` wherever the signal lands. A blocking read
+    (``for line in proc.stdout``) does not: a SIGINT that arrives after Python last checked for
+    signals and before the read starts to wait has its C handler run and interrupts nothing, and
+    its Python handler (KeyboardInterrupt, :class:`StopChildOnInterrupt`, :class:`StopOnSignal`)
+    then waits for the child's next output — for a stage busy loading a model, or the child that
+    was to be stopped, possibly never."""
+    import codecs
+    import io
+    import selectors
+
+    assert proc.stdout is not None
+    fd = proc.stdout.fileno()
+    encoding = getattr(proc.stdout, "encoding", None) or "utf-8"
+    decoder = io.IncrementalNewlineDecoder(codecs.getincrementaldecoder(encoding)(errors="replace"), translate=True)
+    pending = ""
+    with selectors.DefaultSelector() as sel:
+        sel.register(fd, selectors.EVENT_READ)
+        while True:
+            if not sel.select(poll_s):
+                continue  # back in Python: a handler of a signal that arrived meanwhile runs here
+            chunk = os.read(fd, 65536)
+            pending += decoder.decode(chunk, final=not chunk)
+            *lines, pending = pending.split("\n")
+            for line in lines:
+                yield line + "\n"
+            if not chunk:
+                if pending:
+                    yield pending
+                return
+
+
+def wait_child(proc: subprocess.Popen, poll_s: float = SIGNAL_CHECK_S) -> int:
+    """``proc.wait()`` in slices of ``poll_s`` seconds, so that signal handlers run meanwhile
+    (see :func:`child_lines`); returns the exit code."""
+    while True:
+        try:
+            return proc.wait(timeout=poll_s)
+        except subprocess.TimeoutExpired:
+            continue
 
 
 class StopChildOnInterrupt:
