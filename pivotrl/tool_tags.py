@@ -10,9 +10,12 @@ is what the model did learn: the demonstrated action then costs −1.8 nats inst
 
 :func:`untrained_tag_rows` reads the output rows of a parser's tags from a checkpoint's safetensors
 (no model is built) and calls a tag's row untrained when it coincides (cosine > 0.999) with a
-reference row known to be untrained — a vocabulary-padding row (index ≥ ``len(tokenizer)``) or the
+reference row known to be untrained — a vocabulary-padding row (index ≥ ``len(tokenizer)``), one
+of the tokenizer's last :data:`END_ROWS` ids (where a GGUF vocabulary names its padding,
+``[PAD151935]``, so ``len(tokenizer)`` equals the rows; where reserved special tokens sit), or the
 padding token's row when that is not the end-of-sequence token — or when its norm is below 5 % of
-the median row norm. :func:`spell_tags_as_text` writes a copy of the checkpoint whose tokenizer no
+the median row norm. Two trained rows of different tokens do not coincide, so a trained last token
+is no false alarm. :func:`spell_tags_as_text` writes a copy of the checkpoint whose tokenizer no
 longer has the tags as added tokens: every other text encodes to the same ids, checked on a probe
 text. :func:`fix_untrained_tags` applies ``prompt.untrained_tool_tags`` (``text``: spell them,
 saying so once; ``error``: refuse, naming the fix; ``keep``: warn only). The copy carries
@@ -34,13 +37,15 @@ from pivotrl.errors import ConfigError, ModelError
 
 log = logging.getLogger("pivotrl.models")
 
-__all__ = ["COSINE_THRESHOLD", "NORM_RATIO", "RECORD_FILE", "TOOL_TAGS", "fix_untrained_tags", "spell_tags_as_text",
+__all__ = ["COSINE_THRESHOLD", "END_ROWS", "NORM_RATIO", "RECORD_FILE", "TOOL_TAGS", "fix_untrained_tags", "spell_tags_as_text",
            "tool_tags_record", "untrained_tag_rows"]
 
 #: The tags each tool-call parser writes (parsers without tags are absent).
 TOOL_TAGS: dict[str, tuple[str, ...]] = {"hermes": ("<tool_call>", "</tool_call>")}
 COSINE_THRESHOLD = 0.999
 NORM_RATIO = 0.05
+#: How many of the tokenizer's last ids serve as reference rows besides the padding beyond it.
+END_ROWS = 8
 RECORD_FILE = "pivotrl_tool_tags.json"
 _PROBE_TEXT = ('Call it: {"name": "ls", "arguments": {"a": true}} <|x|> tool_call <b> 12 '
                "The results come back as tool messages.")
@@ -99,6 +104,10 @@ def untrained_tag_rows(directory: str | os.PathLike[str], tokenizer: Any, tags: 
     n_tok = len(tokenizer)
     for i in range(n_tok, rows, max(1, (rows - n_tok) // 32)):
         refs[i] = "padding row"  # vocabulary padding: never a token, never trained
+    tag_ids = set(ids.values())
+    for i in range(min(n_tok, rows) - 1, max(-1, min(n_tok, rows) - 1 - END_ROWS), -1):
+        if i not in tag_ids:  # a GGUF vocabulary names its padding ([PAD151935]); reserved specials sit here too
+            refs.setdefault(i, "end-of-vocabulary row")
     pad, eos = getattr(tokenizer, "pad_token_id", None), getattr(tokenizer, "eos_token_id", None)
     if pad is not None and pad != eos and pad not in ids.values() and pad < rows:
         refs[int(pad)] = "padding-token row"

@@ -31,17 +31,24 @@ def _tokenizer():
 
 def _checkpoint(root: Path, mode: str) -> Path:
     """A tiny untied model whose tag rows are ``mode``: "trained" (random like every row),
-    "padding" (equal to a padding row, plus 1e-6 noise), "tiny" (near-zero norm)."""
+    "padding" (equal to a padding row, plus 1e-6 noise), "tiny" (near-zero norm), "named" (equal
+    to padding rows that the vocabulary names, ``[PAD…]``, as a GGUF tokenizer does: no row lies
+    beyond ``len(tokenizer)`` and the padding token's row is trained)."""
     tok = _tokenizer()
-    model = tiny_llama(tok, seed=3, vocab_size=len(tok) + PAD_ROWS, tie_word_embeddings=False)
+    pad_rows = PAD_ROWS
+    if mode == "named":
+        tok.add_tokens([f"[PAD{len(tok) + i}]" for i in range(PAD_ROWS)])
+        pad_rows = 0
+    first_pad = len(tok) + pad_rows - PAD_ROWS
+    model = tiny_llama(tok, seed=3, vocab_size=len(tok) + pad_rows, tie_word_embeddings=False)
     w = model.lm_head.weight
     with torch.no_grad():
-        filler = w[len(tok) + 2].clone()
-        for i in range(len(tok), len(tok) + PAD_ROWS):  # untrained rows are near-identical
+        filler = w[first_pad + 2].clone()
+        for i in range(first_pad, first_pad + PAD_ROWS):  # untrained rows are near-identical
             w[i] = filler + 1e-6 * torch.randn_like(filler)
         for tag in TAGS:
             i = tok.convert_tokens_to_ids(tag)
-            if mode == "padding":
+            if mode in ("padding", "named"):
                 w[i] = filler + 1e-6 * torch.randn_like(filler)
             elif mode == "tiny":
                 w[i] = 1e-4 * w[i]
@@ -54,7 +61,7 @@ def _checkpoint(root: Path, mode: str) -> Path:
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory):
     root = tmp_path_factory.mktemp("tags")
-    return {m: _checkpoint(root, m) for m in ("trained", "padding", "tiny")}
+    return {m: _checkpoint(root, m) for m in ("trained", "padding", "tiny", "named")}
 
 
 def test_the_tag_is_one_token_before_any_fix(ckpts):
@@ -71,6 +78,18 @@ def test_untrained_rows_are_detected_and_trained_ones_are_not(ckpts):
     assert all("cosine" in r and "padding row" in r for r in found.values()), found
     tiny = untrained_tag_rows(ckpts["tiny"], tok, TAGS)
     assert set(tiny) == set(TAGS) and all("norm" in r for r in tiny.values()), tiny
+
+
+def test_untrained_rows_are_detected_when_the_vocabulary_names_its_padding(ckpts):
+    """A GGUF tokenizer lists its padding as tokens ([PAD151935]): no row lies beyond it, and its
+    padding token (<|endoftext|>) is a trained row; the end of the vocabulary is the reference."""
+    tok = load_tokenizer(ckpts["named"])
+    assert tok.convert_ids_to_tokens(len(tok) - 1) == f"[PAD{len(tok) - 1}]"
+    found = untrained_tag_rows(ckpts["named"], tok, TAGS)
+    assert set(found) == set(TAGS), found
+    assert all("end-of-vocabulary row" in r for r in found.values()), found
+    # the same vocabulary with trained tag rows: the end rows are no false alarm
+    assert untrained_tag_rows(ckpts["trained"], load_tokenizer(ckpts["trained"]), TAGS) == {}
 
 
 def test_spelled_tags_are_text_and_every_other_id_is_unchanged(ckpts, tmp_path):
@@ -142,6 +161,9 @@ def test_the_real_qwen_gguf_tokenizer_encodes_the_tag_as_one_id():
     assert tok("<tool_call>", add_special_tokens=False)["input_ids"] == [151657]
     assert tok("</tool_call>", add_special_tokens=False)["input_ids"] == [151658]
     assert json.loads((ckpt / "pivotrl_converter.json").read_text())["converter"] == converter_versions()
+    # the tags' output rows sit among the vocabulary's named padding rows ([PAD151665] … [PAD151935])
+    found = untrained_tag_rows(ckpt, tok, TAGS)
+    assert set(found) == set(TAGS), found
 
 
 def test_the_base_model_of_a_run_gets_the_tags_as_text_and_its_keys_say_so(ckpts, tmp_path):
