@@ -217,7 +217,12 @@ def run_format(model: str, fmt: str, states: dict[str, list[Any]], args: argpars
 def table(results: list[dict[str, Any]]) -> str:
     rows = []
     for r in results:
+        if "error" in r:
+            rows.append([r["model"], r["format"], "—", "—", "not run: " + r["error"].split(";")[0][:120]] + [""] * 6)
+            continue
         fmt = f"{r['format']} → {r['resolved']['format']}/{r['resolved']['tool_parser']}"
+        if Path(r["checkpoint"]).name.startswith("tags-"):
+            fmt += " (tags spelled as text)"
         for kind, res in r["kinds"].items():
             p = res["paired_new_minus_old"]
             for v in ("old", "new"):
@@ -253,6 +258,7 @@ def main() -> None:
         print(table(json.loads(Path(a.out).read_text())["results"]))
         return
     from pivotrl.config import load_config
+    from pivotrl.errors import ConfigError
     from pivotrl.pipeline.common import make_store, set_threads
 
     with contextlib.ExitStack() as stack:
@@ -266,7 +272,11 @@ def main() -> None:
         results = []
         try:
             for fmt in [f.strip() for f in a.formats.split(",") if f.strip()]:
-                results.append(run_format(a.model, fmt, states, a, work, engines))
+                try:
+                    results.append(run_format(a.model, fmt, states, a, work, engines))
+                except ConfigError as e:  # a format this model cannot be run with: say so, go on
+                    print(f"{a.model} {fmt}: not run: {e}", flush=True)
+                    results.append({"model": a.model, "format": fmt, "error": str(e)})
         finally:
             from pivotrl.pipeline.common import close_quietly
 
