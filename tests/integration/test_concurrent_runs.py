@@ -22,7 +22,7 @@ REPO = Path(__file__).resolve().parents[2]
 STAGES = ("demonstrations", "reference", "probe", "train", "evaluate")
 
 
-def test_lease_serialises_holders_and_breaks_an_expired_one(tmp_path):
+def test_lease_serialises_holders_and_breaks_an_expired_one(tmp_path, monkeypatch):
     store = ArtifactStore(str(tmp_path / "root"))
     inside, order = [], []
 
@@ -46,11 +46,14 @@ def test_lease_serialises_holders_and_breaks_an_expired_one(tmp_path):
     path = Path(lease_path(store, "pivotrl-train-x"))
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"owner": "dead", "pid": 1, "expires_at": time.time() - 1}))
-    seen = []
-    t0 = time.time()
+    seen, polls = [], []
+    real_sleep = time.sleep
+    monkeypatch.setattr(time, "sleep", lambda s: (polls.append(s), real_sleep(s)))
     with stage_lease(store, "pivotrl-train-x", poll=0.05, on_wait=seen.append) as info:
         assert info.owner != "dead"
-    assert time.time() - t0 < 2 and [h["owner"] for h in seen] == ["dead"]
+    monkeypatch.undo()
+    assert [h["owner"] for h in seen] == ["dead"]
+    assert polls == []  # taken at the first look: not one poll waited for the dead holder
 
 
 @pytest.mark.integration
