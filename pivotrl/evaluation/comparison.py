@@ -265,17 +265,21 @@ SHOWCASE = "configs/showcase.yaml"
 
 def _too_small(rows: Sequence[Mapping[str, Any]], a: str, b: str) -> list[str]:
     """When no measure separates the two policies: what this run could have resolved (the half-width
-    of the 95 % interval of its most precise measure) and where a run sized to show the method is."""
+    of the 95 % interval of its most precise measure of 0/1 outcomes) and where a run sized to show the
+    method is. Measures of 0/1 outcomes (exact McNemar, Newcombe's interval) come first: their interval
+    keeps its width when the two policies agree on every unit, while a bootstrap interval over per-unit
+    fractions shrinks towards zero then and says nothing of what the size could resolve."""
     if any(v["significant"] for v in rows):
         return []
     bounded = [v for v in rows if v.get("low") is not None and v.get("high") is not None]
     if not bounded:
         return []
-    best = min(bounded, key=lambda v: v["high"] - v["low"])
+    binary = [v for v in bounded if "McNemar" in str(v.get("test", ""))]
+    best = min(binary or bounded, key=lambda v: v["high"] - v["low"])
     half = (best["high"] - best["low"]) / 2
     unit = best["unit"] if best["n"] != 1 else best["unit"][:-1]
     return ["", f"No measure separates {a} from {b}. The most precise one here ({best['measure']}, n = {best['n']} "
-                f"{unit}) has a 95% interval ±{half:.3f} wide, so a true difference smaller than about {half:.2f} "
+                f"{unit}) has a 95% interval ±{half:.3f} wide, so a true difference smaller than about {half:.3f} "
                 "cannot show at this size: this run is too small to show the method, whether or not it works. A run "
                 "that is to show it needs a few hundred held-out items (`evaluation.local_states`) and enough "
                 f"training steps; `{SHOWCASE}` is one sized for a 2-core CPU (its measured result: "

@@ -186,7 +186,7 @@ def test_compare_policies_pairs_on_the_same_tasks_and_states():
     assert opening[6].endswith("exact McNemar p = 1; n = 6 states): **no significant difference**")
     # Nothing significant: the verdict says what this size could resolve and where a run sized to show it is.
     rows = verdict(stats)
-    best = min(rows, key=lambda v: v["high"] - v["low"])
+    best = min((v for v in rows if v["test"] == "exact McNemar"), key=lambda v: v["high"] - v["low"])
     note = opening[-2]
     assert opening[-1] == "" and note.startswith(f"No measure separates pivotrl from π_ref. The most precise one here "
                                                  f"({best['measure']}, n = {best['n']} ")
@@ -268,3 +268,29 @@ def test_a_significant_verdict_has_no_too_small_note():
     # The sampled held-out measure is in the verdict too: per-state accuracy over m samples, paired by state.
     assert lines[5].startswith("- local accuracy, held-out states (m samples per state at the probe temperature): "
                                "0.750 vs 0.250, +0.500") and "n = 40 states" in lines[5]
+
+
+def test_the_too_small_note_reads_its_resolution_off_a_0_1_measure_not_a_collapsed_bootstrap():
+    """As in a default run: greedy accuracy equal on every state (5/40 each), sampled accuracy nearly
+    equal; the bootstrap interval of the sampled measure is ±0.005 because the policies agree, which is
+    no resolution: the note gives Newcombe's ±0.081 of the 40 greedy outcomes."""
+    import pandas as pd
+
+    from pivotrl.evaluation.comparison import compare_policies, verdict, verdict_lines
+
+    local = pd.DataFrame([{"policy": p, "seed": 0, "kind": "heldout_greedy", "state_id": f"s{i}", "status": "ok",
+                           "n_samples": 1, "n_accepted": int(i < 5)} for p in ("pivotrl", "reference")
+                          for i in range(40)])
+    sampled = pd.DataFrame([{"policy": p, "seed": 0, "kind": "heldout_sampled", "state_id": f"s{i}", "status": "ok",
+                             "n_samples": 8, "n_accepted": int(i < 3) + int(p == "pivotrl" and i == 0)}
+                            for p in ("pivotrl", "reference") for i in range(40)])
+    stats = compare_policies(None, pd.concat([local, sampled]), ["pivotrl", "reference"])
+    rows = {v["measure"]: v for v in verdict(stats)}
+    greedy = rows["local accuracy, held-out states (greedy)"]
+    sampled_row = next(v for m, v in rows.items() if m.startswith("local accuracy, held-out states (m samples"))
+    assert sampled_row["high"] - sampled_row["low"] < greedy["high"] - greedy["low"]  # the collapsed one is narrower
+    half = (greedy["high"] - greedy["low"]) / 2
+    assert half == pytest.approx(0.081, abs=0.002)
+    (note,) = [line for line in verdict_lines(stats) if line.startswith("No measure separates")]
+    assert "(local accuracy, held-out states (greedy), n = 40 states)" in note
+    assert f"±{half:.3f} wide, so a true difference smaller than about {half:.3f} cannot show" in note
