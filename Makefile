@@ -22,11 +22,12 @@ $(STAMP): pyproject.toml setup.py infra/install.sh infra/constraints-cpu.txt
 
 install: $(STAMP)
 
-# The whole suite (CI runs this), on TEST_WORKERS worker processes (pytest-xdist). A module's tests
-# stay on one worker; the groups are made in tests/conftest.py.
+# The whole suite (CI runs this), on TEST_WORKERS worker processes (pytest-xdist; 0 = one process). A
+# module's tests stay on one worker (--dist loadfile); the modules with integration tests go first
+# (tests/conftest.py).
 TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -ra --durations=25 -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder
+	$(BIN)/python -m pytest -q -ra --durations=25 -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 # Offline: everything but the vLLM, real-model (slow), downloaded-data and multi-process tests.
 test-fast: $(STAMP)

@@ -42,25 +42,26 @@ if _xdist_worker():
     # Each worker of a parallel run (`make test`: pytest-xdist) gets its own Prefect home, so two
     # ephemeral Prefect servers never share one SQLite database. Kept across runs (the database's
     # migrations run once per worker name, not once per run).
-    os.environ.setdefault("PREFECT_HOME", str(Path.home() / ".cache" / "pivotrl-tests" / f"prefect-{_xdist_worker()}"))
+    # An inherited PREFECT_HOME is kept as the parent of the workers' homes, never shared by them.
+    _parent = Path(os.environ.get("PREFECT_HOME") or Path.home() / ".cache" / "pivotrl-tests")
+    os.environ["PREFECT_HOME"] = str(_parent / f"prefect-{_xdist_worker()}")
+
+
+#: The marks of the long tests: the ones ``make test-fast`` leaves out.
+LONG_MARKS = ("integration", "slow", "vllm", "data")
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
-    """Groups for a parallel run (``--dist loadgroup``): a module's tests run on one worker, so its
-    module fixtures (a cluster, a server, a trained model) are built once; every module with a test
-    that reads the session's smoke run (``smoke_run``) joins one group, so that run is computed
-    once. Groups holding integration tests go first: they are the long ones, and the short unit
-    groups then fill the workers' last minutes."""
-    if not config.pluginmanager.hasplugin("xdist") or not getattr(config.option, "numprocesses", None):
+    """The order of a parallel run (``make test``: pytest-xdist, ``--dist loadfile``, which keeps a
+    module's tests on one worker so its module fixtures — a cluster, a server, a trained model — are
+    built once): the modules holding a long test (:data:`LONG_MARKS`) go first, and the short
+    modules then fill the workers' last minutes. Only the workers collect; xdist gives them
+    ``workerinput``."""
+    if not hasattr(config, "workerinput"):
         return
-    smoke_modules = {item.module.__name__ for item in items if "smoke_run" in getattr(item, "fixturenames", ())}
-    groups: dict[str, list] = {}
+    modules: dict[str, list] = {}
     for item in items:
-        name = item.module.__name__
-        groups.setdefault("smoke-run" if name in smoke_modules else name, []).append(item)
-    for group, members in groups.items():
-        for item in members:
-            item.add_marker(pytest.mark.xdist_group(group))
-    long_first = sorted(groups.values(), key=lambda ms: not any(i.get_closest_marker("integration") for i in ms))
+        modules.setdefault(item.nodeid.split("::", 1)[0], []).append(item)
+    long_first = sorted(modules.values(), key=lambda ms: not any(i.get_closest_marker(m) for i in ms for m in LONG_MARKS))
     items[:] = [item for members in long_first for item in members]
