@@ -37,14 +37,15 @@ from pivotrl.storage.files import atomic_file
 __all__ = ["BUDGET_MINUTES", "REFERENCE", "SCALED", "TIERS", "Sizing", "annotate_dump", "apply_sizing",
            "choose_tier", "measure_gflops", "predict_minutes"]
 
-# The reference class and its measured default run (benchmarks/RESULTS.md, "Sizing"): throughput of a
-# 1024x1024 bf16 matmul on one torch thread, and the cold `make run` wall time.
-# ``fixed_fraction`` is the part of that run no size below changes (engine starts, model loads,
-# full-task evaluation of the held-out tasks), from its stage times.
+# The reference class and its measured default run (benchmarks/RESULTS.md §10b, a cold `make run` from
+# a fresh clone with nothing else running): throughput of a 1024x1024 bf16 matmul on one torch thread
+# (the run's own calibration), and the run's wall time. ``fixed_fraction`` is the part of the run no
+# size below changes (engine starts, model loads, full-task evaluation of the held-out tasks), from
+# the stage times of the first reference run (§10).
 REFERENCE: dict[str, Any] = {
     "cpu": "2-core AMD EPYC, avx512f avx512_bf16 (no AMX), bf16",
-    "gflops": 212.0,
-    "minutes": 29.7,
+    "gflops": 206.0,
+    "minutes": 20.1,
     "fixed_fraction": 0.4,
 }
 # The target for a cold default run, minus a margin for load and model download.

@@ -23,10 +23,13 @@ def _cfg(tmp_path, *overrides):
 def test_prediction_and_tier_follow_the_measured_throughput():
     assert predict_minutes(REFERENCE["gflops"]) == pytest.approx(REFERENCE["minutes"])
     assert choose_tier(REFERENCE["gflops"]) == 1.0 and choose_tier(2 * REFERENCE["gflops"]) == 1.0
-    # 2.2x slower: 66 min unscaled, 46 at half the work (over 40), 36 at a quarter
-    assert predict_minutes(AVX2_FP32) == pytest.approx(29.7 * 212 / 96)
-    assert predict_minutes(AVX2_FP32, 0.5) > 40 > predict_minutes(AVX2_FP32, 0.25)
-    assert choose_tier(AVX2_FP32) == 0.25
+    # 2.1x slower: 43 min unscaled (over 40), 30 at half the work, 24 at a quarter
+    assert predict_minutes(AVX2_FP32) == pytest.approx(20.1 * 206 / 96)
+    assert predict_minutes(AVX2_FP32) > 40 > predict_minutes(AVX2_FP32, 0.5) > predict_minutes(AVX2_FP32, 0.25)
+    assert choose_tier(AVX2_FP32) == 0.5
+    # 3x slower (e.g. an older core): 60 min unscaled, 42 at half the work, 33 at a quarter
+    assert predict_minutes(REFERENCE["gflops"] / 3, 0.5) > 40 > predict_minutes(REFERENCE["gflops"] / 3, 0.25)
+    assert choose_tier(REFERENCE["gflops"] / 3) == 0.25
     assert choose_tier(1.0) == 0.25  # nothing fits: the smallest tier, never zero
 
 
@@ -39,13 +42,13 @@ def test_slow_machine_scales_the_work_sizes_and_keeps_explicit_ones(tmp_path):
 
     cfg = _cfg(tmp_path, "training.max_steps=10")
     sized, s = apply_sizing(cfg, ["run.cache_dir", "training.max_steps"], measure=measure)
-    assert (s.mode, s.tier, s.gflops) == ("auto", 0.25, AVX2_FP32) and len(calls) == 1
-    assert s.changed == {"warm_start.epochs": [2, 1], "probing.max_states": [160, 40],
-                         "quality.out_of_domain_limit": [50, 13]}
+    assert (s.mode, s.tier, s.gflops) == ("auto", 0.5, AVX2_FP32) and len(calls) == 1
+    assert s.changed == {"warm_start.epochs": [2, 1], "probing.max_states": [160, 80],
+                         "quality.out_of_domain_limit": [50, 25]}
     assert s.explicit == ("training.max_steps",) and sized.training.max_steps == 10
-    assert (sized.warm_start.epochs, sized.probing.max_states, sized.quality.out_of_domain_limit) == (1, 40, 13)
+    assert (sized.warm_start.epochs, sized.probing.max_states, sized.quality.out_of_domain_limit) == (1, 80, 25)
     assert config_hash(sized) != config_hash(cfg)  # the sizes are part of every stage key
-    assert "work x0.25" in s.line() and "probing.max_states 160→40" in s.line()
+    assert "work x0.5" in s.line() and "probing.max_states 160→80" in s.line()
     # kept per machine: the next run measures nothing and gets the same sizes (same keys)
     again, s2 = apply_sizing(cfg, ["training.max_steps"], measure=lambda *a: pytest.fail("measured twice"))
     assert config_hash(again) == config_hash(sized) and s2.changed == s.changed
@@ -86,10 +89,10 @@ def test_pivotrl_config_prints_the_sized_values_and_why(tmp_path, monkeypatch):
     out = CliRunner().invoke(app, args)
     assert out.exit_code == 0, out.output
     lines = out.output.splitlines()
-    assert "  max_states: 40  # scaled from 160: run.sizing auto, work x0.25" in lines
-    assert "  epochs: 1  # scaled from 2: run.sizing auto, work x0.25" in lines
+    assert "  max_states: 80  # scaled from 160: run.sizing auto, work x0.5" in lines
+    assert "  epochs: 1  # scaled from 2: run.sizing auto, work x0.5" in lines
     assert "  max_steps: 10  # set explicitly: not scaled" in lines
-    assert any(line.startswith("# sizing: auto, 96 GFLOP/s measured") and "work x0.25" in line for line in lines)
+    assert any(line.startswith("# sizing: auto, 96 GFLOP/s measured") and "work x0.5" in line for line in lines)
     sized, _ = apply_sizing(_cfg(tmp_path, "training.max_steps=10"), ["run.cache_dir", "training.max_steps"])
     assert f"# config hash: {config_hash(sized)} (as configured, before sizing: " in out.output
     # what is printed is what a run reads back
