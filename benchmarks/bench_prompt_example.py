@@ -266,7 +266,7 @@ def table(results: list[dict[str, Any]]) -> str:
                      "prompts differing old/new", "new − old, Newcombe 95 % (McNemar exact p)"], rows)
 
 
-def _error_cell(message: str, limit: int = 320) -> str:
+def _error_cell(message: str, limit: int = 480) -> str:
     """A refusal as one markdown cell: ``|`` escaped, newlines flattened, and, when long, the middle
     left out so that the end (where the fix is named) stays."""
     text = " ".join(message.split()).replace("|", "\\|")
