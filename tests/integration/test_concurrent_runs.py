@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from pivotrl import lease as lease_module
 from pivotrl.lease import lease_path, stage_lease
 from pivotrl.storage import ArtifactStore
 
@@ -46,14 +47,29 @@ def test_lease_serialises_holders_and_breaks_an_expired_one(tmp_path, monkeypatc
     path = Path(lease_path(store, "pivotrl-train-x"))
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"owner": "dead", "pid": 1, "expires_at": time.time() - 1}))
-    seen, polls = [], []
-    real_sleep = time.sleep
-    monkeypatch.setattr(time, "sleep", lambda s: (polls.append(s), real_sleep(s)))
+    seen = []
+    clock = _CountingTime()
+    monkeypatch.setattr(lease_module, "time", clock)  # the lease module's polls only, no other thread's sleeps
     with stage_lease(store, "pivotrl-train-x", poll=0.05, on_wait=seen.append) as info:
         assert info.owner != "dead"
     monkeypatch.undo()
     assert [h["owner"] for h in seen] == ["dead"]
-    assert polls == []  # taken at the first look: not one poll waited for the dead holder
+    assert clock.polls == []  # taken at the first look: not one poll waited for the dead holder
+
+
+class _CountingTime:
+    """Stands in for ``time`` inside ``pivotrl.lease``: records each ``sleep`` (a poll of the lease) and
+    passes everything else to the real module."""
+
+    def __init__(self) -> None:
+        self.polls: list[float] = []
+
+    def sleep(self, seconds: float) -> None:
+        self.polls.append(seconds)
+        time.sleep(seconds)
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(time, name)
 
 
 @pytest.mark.integration
