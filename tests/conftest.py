@@ -44,7 +44,9 @@ if _xdist_worker():
     # migrations run once per worker name, not once per run).
     # An inherited PREFECT_HOME is kept as the parent of the workers' homes, never shared by them.
     _parent = Path(os.environ.get("PREFECT_HOME") or Path.home() / ".cache" / "pivotrl-tests")
-    os.environ["PREFECT_HOME"] = str(_parent / f"prefect-{_xdist_worker()}")
+    _home = _parent / f"prefect-{_xdist_worker()}"
+    _home.mkdir(parents=True, exist_ok=True)  # Prefect makes only the last level (it warned on a fresh machine)
+    os.environ["PREFECT_HOME"] = str(_home)
 
 
 #: The marks of the long tests: the ones ``make test-fast`` leaves out.
