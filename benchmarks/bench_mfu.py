@@ -24,8 +24,8 @@ quarter of that and that), rewards 0/1 alternating; one micro-batch per group, a
 process (A, B, B, A, …), each with the 1-minute load average, and prints the per-variant MFU and the
 median of the per-round ratios. Variants (:data:`VARIANTS`): ``before`` = the log-probs through the
 repeated key/value cache (``training.prefix_method: cache``) and the for-loop AdamW, the code before
-the change; ``after`` = the current defaults (``prefix_method: auto`` = packed in bf16, cache in
-fp32; fused AdamW); ``cache``, ``packed`` and ``unfused`` force one choice.
+the change; ``after`` = the current defaults (``prefix_method: auto`` = packed; fused AdamW);
+``cache``, ``packed`` and ``unfused`` force one choice.
 """
 
 from __future__ import annotations

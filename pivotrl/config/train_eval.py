@@ -83,8 +83,7 @@ class TrainingSection(Section):
             "How a shared state is run with its K actions: packed = one sequence (state + every action) with a "
             "block attention mask, the state's keys/values computed and differentiated once; cache = the state's "
             "key/value cache repeated K times (every model with a cache object; the fallback for model types "
-            "without packed support); auto = packed in bf16, cache in fp32 (what measured faster on each). Same "
-            "numbers either way."
+            "without packed support); auto = packed (measured faster in bf16 and in fp32). Same numbers either way."
         ),
     )
     checkpoint_every: Int = Field(5, ge=1, description="Save a checkpoint every N rollout batches.")

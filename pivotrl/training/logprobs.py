@@ -5,15 +5,13 @@ T_max = the longest action in the group, V = vocabulary size.
 
 Three ways to compute the same numbers:
 
-* **shared prefix, packed** (``prefix_method="packed"``; ``"auto"``, the default, picks it for bf16/fp16
-  models), for the model types of
-  :data:`PACKED_MODEL_TYPES`): one sequence ``state + a_1[:-1] + … + a_K[:-1]`` with position ids
-  restarting at P for every action and a 4-D block mask (the state causal; each action sees the
+* **shared prefix, packed** (``prefix_method="packed"``, and ``"auto"``, the default), for the model
+  types of :data:`PACKED_MODEL_TYPES`: one sequence ``state + a_1[:-1] + … + a_K[:-1]`` with position
+  ids restarting at P for every action and a 4-D block mask (the state causal; each action sees the
   state and its own earlier tokens). Tokens processed: ``P + K·(T_max − 1)``; the state's keys and
-  values are computed and differentiated once. On SmolLM2 in bf16 this is the fastest path: the
-  cache path's backward spends most of its time on the K-fold repeated prefix (repeat, GQA expand,
-  and summing the K gradient copies back); in fp32 under the AVX2 imitation it measured slower than
-  the cache path (benchmarks/RESULTS.md §14), so ``"auto"`` keeps the cache there.
+  values are computed and differentiated once. On SmolLM2 this is the fastest path in bf16 on AVX-512
+  and in fp32 on AVX2 (benchmarks/RESULTS.md §14): the cache path's backward spends much of its time
+  on the K-fold repeated prefix (repeat, GQA expand, and summing the K gradient copies back).
 * **shared prefix, cache** (``prefix_method="cache"``): the state is run once with ``use_cache=True``; the logits of its last
   position predict the first action token; the key/value cache is repeated K times along the batch
   dimension and the K right-padded actions (all but their last token) are run on top of it, with
@@ -258,8 +256,8 @@ def compute_group_logprobs(
             models that cannot; see the module docstring).
         prefix_method: how, with ``shared_prefix``: ``"packed"`` (one sequence with a block mask,
             :func:`_packed_logits`; for the model types of :data:`PACKED_MODEL_TYPES`, others take the
-            cache), ``"cache"`` (the state's key/value cache repeated K times) or ``"auto"`` (packed
-            for a bf16/fp16 model, cache otherwise: what measured faster on each, RESULTS.md §14).
+            cache), ``"cache"`` (the state's key/value cache repeated K times) or ``"auto"`` (packed,
+            which measured faster in bf16 and in fp32, RESULTS.md §14; the cache for other model types).
         with_entropy: also return the detached token entropy (K, T_max) in nats.
 
     Returns:
@@ -272,8 +270,8 @@ def compute_group_logprobs(
     _check_inputs(prompt_ids, actions)
     if prefix_method not in ("auto", "packed", "cache"):
         raise ValueError(f"prefix_method must be 'auto', 'packed' or 'cache', got {prefix_method!r}")
-    if prefix_method == "auto":  # measured: packed wins in bf16, loses in fp32 (benchmarks/RESULTS.md §14)
-        prefix_method = "packed" if _model_dtype(model) in (torch.bfloat16, torch.float16) else "cache"
+    if prefix_method == "auto":  # measured faster in bf16 on AVX-512 and in fp32 on AVX2 (benchmarks/RESULTS.md §14)
+        prefix_method = "packed"
     device = _model_device(model)
     prompt = torch.as_tensor(list(prompt_ids), dtype=torch.long, device=device)  # (P,)
     dtype = torch.float64 if _model_dtype(model) == torch.float64 else torch.float32

@@ -157,15 +157,17 @@ def test_packed_equals_naive_on_qwen2() -> None:
     torch.testing.assert_close(packed.logprobs, naive.logprobs, rtol=0, atol=1e-9)
 
 
-def test_auto_packs_half_precision_models_only(monkeypatch) -> None:
+def test_auto_packs_in_every_dtype(monkeypatch) -> None:
     import pivotrl.training.logprobs as lp
 
     calls: list[int] = []
     orig = lp._packed_logits
     monkeypatch.setattr(lp, "_packed_logits", lambda *a: (calls.append(1), orig(*a))[1])
     m = tiny_llama(tiny_tokenizer(), seed=3)
-    fp32 = compute_group_logprobs(m, [5, 6, 7], [[8, 9], [10]])  # auto: the cache path in fp32
-    assert calls == [] and fp32.shared_prefix
+    fp32 = compute_group_logprobs(m, [5, 6, 7], [[8, 9], [10]])  # auto: packed
+    cache = compute_group_logprobs(m, [5, 6, 7], [[8, 9], [10]], prefix_method="cache")
+    assert calls == [1] and fp32.shared_prefix and cache.shared_prefix
+    torch.testing.assert_close(fp32.logprobs, cache.logprobs, rtol=0, atol=1e-5)
     bf16 = compute_group_logprobs(m.to(torch.bfloat16), [5, 6, 7], [[8, 9], [10]])  # auto: packed
-    assert calls == [1] and bf16.shared_prefix
+    assert calls == [1, 1] and bf16.shared_prefix
     torch.testing.assert_close(bf16.logprobs, fp32.logprobs, rtol=0, atol=0.1)
