@@ -89,7 +89,9 @@ def _own_children() -> set[int]:
     objects (asyncio's subprocesses included) and multiprocessing children."""
     owned = {p.pid for p in multiprocessing.active_children()}
     for obj in gc.get_objects():
-        if isinstance(obj, subprocess.Popen) and obj.returncode is None and obj.pid:
+        # type(), not isinstance(): isinstance reads ``__class__``, which some deprecated module objects
+        # (torch.distributed.reduce_op) answer with a FutureWarning
+        if issubclass(type(obj), subprocess.Popen) and obj.returncode is None and obj.pid:
             owned.add(obj.pid)
     return owned
 

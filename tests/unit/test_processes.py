@@ -280,3 +280,20 @@ def test_child_lines_reads_lines_as_text_mode_does():
     assert proc.wait(timeout=30) == 0
     proc.stdout.close()
     assert lines == ["a\n", "b\n", "c\n", "half line\n", "\ufffd end"]
+
+
+def test_finding_this_processes_own_children_raises_no_warning_from_deprecated_module_objects():
+    import warnings
+
+    import torch.distributed  # noqa: F401  (holds reduce_op, whose __class__ warns)
+
+    from pivotrl.pipeline.processes import _own_children
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert child.pid in _own_children()
+    finally:
+        child.kill()
+        child.wait()
