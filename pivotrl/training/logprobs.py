@@ -37,6 +37,7 @@ from typing import Any, Sequence
 import torch
 
 from pivotrl.errors import DataError
+from pivotrl.training.packed_attention import PACKED_ATTENTION, PREFIX_KWARG
 
 __all__ = [
     "GroupLogprobs",
@@ -203,19 +204,22 @@ PACKED_MODEL_TYPES = frozenset({"llama", "qwen2", "mistral", "qwen3"})
 
 def packs(model: Any) -> bool:
     """Whether the packed shared-prefix path serves ``model`` (its model type is in
-    :data:`PACKED_MODEL_TYPES` and its attention is sdpa or eager); decided from the config alone,
+    :data:`PACKED_MODEL_TYPES` and its attention is sdpa, eager or
+    :data:`~pivotrl.training.packed_attention.PACKED_ATTENTION`); decided from the config alone,
     so every rank of a data-parallel job takes the same path."""
     config = getattr(_underlying(model), "config", None)
     impl = getattr(config, "_attn_implementation", None) or "sdpa"
-    return getattr(config, "model_type", None) in PACKED_MODEL_TYPES and impl in ("sdpa", "eager")
+    return getattr(config, "model_type", None) in PACKED_MODEL_TYPES and impl in ("sdpa", "eager", PACKED_ATTENTION)
 
 
 def _packed_logits(model: Any, prompt: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """Packed shared-prefix logits (K, T_max, V): ONE sequence ``state + a_1[:-1] + … + a_K[:-1]``
     (each action right-padded to T_max; ``P + K·(T_max−1)`` tokens) with ``position_ids`` restarting
-    at P for every action and a 4-D boolean mask: the state causal, every action token sees the
+    at P for every action and a 4-D additive mask: the state causal, every action token sees the
     whole state and its own earlier tokens only. Nothing is repeated K times, so the backward pass
-    differentiates the state's keys/values once (the cache path sums K copies of them)."""
+    differentiates the state's keys/values once (the cache path sums K copies of them). A model
+    switched to :mod:`pivotrl.training.packed_attention` attends the state without the mask (its
+    kernel then skips the blocks above the diagonal); the numbers are the same."""
     k, t_max = ids.shape
     p, s = prompt.shape[0], t_max - 1
     device = ids.device
@@ -228,8 +232,15 @@ def _packed_logits(model: Any, prompt: torch.Tensor, ids: torch.Tensor) -> torch
     causal = torch.arange(length, device=device).unsqueeze(1) >= torch.arange(length, device=device).unsqueeze(0)
     same = (block.unsqueeze(1) == block.unsqueeze(0)) | (block.unsqueeze(0) == -1)  # own block or the state
     attend = causal & same  # (L, L): key j visible from query i
-    logits = model(input_ids=inputs, position_ids=positions, attention_mask=attend[None, None],
-                   logits_to_keep=k * s + 1, use_cache=False).logits[0]  # (K·s + 1, V)
+    dtype = _model_dtype(model)
+    # additive (0 / most negative) in the compute dtype: SDPA's CPU kernel would convert a boolean
+    # mask in every layer, and eager attention adds the mask to the scores
+    mask = torch.zeros(length, length, dtype=dtype, device=device).masked_fill_(~attend, torch.finfo(dtype).min)
+    extra: dict[str, Any] = {}
+    if getattr(getattr(_underlying(model), "config", None), "_attn_implementation", None) == PACKED_ATTENTION:
+        extra[PREFIX_KWARG] = p  # the state causal without a mask (packed_attention)
+    logits = model(input_ids=inputs, position_ids=positions, attention_mask=mask[None, None],
+                   logits_to_keep=k * s + 1, use_cache=False, **extra).logits[0]  # (K·s + 1, V)
     first = logits[:1].expand(k, -1).unsqueeze(1)  # (K, 1, V): the state's last position predicts each first token
     if s == 0:
         return first

@@ -57,6 +57,7 @@ from pivotrl.training.deepspeed_utils import (
 )
 from pivotrl.training.groups import Group, check_groups
 from pivotrl.training.logprobs import compute_group_logprobs
+from pivotrl.training.packed_attention import use_packed_attention
 from pivotrl.training.mfu import ModelShape, calibrated_peak_gflops, forward_flops, mfu
 from pivotrl.training.settings import LOG_RATIO_CLAMP, run_trainer_inputs, training_section
 from pivotrl.training.trainer_state import (
@@ -123,6 +124,8 @@ class PivotRLTrainer:
         self.ref_model = load_causal_lm(self.ref_model_dir, self.compute_dtype).eval()
         self.ref_model.requires_grad_(False)
         self.ref_model.to(self.engine.device)
+        for model in (self.engine.module, self.ref_model):  # the packed state attended without a mask
+            use_packed_attention(model)
         #: The model's shape for the FLOP count (pivotrl.training.mfu); π_ref has π_θ's architecture.
         self.shape = ModelShape.of_model(self.ref_model)
         #: Calibrated matmul peak of one thread in the compute dtype (GFLOP/s); None = no MFU column.
