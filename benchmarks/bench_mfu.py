@@ -24,7 +24,9 @@ quarter of that and that), rewards 0/1 alternating; one micro-batch per group, a
 process (A, B, B, A, …), each with the 1-minute load average, and prints the per-variant MFU and the
 median of the per-round ratios. Variants (:data:`VARIANTS`): ``before`` = the log-probs through the
 repeated key/value cache (``training.prefix_method: cache``) and the for-loop AdamW, the code before
-the change; ``after`` = the current defaults (``prefix_method: auto`` = packed; fused AdamW);
+the change; ``after`` = the current defaults (``prefix_method: auto`` = packed, its attention in
+two SDPA calls, :mod:`pivotrl.training.packed_attention`; fused AdamW); ``full_mask`` = packed under
+one masked SDPA call per layer (transformers' ``"sdpa"``, the packed path before the split);
 ``cache``, ``packed`` and ``unfused`` force one choice.
 """
 
@@ -53,6 +55,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "cache": {"prefix_method": "cache"},
     "unfused": {"env": {"PIVOTRL_FUSED_ADAMW": "0"}},
     "packed": {"prefix_method": "packed"},
+    "full_mask": {"prefix_method": "packed", "attention": "sdpa"},
     "after": {},
 }
 
@@ -77,6 +80,7 @@ def _trainer(model_dir: str, args: argparse.Namespace, **overrides: Any) -> Any:
 
     tr = load_config(str(Path(__file__).resolve().parents[1] / "configs" / "default.yaml")).training
     env = overrides.pop("env", {})
+    attention = overrides.pop("attention", None)
     fields = {**tr.model_dump(), "group_size": args.group_size, "lr": 1e-7, **overrides}
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
@@ -88,6 +92,9 @@ def _trainer(model_dir: str, args: argparse.Namespace, **overrides: Any) -> Any:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+    if attention is not None:  # e.g. "sdpa": the packed sequence under one masked SDPA call per layer
+        for model in (trainer.engine.module, trainer.ref_model):
+            model.set_attn_implementation(attention)
     trainer.peak_gflops_per_thread = calibrated_peak_gflops(args.dtype, args.cache_dir)
     return trainer
 

@@ -5,7 +5,7 @@ a 2-core CPU with native bf16 (AVX-512 with avx512_bf16), computing in bf16. A s
 AVX2-only CPU computes in fp32, about 2–2.5× slower per matmul) would take proportionally longer.
 With ``run.sizing: auto`` the flow measures this machine once — a timed square matmul in the run's
 resolved dtype on one torch thread (per-core speed; one thread is what a second busy process
-disturbs least), about a second — predicts the default run's wall time from the
+disturbs least), about three seconds — predicts the default run's wall time from the
 reference run's, and, when the prediction is over :data:`BUDGET_MINUTES`, scales the work-carrying
 sizes (:data:`SCALED`) by the largest of :data:`TIERS` that fits.
 
@@ -91,9 +91,12 @@ class Sizing:
         return head + f" > {BUDGET_MINUTES:.0f} min budget: work x{self.tier:g} ({keys})"
 
 
-def measure_gflops(dtype: str, threads: int, seconds: float = 1.0, n: int = 1024) -> float:
+def measure_gflops(dtype: str, threads: int, seconds: float = 3.0, n: int = 1024) -> float:
     """GFLOP/s of an ``n``x``n`` matmul in ``dtype`` ("bf16" | "fp32") on ``threads`` torch threads,
-    best of repeated timings over about ``seconds`` (2·n³ FLOP per product)."""
+    best of repeated timings over about ``seconds`` (2·n³ FLOP per product). A shared or virtual
+    machine has slow stretches of a second or more (one-second windows read 77–91 GFLOP/s in a row on
+    one 2-core machine): three seconds find its peak more reliably, and a low peak would overstate
+    every MFU measured against it (pivotrl.training.mfu)."""
     import torch
 
     prev = torch.get_num_threads()

@@ -39,7 +39,7 @@ class RunSection(Section):
     sizing: Literal["auto", "fixed"] = Field(
         "auto",
         description=(
-            "auto = on a CPU slower than the one the default run was timed on, a one-second matmul "
+            "auto = on a CPU slower than the one the default run was timed on, a three-second matmul "
             "calibration (kept per machine in cache_dir) scales warm_start.epochs, probing.max_states, "
             "training.max_steps and quality.out_of_domain_limit down so the run fits (pivotrl.sizing; "
             "keys given with --set are never scaled; printed at start); fixed = the sizes as written."

@@ -126,7 +126,7 @@ def mfu(flops: float, seconds: float, peak_gflops_per_thread: float | None, thre
 
 def calibrated_peak_gflops(dtype: str, cache_dir: str, measure: Any = None) -> float | None:
     """The machine's per-thread matmul peak (GFLOP/s) in ``dtype`` ("bf16" | "fp32" | "bfloat16" |
-    "float32") from ``<cache_dir>/calibration.json`` (:mod:`pivotrl.sizing`; measured, about a second,
+    "float32") from ``<cache_dir>/calibration.json`` (:mod:`pivotrl.sizing`; measured, about three seconds,
     and kept when absent). None on CUDA (no CPU calibration applies) or when it cannot be measured."""
     from pivotrl.precision import detect_hardware
     from pivotrl.sizing import _cached_gflops, measure_gflops

@@ -82,6 +82,17 @@ def test_default_file_equals_schema_defaults():
     assert load_config(None) == RunConfig()
 
 
+def test_default_file_is_its_header_and_the_schema_written_with_its_descriptions():
+    # Below its header the file is what dump_config writes from the schema: every default and every
+    # comment (each field's description) comes from pivotrl/config, so neither can drift from it.
+    from pivotrl.config import dump_config
+
+    text = (REPO / "configs" / "default.yaml").read_text(encoding="utf-8")
+    body = text[text.index("# Identity"):]
+    assert text[: text.index("# Identity")].startswith("# pivotrl: the embedded CPU default run.")
+    assert body == dump_config(RunConfig(), comments=True)
+
+
 @pytest.mark.parametrize("name", ["default", "smoke"])
 def test_every_field_in_the_file_has_a_comment_above(name):
     lines = (REPO / "configs" / f"{name}.yaml").read_text(encoding="utf-8").splitlines()
