@@ -11,7 +11,9 @@ Three ways to compute the same numbers:
   state and its own earlier tokens). Tokens processed: ``P + K·(T_max − 1)``; the state's keys and
   values are computed and differentiated once. On SmolLM2 this is the fastest path in bf16 on AVX-512
   and in fp32 on AVX2 (benchmarks/RESULTS.md §14): the cache path's backward spends much of its time
-  on the K-fold repeated prefix (repeat, GQA expand, and summing the K gradient copies back).
+  on the K-fold repeated prefix (repeat, GQA expand, and summing the K gradient copies back). The
+  trainer switches its models to :mod:`pivotrl.training.packed_attention`, which attends the state
+  causally without the mask (SDPA cannot skip the masked blocks of an explicit mask).
 * **shared prefix, cache** (``prefix_method="cache"``): the state is run once with ``use_cache=True``; the logits of its last
   position predict the first action token; the key/value cache is repeated K times along the batch
   dimension and the K right-padded actions (all but their last token) are run on top of it, with
