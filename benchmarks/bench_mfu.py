@@ -2,7 +2,7 @@
 
 Usage::
 
-    python benchmarks/bench_mfu.py profile [--dtype bfloat16] [--groups 2] [--prompt 1000] [--action 32]
+    python benchmarks/bench_mfu.py profile [--dtype bfloat16] [--groups 2] [--prompt 1000] [--prompt-min N] [--action 32]
     python benchmarks/bench_mfu.py compare [--variants before,after] [--repeats 3] [--json OUT]
 
 The model comes from ``pivotrl.models.resolve_model`` (default: SmolLM2-135M-Instruct dequantised
@@ -27,7 +27,8 @@ repeated key/value cache (``training.prefix_method: cache``) and the for-loop Ad
 the change; ``after`` = the current defaults (``prefix_method: auto`` = packed, its attention in
 two SDPA calls, :mod:`pivotrl.training.packed_attention`; fused AdamW); ``full_mask`` = packed under
 one masked SDPA call per layer (transformers' ``"sdpa"``, the packed path before the split);
-``cache``, ``packed`` and ``unfused`` force one choice.
+``cache``, ``packed`` and ``unfused`` force one choice; ``mb2`` and ``mb4`` put 2 or 4 groups in a
+micro-batch (packed into one forward).
 """
 
 from __future__ import annotations
@@ -56,6 +57,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "unfused": {"env": {"PIVOTRL_FUSED_ADAMW": "0"}},
     "packed": {"prefix_method": "packed"},
     "full_mask": {"prefix_method": "packed", "attention": "sdpa"},
+    "mb2": {"micro_batch_groups": 2},
+    "mb4": {"micro_batch_groups": 4},
     "after": {},
 }
 
@@ -66,7 +69,7 @@ def _groups(args: argparse.Namespace, seed: int) -> list[Any]:
     rng = random.Random(seed)
     out = []
     for g in range(args.groups):
-        prompt = [rng.randrange(100, 40000) for _ in range(args.prompt)]
+        prompt = [rng.randrange(100, 40000) for _ in range(rng.randint(args.prompt_min or args.prompt, args.prompt))]
         acts = [[rng.randrange(100, 40000) for _ in range(rng.randint(max(1, args.action // 4), args.action))]
                 for _ in range(args.group_size)]
         out.append(Group(f"g{g}", prompt, acts, [float(j % 2) for j in range(args.group_size)]))
@@ -204,6 +207,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--groups", type=int, default=2)
     ap.add_argument("--group-size", type=int, default=8)
     ap.add_argument("--prompt", type=int, default=1000)
+    ap.add_argument("--prompt-min", type=int, default=None,
+                    help="draw each state's length between this and --prompt (default: all --prompt)")
     ap.add_argument("--action", type=int, default=32)
     ap.add_argument("--threads", type=int, default=int(os.environ.get("OMP_NUM_THREADS", "2") or 2))
     ap.add_argument("--variants", default="before,after")

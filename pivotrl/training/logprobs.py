@@ -39,11 +39,12 @@ from typing import Any, Sequence
 import torch
 
 from pivotrl.errors import DataError
-from pivotrl.training.packed_attention import PACKED_ATTENTION, PREFIX_KWARG
+from pivotrl.training.packed_attention import PACKED_ATTENTION, SEGMENTS_KWARG
 
 __all__ = [
     "GroupLogprobs",
     "compute_group_logprobs",
+    "compute_groups_logprobs",
     "group_logprobs",
     "processed_tokens",
     "work_counts",
@@ -214,39 +215,132 @@ def packs(model: Any) -> bool:
     return getattr(config, "model_type", None) in PACKED_MODEL_TYPES and impl in ("sdpa", "eager", PACKED_ATTENTION)
 
 
-def _packed_logits(model: Any, prompt: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """Packed shared-prefix logits (K, T_max, V): ONE sequence ``state + a_1[:-1] + … + a_K[:-1]``
-    (each action right-padded to T_max; ``P + K·(T_max−1)`` tokens) with ``position_ids`` restarting
-    at P for every action and a 4-D additive mask: the state causal, every action token sees the
-    whole state and its own earlier tokens only. Nothing is repeated K times, so the backward pass
-    differentiates the state's keys/values once (the cache path sums K copies of them). A model
-    switched to :mod:`pivotrl.training.packed_attention` attends the state without the mask (its
-    kernel then skips the blocks above the diagonal); the numbers are the same."""
-    k, t_max = ids.shape
-    p, s = prompt.shape[0], t_max - 1
-    device = ids.device
-    length = p + k * s
-    inputs = torch.cat([prompt, ids[:, :-1].reshape(-1)]).unsqueeze(0)  # (1, P + K·s)
-    positions = torch.cat([torch.arange(p, device=device),
-                           (p + torch.arange(s, device=device)).repeat(k)]).unsqueeze(0)  # (1, P + K·s)
-    block = torch.arange(length, device=device)
-    block = torch.where(block < p, -1, (block - p) // max(s, 1))  # -1 on the state, action index after
-    causal = torch.arange(length, device=device).unsqueeze(1) >= torch.arange(length, device=device).unsqueeze(0)
-    same = (block.unsqueeze(1) == block.unsqueeze(0)) | (block.unsqueeze(0) == -1)  # own block or the state
-    attend = causal & same  # (L, L): key j visible from query i
+#: Most tokens one packed forward holds when several groups share it (:func:`compute_groups_logprobs`);
+#: a group longer than this runs alone. Bounds the (L, L) mask (64 MB in fp32) and the activations.
+PACK_TOKENS = 4096
+
+
+def _packed_logits(model: Any, segments: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> list[torch.Tensor]:
+    """Packed shared-prefix logits of one or more groups in ONE forward: per group ``(prompt (P,),
+    ids (K, T_max))`` a segment ``state + a_1[:-1] + … + a_K[:-1]`` (each action right-padded to T_max;
+    ``P + K·(T_max−1)`` tokens) with ``position_ids`` restarting at P for every action, the segments
+    one after the other under a 4-D additive mask: each segment sees only itself, its state causal,
+    every action token the whole state and its own earlier tokens. Nothing is repeated K times, so the
+    backward pass differentiates each state's keys/values once (the cache path sums K copies of them).
+    A model switched to :mod:`pivotrl.training.packed_attention` attends each state without the mask
+    (its kernel then skips the blocks above the diagonal) and each segment apart from the others; the
+    numbers are the same. Returns each group's logits (K, T_max, V), in order."""
+    device = segments[0][0].device
+    inputs, positions, seg_of, block_of, keep, spans = [], [], [], [], [], []
+    offset = 0
+    for g, (prompt, ids) in enumerate(segments):
+        k, t_max = ids.shape
+        p, s = prompt.shape[0], t_max - 1
+        n = p + k * s
+        inputs.append(torch.cat([prompt, ids[:, :-1].reshape(-1)]))
+        positions.append(torch.cat([torch.arange(p, device=device), (p + torch.arange(s, device=device)).repeat(k)]))
+        seg_of.append(torch.full((n,), g, device=device))
+        block_of.append(torch.cat([torch.full((p,), -1, device=device),
+                                   torch.arange(k, device=device).repeat_interleave(s)]))  # -1 on the state
+        keep.append(torch.arange(offset + p - 1, offset + n, device=device))  # the state's last + K·s
+        spans.append((offset, p, offset + n))
+        offset += n
+    seg, block, idx = torch.cat(seg_of), torch.cat(block_of), torch.arange(offset, device=device)
+    attend = ((seg.unsqueeze(1) == seg.unsqueeze(0)) & (idx.unsqueeze(1) >= idx.unsqueeze(0))
+              & ((block.unsqueeze(0) == -1) | (block.unsqueeze(1) == block.unsqueeze(0))))  # (L, L): key j visible from query i
     dtype = _model_dtype(model)
     # additive (0 / most negative) in the compute dtype: SDPA's CPU kernel would convert a boolean
     # mask in every layer, and eager attention adds the mask to the scores
-    mask = torch.zeros(length, length, dtype=dtype, device=device).masked_fill_(~attend, torch.finfo(dtype).min)
+    mask = torch.zeros(offset, offset, dtype=dtype, device=device).masked_fill_(~attend, torch.finfo(dtype).min)
     extra: dict[str, Any] = {}
     if getattr(getattr(_underlying(model), "config", None), "_attn_implementation", None) == PACKED_ATTENTION:
-        extra[PREFIX_KWARG] = p  # the state causal without a mask (packed_attention)
-    logits = model(input_ids=inputs, position_ids=positions, attention_mask=mask[None, None],
-                   logits_to_keep=k * s + 1, use_cache=False, **extra).logits[0]  # (K·s + 1, V)
-    first = logits[:1].expand(k, -1).unsqueeze(1)  # (K, 1, V): the state's last position predicts each first token
-    if s == 0:
-        return first
-    return torch.cat([first, logits[1:].view(k, s, -1)], dim=1)  # (K, T_max, V)
+        extra[SEGMENTS_KWARG] = tuple(spans)  # each state causal without a mask (packed_attention)
+    to_keep: Any = keep[0].numel() if len(segments) == 1 else torch.cat(keep)
+    logits = model(input_ids=torch.cat(inputs).unsqueeze(0), position_ids=torch.cat(positions).unsqueeze(0),
+                   attention_mask=mask[None, None], logits_to_keep=to_keep, use_cache=False,
+                   **extra).logits[0]  # (Σ (K·s + 1), V)
+    out = []
+    for (_, ids), part in zip(segments, logits.split([len(kp) for kp in keep])):
+        k, s = ids.shape[0], ids.shape[1] - 1
+        first = part[:1].expand(k, -1).unsqueeze(1)  # (K, 1, V): the state's last position predicts each first token
+        out.append(first if s == 0 else torch.cat([first, part[1:].view(k, s, -1)], dim=1))  # (K, T_max, V)
+    return out
+
+
+def compute_groups_logprobs(
+    model: Any,
+    groups: Sequence[tuple[Sequence[int], Sequence[Sequence[int]]]],
+    *,
+    shared_prefix: bool = True,
+    with_entropy: bool = False,
+    prefix_method: str = "auto",
+    pack_tokens: int = PACK_TOKENS,
+) -> list[GroupLogprobs]:
+    """Per-token log-probs of several groups ``(prompt_ids, actions)``, one :class:`GroupLogprobs` each,
+    in order. On the packed path the groups share forwards: consecutive groups are packed into one
+    sequence of at most ``pack_tokens`` tokens (a longer group runs alone), so the matrix products
+    see more rows per call; each group's numbers are those of :func:`compute_group_logprobs` on it
+    alone. Other paths run the groups one by one.
+
+    Args and errors: as :func:`compute_group_logprobs`, per group; ``pack_tokens`` ≥ 1.
+    """
+    for prompt_ids, actions in groups:
+        _check_inputs(prompt_ids, actions)
+    if prefix_method not in ("auto", "packed", "cache"):
+        raise ValueError(f"prefix_method must be 'auto', 'packed' or 'cache', got {prefix_method!r}")
+    if prefix_method == "auto":  # measured faster in bf16 on AVX-512 and in fp32 on AVX2 (benchmarks/RESULTS.md §14)
+        prefix_method = "packed"
+    device = _model_device(model)
+    dtype = torch.float64 if _model_dtype(model) == torch.float64 else torch.float32
+    prompts = [torch.as_tensor(list(p), dtype=torch.long, device=device) for p, _ in groups]  # (P,) each
+    padded = [_pad_actions(a, device, dtype) for _, a in groups]  # (K, T_max) ids and mask each
+    logits: list[torch.Tensor | None] = [None] * len(groups)
+    used_shared = [False] * len(groups)
+    if shared_prefix and prefix_method == "packed" and packs(model):
+        chunk: list[int] = []
+        size = 0
+        for i, ((p, a), (ids, _)) in enumerate(zip(groups, padded)):
+            n = processed_tokens(len(p), [len(x) for x in a], shared_prefix=True)
+            if chunk and size + n > pack_tokens:
+                for j, lg in zip(chunk, _packed_logits(model, [(prompts[j], padded[j][0]) for j in chunk])):
+                    logits[j] = lg
+                chunk, size = [], 0
+            chunk.append(i)
+            size += n
+        if chunk:
+            for j, lg in zip(chunk, _packed_logits(model, [(prompts[j], padded[j][0]) for j in chunk])):
+                logits[j] = lg
+        used_shared = [True] * len(groups)
+    key = type(_underlying(model)).__qualname__
+    out = []
+    for i, ((prompt_ids, actions), prompt, (ids, mask)) in enumerate(zip(groups, prompts, padded)):
+        lg = logits[i]
+        if lg is None and shared_prefix and key not in _NAIVE_ONLY:
+            try:
+                lg = _shared_logits(model, prompt, ids, mask)
+            except (TypeError, NotImplementedError, AttributeError) as err:
+                log.warning("shared-prefix log-probs unsupported by %s (%s); using the naive path", key, err)
+                lg = None
+            if lg is None:
+                _NAIVE_ONLY.add(key)
+            else:
+                used_shared[i] = True
+        if lg is None:
+            lg = _naive_logits(model, prompt, ids, mask)
+        logits[i] = None  # free each group's logits once its log-probs are taken
+        logprobs, entropy = _token_stats(lg, ids, mask, with_entropy)
+        lens = [len(a) for a in actions]
+        logit_positions, pairs = work_counts(len(prompt_ids), lens, shared_prefix=used_shared[i])
+        out.append(GroupLogprobs(
+            logprobs=logprobs,
+            action_mask=mask,
+            entropy=entropy,
+            tokens_processed=processed_tokens(len(prompt_ids), lens, shared_prefix=used_shared[i]),
+            shared_prefix=used_shared[i],
+            logit_positions=logit_positions,
+            attention_pairs=pairs,
+        ))
+    return out
 
 
 def compute_group_logprobs(
@@ -280,45 +374,8 @@ def compute_group_logprobs(
     Raises:
         DataError: empty state, empty group, or an empty action.
     """
-    _check_inputs(prompt_ids, actions)
-    if prefix_method not in ("auto", "packed", "cache"):
-        raise ValueError(f"prefix_method must be 'auto', 'packed' or 'cache', got {prefix_method!r}")
-    if prefix_method == "auto":  # measured faster in bf16 on AVX-512 and in fp32 on AVX2 (benchmarks/RESULTS.md §14)
-        prefix_method = "packed"
-    device = _model_device(model)
-    prompt = torch.as_tensor(list(prompt_ids), dtype=torch.long, device=device)  # (P,)
-    dtype = torch.float64 if _model_dtype(model) == torch.float64 else torch.float32
-    ids, mask = _pad_actions(actions, device, dtype)  # (K, T_max)
-    lens = [len(a) for a in actions]
-    key = type(_underlying(model)).__qualname__
-    logits = None
-    used_shared = False
-    if shared_prefix and prefix_method == "packed" and packs(model):
-        logits = _packed_logits(model, prompt, ids)
-        used_shared = True
-    elif shared_prefix and key not in _NAIVE_ONLY:
-        try:
-            logits = _shared_logits(model, prompt, ids, mask)
-        except (TypeError, NotImplementedError, AttributeError) as err:
-            log.warning("shared-prefix log-probs unsupported by %s (%s); using the naive path", key, err)
-            logits = None
-        if logits is None:
-            _NAIVE_ONLY.add(key)
-        else:
-            used_shared = True
-    if logits is None:
-        logits = _naive_logits(model, prompt, ids, mask)
-    logprobs, entropy = _token_stats(logits, ids, mask, with_entropy)
-    logit_positions, pairs = work_counts(len(prompt_ids), lens, shared_prefix=used_shared)
-    return GroupLogprobs(
-        logprobs=logprobs,
-        action_mask=mask,
-        entropy=entropy,
-        tokens_processed=processed_tokens(len(prompt_ids), lens, shared_prefix=used_shared),
-        shared_prefix=used_shared,
-        logit_positions=logit_positions,
-        attention_pairs=pairs,
-    )
+    return compute_groups_logprobs(model, [(prompt_ids, actions)], shared_prefix=shared_prefix,
+                                   with_entropy=with_entropy, prefix_method=prefix_method)[0]
 
 
 def group_logprobs(

@@ -1,31 +1,33 @@
-"""Attention for the packed shared-prefix sequence, registered with transformers as ``"pivotrl_packed"``.
+"""Attention for packed shared-prefix sequences, registered with transformers as ``"pivotrl_packed"``.
 
-The packed sequence of :func:`pivotrl.training.logprobs.compute_group_logprobs` is ``state + a_1[:-1]
-+ … + a_K[:-1]`` (length L = P + K·s) under a 4-D block mask: the state causal, every action token
-sees the whole state and its own earlier tokens. PyTorch's SDPA kernels cannot skip any block of an
-explicit mask, so plain SDPA visits all L² (query, key) pairs, about twice the pairs the mask lets
-through (P = 1,000, K = 8, s = 31: 1.56 M visited, 0.75 M attended). This function splits the
-queries in two calls with the same result:
+A packed segment of :mod:`pivotrl.training.logprobs` is ``state + a_1[:-1] + … + a_K[:-1]`` (length
+P + K·s) under a block mask: the state causal, every action token sees the whole state and its own
+earlier tokens. One forward may hold several segments (groups) one after the other, each seeing only
+itself. PyTorch's SDPA kernels cannot skip any block of an explicit mask, so plain SDPA visits all L²
+(query, key) pairs of the sequence, about twice the pairs the mask lets through for one group (P =
+1,000, K = 8, s = 31: 1.56 M visited, 0.75 M attended) and more with every group added. This
+function computes, per segment, with the same result:
 
 * the state's P queries against the state's P keys with ``is_causal=True`` and no mask (the kernel
   skips the blocks above the diagonal);
-* the K·s action queries against all L keys under the action rows of the mask (K·s × L pairs).
+* the K·s action queries against the segment's keys under the segment's action rows of the mask.
 
-It runs only when the forward is given ``pivotrl_prefix_len=P`` (``_packed_logits`` passes it) and
-the layout is the packed one (batch 1, queries = keys, a mask); any other call (generation, a plain
-forward, dropout) goes to transformers' own SDPA function unchanged. Measured per layer and step in
-benchmarks/RESULTS.md §14j. torch and transformers are imported inside the functions.
+It runs only when the forward is given ``pivotrl_segments=((start, P, end), …)`` (``logprobs``
+passes it) and the layout is the packed one (batch 1, queries = keys, a mask covering them); any other
+call (generation, a plain forward, dropout) goes to transformers' own SDPA function unchanged.
+Measured in benchmarks/RESULTS.md §14j. torch and transformers are imported inside the functions.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["PACKED_ATTENTION", "PREFIX_KWARG", "use_packed_attention"]
+__all__ = ["PACKED_ATTENTION", "SEGMENTS_KWARG", "use_packed_attention"]
 
 PACKED_ATTENTION = "pivotrl_packed"
-#: Keyword of the model's forward carrying the state length P of a packed sequence.
-PREFIX_KWARG = "pivotrl_prefix_len"
+#: Keyword of the model's forward carrying the packed segments: ``((start, P, end), …)`` in order,
+#: covering the sequence (``start`` of the first is 0, each ``end`` is the next ``start``).
+SEGMENTS_KWARG = "pivotrl_segments"
 
 
 def _packed_attention(
@@ -38,22 +40,24 @@ def _packed_attention(
     scaling: float | None = None,
     **kwargs: Any,
 ) -> tuple[Any, None]:
-    """Attention of one packed sequence as two SDPA calls (see the module docstring).
+    """Attention of packed segments, two SDPA calls per segment (see the module docstring).
 
     Shapes: query (1, H, L, D), key/value (1, H_kv, L, D), attention_mask (1, 1, L, L) bool
-    (True = attend) or additive float; ``kwargs[PREFIX_KWARG]`` = P with 0 < P ≤ L. Returns
-    (1, L, H, D), as transformers' attention functions do. Anything else: transformers' SDPA.
+    (True = attend) or additive float; ``kwargs[SEGMENTS_KWARG]`` = ``((start, P, end), …)`` with
+    0 ≤ start < start + P ≤ end, consecutive and ending at L. Returns (1, L, H, D), as transformers'
+    attention functions do. Anything else: transformers' SDPA.
     """
     import torch
     from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward, use_gqa_in_sdpa
 
-    p = kwargs.get(PREFIX_KWARG)
+    segments = kwargs.get(SEGMENTS_KWARG)
     length = query.shape[2]
-    if (p is None or dropout or attention_mask is None or query.shape[0] != 1 or key.shape[2] != length
-            or not 0 < int(p) <= length):
+    if (not segments or dropout or attention_mask is None or query.shape[0] != 1 or key.shape[2] != length
+            or segments[0][0] != 0 or segments[-1][2] != length
+            or any(not (a < a + p <= b) for a, p, b in segments)
+            or any(prev[2] != nxt[0] for prev, nxt in zip(segments, segments[1:]))):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, **kwargs)
-    p = int(p)
     groups = query.shape[1] // key.shape[1]
 
     def attend(q: Any, k: Any, v: Any, mask: Any) -> Any:
@@ -66,12 +70,13 @@ def _packed_attention(
         return torch.nn.functional.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, is_causal=mask is None, scale=scaling, **extra)
 
-    state = attend(query[:, :, :p], key[:, :, :p], value[:, :, :p], None)  # (1, H, P, D)
-    if p == length:
-        out = state
-    else:
-        actions = attend(query[:, :, p:], key, value, attention_mask[:, :, p:, :])  # (1, H, L − P, D)
-        out = torch.cat([state, actions], dim=2)
+    parts = []
+    for a, p, b in segments:
+        c = a + p  # first action token of the segment
+        parts.append(attend(query[:, :, a:c], key[:, :, a:c], value[:, :, a:c], None))  # (1, H, P, D)
+        if c < b:  # (1, H, K·s, D): the action rows against the segment's keys
+            parts.append(attend(query[:, :, c:b], key[:, :, a:b], value[:, :, a:b], attention_mask[:, :, c:b, a:b]))
+    out = torch.cat(parts, dim=2) if len(parts) > 1 else parts[0]
     return out.transpose(1, 2).contiguous(), None
 
 

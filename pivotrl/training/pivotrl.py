@@ -56,7 +56,7 @@ from pivotrl.training.deepspeed_utils import (
     resolve_dtype,
 )
 from pivotrl.training.groups import Group, check_groups
-from pivotrl.training.logprobs import compute_group_logprobs
+from pivotrl.training.logprobs import compute_group_logprobs, compute_groups_logprobs
 from pivotrl.training.packed_attention import use_packed_attention
 from pivotrl.training.mfu import ModelShape, calibrated_peak_gflops, forward_flops, mfu
 from pivotrl.training.settings import LOG_RATIO_CLAMP, run_trainer_inputs, training_section
@@ -225,22 +225,16 @@ class PivotRLTrainer:
         loss_scale = data_parallel_loss_scale()
         sums = MetricSums()
 
-        # π_ref log-probs (no grad), per micro-batch: (B, T)
-        ref_lp: list[torch.Tensor | None] = []
+        # π_ref log-probs (no grad) of all this rank's groups, packed into shared forwards
+        # (pivotrl.training.logprobs.PACK_TOKENS), then per micro-batch: (B, T)
         with torch.no_grad():
-            for mb in micro:
-                if not mb:
-                    ref_lp.append(None)
-                    continue
-                parts = [
-                    compute_group_logprobs(self.ref_model, groups[i].prompt_ids, groups[i].actions, shared_prefix=s.shared_prefix,
-                                           prefix_method=s.prefix_method)
-                    for i in mb
-                ]
-                ref_lp.append(pad_cat([p.logprobs for p in parts]))
-                sums.add("ref_tokens", sum(p.tokens_processed for p in parts))
-                sums.add("ref_flop", sum(forward_flops(self.shape, p.tokens_processed, p.logit_positions,
-                                                       p.attention_pairs) for p in parts))
+            ref_parts = compute_groups_logprobs(self.ref_model, [(groups[i].prompt_ids, groups[i].actions) for i in local],
+                                                shared_prefix=s.shared_prefix, prefix_method=s.prefix_method)
+        by_group = dict(zip(local, ref_parts))
+        ref_lp: list[torch.Tensor | None] = [pad_cat([by_group[i].logprobs for i in mb]) if mb else None for mb in micro]
+        sums.add("ref_tokens", sum(p.tokens_processed for p in ref_parts))
+        sums.add("ref_flop", sum(forward_flops(self.shape, p.tokens_processed, p.logit_positions, p.attention_pairs)
+                                 for p in ref_parts))
 
         old_lp: list[torch.Tensor | None] = [None] * n_micro
         tis_w: list[torch.Tensor | None] = [None] * n_micro  # truncated IS weights (training.tis_cap), per micro-batch
@@ -252,13 +246,10 @@ class PivotRLTrainer:
                 if not mb:
                     self._dummy_backward()
                     continue
-                parts = [
-                    compute_group_logprobs(
-                        self.engine, groups[i].prompt_ids, groups[i].actions, shared_prefix=s.shared_prefix, with_entropy=first,
-                        prefix_method=s.prefix_method,
-                    )
-                    for i in mb
-                ]
+                parts = compute_groups_logprobs(  # the micro-batch's groups packed into shared forwards
+                    self.engine, [(groups[i].prompt_ids, groups[i].actions) for i in mb], shared_prefix=s.shared_prefix,
+                    with_entropy=first, prefix_method=s.prefix_method,
+                )
                 logprobs = pad_cat([p.logprobs for p in parts])  # (B, T)
                 mask = pad_cat([p.action_mask for p in parts])  # (B, T)
                 if first:

@@ -113,3 +113,71 @@ def test_eager_attention_gets_an_additive_mask() -> None:
     naive = compute_group_logprobs(model, prompt, actions, shared_prefix=False)
     assert packed.shared_prefix
     torch.testing.assert_close(packed.logprobs, naive.logprobs, rtol=0, atol=1e-6)  # eager: fp32 RMSNorm bounds agreement at ~1e-7
+
+
+def _groups() -> list[tuple[list[int], list[list[int]]]]:
+    # different states, group sizes and action lengths; the middle group's actions are one token each
+    return [(_ids(23, 5), [_ids(n, 50 + n) for n in (4, 7, 2)]),
+            (_ids(11, 6), [_ids(1, 60 + i) for i in range(3)]),
+            (_ids(31, 7), [_ids(n, 70 + n) for n in (9, 3)])]
+
+
+def _weighted_grads(model: torch.nn.Module, results) -> dict[str, torch.Tensor]:
+    model.zero_grad()
+    total = sum((r.logprobs.sum(1) * torch.linspace(-1.0, 2.0, r.logprobs.shape[0], dtype=r.logprobs.dtype)).sum()
+                for r in results)
+    total.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    return grads
+
+
+@pytest.mark.parametrize("packed_attention", [False, True], ids=["sdpa", "pivotrl_packed"])
+@pytest.mark.parametrize("build", [lambda: tiny_llama(tiny_tokenizer(), seed=3).double(), lambda: _qwen2(kv_heads=2)],
+                         ids=["llama", "qwen2-gqa"])
+def test_groups_packed_into_one_forward_equal_each_group_alone(build, packed_attention, monkeypatch) -> None:
+    from pivotrl.training.logprobs import compute_groups_logprobs
+
+    model = build()
+    if packed_attention:
+        assert use_packed_attention(model)
+    groups = _groups()
+    alone = [compute_group_logprobs(model, p, a) for p, a in groups]
+    g_alone = _weighted_grads(model, alone)
+    forwards: list[int] = []
+    model.register_forward_pre_hook(lambda *_: forwards.append(1))
+    spy = _SdpaSpy(monkeypatch)
+    together = compute_groups_logprobs(model, groups, with_entropy=True)
+    assert len(forwards) == 1  # 3 groups, 23 + 3·6 + 11 + 0 + 31 + 2·8 = 99 tokens: one forward
+    for a, b in zip(alone, together):
+        assert b.shared_prefix and b.tokens_processed == a.tokens_processed
+        assert (b.logit_positions, b.attention_pairs) == (a.logit_positions, a.attention_pairs)
+        assert torch.equal(a.action_mask, b.action_mask)
+        torch.testing.assert_close(b.logprobs, a.logprobs, rtol=0, atol=1e-9)
+    g_together = _weighted_grads(model, together)
+    for name, g in g_alone.items():
+        assert (g_together[name] - g).abs().max().item() <= 2e-6 * g.abs().max().item(), name
+    per_layer = spy.calls[: len(spy.calls) // model.config.num_hidden_layers]
+    if packed_attention:  # per group: the state causal without a mask, the action rows over the group's keys
+        assert per_layer == [(23, 23, True, False), (18, 41, False, True), (11, 11, True, False),
+                             (31, 31, True, False), (16, 47, False, True)]
+    else:  # one masked call over the whole packed sequence
+        assert per_layer == [(99, 99, False, True)]
+
+
+def test_groups_are_packed_up_to_the_token_budget() -> None:
+    from pivotrl.training.logprobs import compute_groups_logprobs
+
+    model = tiny_llama(tiny_tokenizer(), seed=3).double()
+    forwards: list[int] = []
+    model.register_forward_pre_hook(lambda _m, _a, kw: forwards.append(kw["input_ids"].shape[1]), with_kwargs=True)
+    groups = _groups()  # 41, 11 and 47 tokens
+    alone = [compute_group_logprobs(model, p, a).logprobs for p, a in groups]
+    forwards.clear()
+    res = compute_groups_logprobs(model, groups, pack_tokens=52)
+    assert forwards == [52, 47]  # the first two share a forward; the third would overflow it
+    forwards.clear()
+    compute_groups_logprobs(model, groups, pack_tokens=10)
+    assert forwards == [41, 11, 47]  # each group longer than the budget runs alone
+    for a, b in zip(alone, res):
+        torch.testing.assert_close(b.logprobs, a, rtol=0, atol=1e-9)
