@@ -7,12 +7,14 @@ performs ``updates_per_batch`` optimiser updates of ``pivotrl_loss``.
 Per batch (``train_step``):
 
 1. advantages per group from its rewards (``compute_advantages``, GRPO by default);
-2. π_ref log-probs of every action from the frozen reference copy (no grad);
+2. π_ref log-probs of every action from the frozen reference copy (no grad), all of this rank's
+   groups packed into shared forwards (:func:`~pivotrl.training.logprobs.compute_groups_logprobs`);
 3. π_old log-probs: the weights before the first update of this batch. They are the detached
    log-probs of the first update's own forward passes (same weights, same numbers), so no extra
    forward pass is spent on them;
 4. ``updates_per_batch`` updates, each over all micro-batches (``micro_batch_groups`` groups
-   each) with gradient accumulation, so the whole batch is one optimiser update.
+   each, packed into shared forwards) with gradient accumulation, so the whole batch is one
+   optimiser update.
 
 **Groups without task signal.** A group whose K rewards are all equal has Â = 0 for every action
 under ``grpo``/``dr_grpo``/``rloo`` (spec, conformance case 3). Such groups *stay in the batch and
