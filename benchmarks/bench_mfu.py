@@ -27,8 +27,9 @@ repeated key/value cache (``training.prefix_method: cache``) and the for-loop Ad
 the change; ``after`` = the current defaults (``prefix_method: auto`` = packed, its attention in
 two SDPA calls, :mod:`pivotrl.training.packed_attention`; fused AdamW); ``full_mask`` = packed under
 one masked SDPA call per layer (transformers' ``"sdpa"``, the packed path before the split);
-``cache``, ``packed`` and ``unfused`` force one choice; ``mb2`` and ``mb4`` put 2 or 4 groups in a
-micro-batch (packed into one forward).
+``cache``, ``packed`` and ``unfused`` force one choice; ``unpacked`` runs one forward per group
+(``training.pack_tokens: 1``, π_ref's groups not packed together); ``mb2`` and ``mb4`` put 2 or 4
+groups in a micro-batch (packed into one forward).
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "unfused": {"env": {"PIVOTRL_FUSED_ADAMW": "0"}},
     "packed": {"prefix_method": "packed"},
     "full_mask": {"prefix_method": "packed", "attention": "sdpa"},
+    "unpacked": {"pack_tokens": 1},
     "mb2": {"micro_batch_groups": 2},
     "mb4": {"micro_batch_groups": 4},
     "after": {},

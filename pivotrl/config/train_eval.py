@@ -86,6 +86,14 @@ class TrainingSection(Section):
             "without packed support); auto = packed (measured faster in bf16 and in fp32). Same numbers either way."
         ),
     )
+    pack_tokens: Int = Field(
+        4096, ge=1,
+        description=(
+            "With the packed path: the most tokens one forward holds when several groups share it (π_ref's "
+            "forward over a rank's groups, π_θ's over a micro-batch's); a longer group runs alone; 1 = one "
+            "forward per group. Bounds the forward's (L, L) attention mask. Same numbers either way."
+        ),
+    )
     checkpoint_every: Int = Field(5, ge=1, description="Save a checkpoint every N rollout batches.")
     refilter_between_epochs: bool = Field(
         False,

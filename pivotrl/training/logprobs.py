@@ -215,8 +215,9 @@ def packs(model: Any) -> bool:
     return getattr(config, "model_type", None) in PACKED_MODEL_TYPES and impl in ("sdpa", "eager", PACKED_ATTENTION)
 
 
-#: Most tokens one packed forward holds when several groups share it (:func:`compute_groups_logprobs`);
-#: a group longer than this runs alone. Bounds the (L, L) mask (64 MB in fp32) and the activations.
+#: Most tokens one packed forward holds when several groups share it (:func:`compute_groups_logprobs`;
+#: the trainer passes ``training.pack_tokens``); a group longer than this runs alone. Bounds the
+#: (L, L) mask (64 MB in fp32 at 4,096).
 PACK_TOKENS = 4096
 
 

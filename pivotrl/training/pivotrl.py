@@ -231,7 +231,8 @@ class PivotRLTrainer:
         # (pivotrl.training.logprobs.PACK_TOKENS), then per micro-batch: (B, T)
         with torch.no_grad():
             ref_parts = compute_groups_logprobs(self.ref_model, [(groups[i].prompt_ids, groups[i].actions) for i in local],
-                                                shared_prefix=s.shared_prefix, prefix_method=s.prefix_method)
+                                                shared_prefix=s.shared_prefix, prefix_method=s.prefix_method,
+                                                pack_tokens=s.pack_tokens)
         by_group = dict(zip(local, ref_parts))
         ref_lp: list[torch.Tensor | None] = [pad_cat([by_group[i].logprobs for i in mb]) if mb else None for mb in micro]
         sums.add("ref_tokens", sum(p.tokens_processed for p in ref_parts))
@@ -250,7 +251,7 @@ class PivotRLTrainer:
                     continue
                 parts = compute_groups_logprobs(  # the micro-batch's groups packed into shared forwards
                     self.engine, [(groups[i].prompt_ids, groups[i].actions) for i in mb], shared_prefix=s.shared_prefix,
-                    with_entropy=first, prefix_method=s.prefix_method,
+                    with_entropy=first, prefix_method=s.prefix_method, pack_tokens=s.pack_tokens,
                 )
                 logprobs = pad_cat([p.logprobs for p in parts])  # (B, T)
                 mask = pad_cat([p.action_mask for p in parts])  # (B, T)
