@@ -91,6 +91,11 @@ class Sizing:
         return head + f" > {BUDGET_MINUTES:.0f} min budget: work x{self.tier:g} ({keys})"
 
 
+#: Names the calibration's method in its cache key: a machine calibrated by an earlier method (one
+#: second of matmuls) is measured again once.
+CALIBRATION_METHOD = "best of 3 s, 1024^2"
+
+
 def measure_gflops(dtype: str, threads: int, seconds: float = 3.0, n: int = 1024) -> float:
     """GFLOP/s of an ``n``x``n`` matmul in ``dtype`` ("bf16" | "fp32") on ``threads`` torch threads,
     best of repeated timings over about ``seconds`` (2·n³ FLOP per product). A shared or virtual
@@ -138,7 +143,7 @@ def _machine_id(dtype: str, threads: int) -> str:
 
     hw = detect_hardware()
     parts = [hw.cpu_model, " ".join(sorted(hw.cpu_flags)), hw.torch_cpu_capability, str(hw.onednn_max_isa),
-             dtype, str(threads), torch.__version__]
+             dtype, str(threads), torch.__version__, CALIBRATION_METHOD]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
 
 

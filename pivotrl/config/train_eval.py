@@ -89,9 +89,9 @@ class TrainingSection(Section):
     pack_tokens: Int = Field(
         4096, ge=1,
         description=(
-            "With the packed path: the most tokens one forward holds when several groups share it (π_ref's "
-            "forward over a rank's groups, π_θ's over a micro-batch's); a longer group runs alone; 1 = one "
-            "forward per group. Bounds the forward's (L, L) attention mask. Same numbers either way."
+            "With the packed path: the most tokens one π_ref forward holds when a rank's groups share it "
+            "(π_θ runs one forward per group); a longer group runs alone; 1 = one forward per group. Bounds "
+            "a shared forward's (L, L) attention mask and logits. Same numbers either way, up to rounding."
         ),
     )
     checkpoint_every: Int = Field(5, ge=1, description="Save a checkpoint every N rollout batches.")

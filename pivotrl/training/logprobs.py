@@ -216,8 +216,8 @@ def packs(model: Any) -> bool:
 
 
 #: Most tokens one packed forward holds when several groups share it (:func:`compute_groups_logprobs`;
-#: the trainer passes ``training.pack_tokens``); a group longer than this runs alone. Bounds the
-#: (L, L) mask (64 MB in fp32 at 4,096).
+#: the trainer passes ``training.pack_tokens`` for π_ref); a group longer than this runs alone (with
+#: its own (L, L) mask). At 4,096 a shared forward's mask is at most 64 MB in fp32.
 PACK_TOKENS = 4096
 
 
@@ -280,8 +280,13 @@ def compute_groups_logprobs(
     """Per-token log-probs of several groups ``(prompt_ids, actions)``, one :class:`GroupLogprobs` each,
     in order. On the packed path the groups share forwards: consecutive groups are packed into one
     sequence of at most ``pack_tokens`` tokens (a longer group runs alone), so the matrix products
-    see more rows per call; each group's numbers are those of :func:`compute_group_logprobs` on it
-    alone. Other paths run the groups one by one.
+    see more rows per call; each chunk's logits are reduced to log-probs before the next forward, so
+    at most one chunk's logits are held. Each group's numbers are those of
+    :func:`compute_group_logprobs` on it alone, up to rounding (a matmul's result can depend on its
+    row count in bf16). Other paths run the groups one by one.
+
+    The number of forwards depends on the groups' lengths: do not use ``pack_tokens`` > 1 on a model
+    whose forward is a collective (DeepSpeed ZeRO-3) unless every rank packs the same way.
 
     Args and errors: as :func:`compute_group_logprobs`, per group; ``pack_tokens`` ≥ 1.
     """
@@ -293,30 +298,44 @@ def compute_groups_logprobs(
         prefix_method = "packed"
     device = _model_device(model)
     dtype = torch.float64 if _model_dtype(model) == torch.float64 else torch.float32
-    prompts = [torch.as_tensor(list(p), dtype=torch.long, device=device) for p, _ in groups]  # (P,) each
-    padded = [_pad_actions(a, device, dtype) for _, a in groups]  # (K, T_max) ids and mask each
-    logits: list[torch.Tensor | None] = [None] * len(groups)
-    used_shared = [False] * len(groups)
-    if shared_prefix and prefix_method == "packed" and packs(model):
-        chunk: list[int] = []
-        size = 0
-        for i, ((p, a), (ids, _)) in enumerate(zip(groups, padded)):
-            n = processed_tokens(len(p), [len(x) for x in a], shared_prefix=True)
-            if chunk and size + n > pack_tokens:
-                for j, lg in zip(chunk, _packed_logits(model, [(prompts[j], padded[j][0]) for j in chunk])):
-                    logits[j] = lg
-                chunk, size = [], 0
-            chunk.append(i)
-            size += n
-        if chunk:
-            for j, lg in zip(chunk, _packed_logits(model, [(prompts[j], padded[j][0]) for j in chunk])):
-                logits[j] = lg
-        used_shared = [True] * len(groups)
     key = type(_underlying(model)).__qualname__
-    out = []
-    for i, ((prompt_ids, actions), prompt, (ids, mask)) in enumerate(zip(groups, prompts, padded)):
-        lg = logits[i]
-        if lg is None and shared_prefix and key not in _NAIVE_ONLY:
+    out: list[GroupLogprobs | None] = [None] * len(groups)
+
+    def finish(i: int, lg: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor, shared: bool) -> None:
+        prompt_ids, actions = groups[i]
+        logprobs, entropy = _token_stats(lg, ids, mask, with_entropy)
+        lens = [len(a) for a in actions]
+        logit_positions, pairs = work_counts(len(prompt_ids), lens, shared_prefix=shared)
+        out[i] = GroupLogprobs(logprobs=logprobs, action_mask=mask, entropy=entropy,
+                               tokens_processed=processed_tokens(len(prompt_ids), lens, shared_prefix=shared),
+                               shared_prefix=shared, logit_positions=logit_positions, attention_pairs=pairs)
+
+    def prepared(i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        prompt_ids, actions = groups[i]
+        prompt = torch.as_tensor(list(prompt_ids), dtype=torch.long, device=device)  # (P,)
+        return (prompt, *_pad_actions(actions, device, dtype))  # (K, T_max) ids and mask
+
+    if shared_prefix and prefix_method == "packed" and packs(model):
+        chunks: list[list[int]] = [[]]
+        size = 0
+        for i, (p, a) in enumerate(groups):
+            n = processed_tokens(len(p), [len(x) for x in a], shared_prefix=True)
+            if chunks[-1] and size + n > pack_tokens:
+                chunks.append([])
+                size = 0
+            chunks[-1].append(i)
+            size += n
+        for chunk in chunks:
+            if not chunk:
+                continue
+            inputs = [prepared(i) for i in chunk]
+            for i, (_, ids, mask), lg in zip(chunk, inputs, _packed_logits(model, [(p, ids) for p, ids, _ in inputs])):
+                finish(i, lg, ids, mask, True)
+        return [r for r in out if r is not None]
+    for i in range(len(groups)):
+        prompt, ids, mask = prepared(i)
+        lg = None
+        if shared_prefix and key not in _NAIVE_ONLY:
             try:
                 lg = _shared_logits(model, prompt, ids, mask)
             except (TypeError, NotImplementedError, AttributeError) as err:
@@ -324,24 +343,8 @@ def compute_groups_logprobs(
                 lg = None
             if lg is None:
                 _NAIVE_ONLY.add(key)
-            else:
-                used_shared[i] = True
-        if lg is None:
-            lg = _naive_logits(model, prompt, ids, mask)
-        logits[i] = None  # free each group's logits once its log-probs are taken
-        logprobs, entropy = _token_stats(lg, ids, mask, with_entropy)
-        lens = [len(a) for a in actions]
-        logit_positions, pairs = work_counts(len(prompt_ids), lens, shared_prefix=used_shared[i])
-        out.append(GroupLogprobs(
-            logprobs=logprobs,
-            action_mask=mask,
-            entropy=entropy,
-            tokens_processed=processed_tokens(len(prompt_ids), lens, shared_prefix=used_shared[i]),
-            shared_prefix=used_shared[i],
-            logit_positions=logit_positions,
-            attention_pairs=pairs,
-        ))
-    return out
+        finish(i, lg if lg is not None else _naive_logits(model, prompt, ids, mask), ids, mask, lg is not None)
+    return [r for r in out if r is not None]
 
 
 def compute_group_logprobs(

@@ -48,7 +48,7 @@ def _packed_attention(
     attention functions do. Anything else: transformers' SDPA.
     """
     import torch
-    from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward, use_gqa_in_sdpa
+    from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 
     segments = kwargs.get(SEGMENTS_KWARG)
     length = query.shape[2]
@@ -63,7 +63,9 @@ def _packed_attention(
     def attend(q: Any, k: Any, v: Any, mask: Any) -> Any:
         extra: dict[str, Any] = {}
         if groups > 1:
-            if use_gqa_in_sdpa(mask, k, v):
+            # grouped-query heads inside the kernel only without a mask (CUDA's fused kernels take no
+            # mask with GQA; transformers' own sdpa path on CPU and CUDA follows the same rule)
+            if mask is None and k.shape[-1] == v.shape[-1] <= 256:
                 extra["enable_gqa"] = True
             else:
                 k, v = repeat_kv(k, groups), repeat_kv(v, groups)

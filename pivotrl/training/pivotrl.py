@@ -13,8 +13,8 @@ Per batch (``train_step``):
    log-probs of the first update's own forward passes (same weights, same numbers), so no extra
    forward pass is spent on them;
 4. ``updates_per_batch`` updates, each over all micro-batches (``micro_batch_groups`` groups
-   each, packed into shared forwards) with gradient accumulation, so the whole batch is one
-   optimiser update.
+   each, one forward per group) with gradient accumulation, so the whole batch is one optimiser
+   update.
 
 **Groups without task signal.** A group whose K rewards are all equal has Â = 0 for every action
 under ``grpo``/``dr_grpo``/``rloo`` (spec, conformance case 3). Such groups *stay in the batch and
@@ -227,8 +227,9 @@ class PivotRLTrainer:
         loss_scale = data_parallel_loss_scale()
         sums = MetricSums()
 
-        # π_ref log-probs (no grad) of all this rank's groups, packed into shared forwards
-        # (pivotrl.training.logprobs.PACK_TOKENS), then per micro-batch: (B, T)
+        # π_ref log-probs (no grad) of all this rank's groups, packed into shared forwards of at most
+        # training.pack_tokens tokens (π_ref is a plain module on every rank: no collectives), then
+        # per micro-batch: (B, T)
         with torch.no_grad():
             ref_parts = compute_groups_logprobs(self.ref_model, [(groups[i].prompt_ids, groups[i].actions) for i in local],
                                                 shared_prefix=s.shared_prefix, prefix_method=s.prefix_method,
@@ -249,9 +250,11 @@ class PivotRLTrainer:
                 if not mb:
                     self._dummy_backward()
                     continue
-                parts = compute_groups_logprobs(  # the micro-batch's groups packed into shared forwards
+                # one forward per group: every rank runs the same number of π_θ forwards (a ZeRO-3
+                # forward is a collective), and packing π_θ's groups measured slower (RESULTS.md §14k)
+                parts = compute_groups_logprobs(
                     self.engine, [(groups[i].prompt_ids, groups[i].actions) for i in mb], shared_prefix=s.shared_prefix,
-                    with_entropy=first, prefix_method=s.prefix_method, pack_tokens=s.pack_tokens,
+                    with_entropy=first, prefix_method=s.prefix_method, pack_tokens=1,
                 )
                 logprobs = pad_cat([p.logprobs for p in parts])  # (B, T)
                 mask = pad_cat([p.action_mask for p in parts])  # (B, T)

@@ -142,7 +142,7 @@ def test_groups_packed_into_one_forward_equal_each_group_alone(build, packed_att
     if packed_attention:
         assert use_packed_attention(model)
     groups = _groups()
-    alone = [compute_group_logprobs(model, p, a) for p, a in groups]
+    alone = [compute_group_logprobs(model, p, a, with_entropy=True) for p, a in groups]
     g_alone = _weighted_grads(model, alone)
     forwards: list[int] = []
     model.register_forward_pre_hook(lambda *_: forwards.append(1))
@@ -154,6 +154,7 @@ def test_groups_packed_into_one_forward_equal_each_group_alone(build, packed_att
         assert (b.logit_positions, b.attention_pairs) == (a.logit_positions, a.attention_pairs)
         assert torch.equal(a.action_mask, b.action_mask)
         torch.testing.assert_close(b.logprobs, a.logprobs, rtol=0, atol=1e-9)
+        torch.testing.assert_close(b.entropy, a.entropy, rtol=0, atol=1e-9)
     g_together = _weighted_grads(model, together)
     for name, g in g_alone.items():
         assert (g_together[name] - g).abs().max().item() <= 2e-6 * g.abs().max().item(), name

@@ -71,27 +71,33 @@ def test_mean_reward_rises_with_a_toy_verifier(ckpt: Path) -> None:
     assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + 0.15
 
 
-def test_groups_packed_into_one_micro_batch_give_the_same_update(ckpt: Path) -> None:
-    """micro_batch_groups = 4 packs the four groups into one forward (and π_ref's into one too);
-    micro_batch_groups = 1 runs them one by one: the same loss, the same gradient, the same weights."""
+def test_reference_groups_packed_into_one_forward_give_the_same_update(ckpt: Path) -> None:
+    """training.pack_tokens packs a step's four groups into one π_ref forward (π_θ keeps one forward
+    per group, so every rank runs the same number of policy forwards); pack_tokens = 1 runs π_ref
+    group by group: the same loss, KL, gradient and weights."""
     groups = _groups(11, 4)
-    one = PivotRLTrainer.build(ckpt, group_size=4, dtype="float32", lr=1e-2, beta=0.05, updates_per_batch=2,
-                               micro_batch_groups=1, seed=0)
-    four = PivotRLTrainer.build(ckpt, group_size=4, dtype="float32", lr=1e-2, beta=0.05, updates_per_batch=2,
-                                micro_batch_groups=4, seed=0)
+    kw = dict(group_size=4, dtype="float32", lr=1e-2, beta=0.05, updates_per_batch=2, micro_batch_groups=4, seed=0)
+    one = PivotRLTrainer.build(ckpt, pack_tokens=1, **kw)
+    packed = PivotRLTrainer.build(ckpt, **kw)
     before = [p.detach().clone() for p in one.engine.module.parameters()]
-    forwards: list[int] = []
-    four.engine.module.register_forward_pre_hook(lambda _m, _a, kw: forwards.append(kw["input_ids"].shape[1]),
-                                                 with_kwargs=True)
-    m1, m4 = one.train_step(groups), four.train_step(groups)
-    assert forwards == [sum(len(g.prompt_ids) + 4 * (max(map(len, g.actions)) - 1) for g in groups)] * 2
+    ref_forwards: dict[str, list[int]] = {"one": [], "packed": []}
+    policy_forwards: list[int] = []
+    for name, trainer in (("one", one), ("packed", packed)):
+        trainer.ref_model.register_forward_pre_hook(
+            lambda _m, _a, kw, name=name: ref_forwards[name].append(kw["input_ids"].shape[1]), with_kwargs=True)
+    packed.engine.module.register_forward_pre_hook(
+        lambda _m, _a, kw: policy_forwards.append(kw["input_ids"].shape[1]), with_kwargs=True)
+    m1, m4 = one.train_step(groups), packed.train_step(groups)
+    sizes = [len(g.prompt_ids) + 4 * (max(map(len, g.actions)) - 1) for g in groups]
+    assert ref_forwards == {"one": sizes, "packed": [sum(sizes)]}
+    assert policy_forwards == sizes * 2  # two updates, one forward per group each
     assert m4["tokens"] == m1["tokens"] and m4["ref_tokens"] == m1["ref_tokens"]
     assert m4["model_tflop"] == pytest.approx(m1["model_tflop"], rel=1e-12)
     for key in ("loss", "loss_last", "kl", "grad_norm", "ratio_max", "entropy"):
         assert m4[key] == pytest.approx(m1[key], rel=1e-5, abs=1e-7), key
     # AdamW divides by √v: where a gradient is ~0, fp32 summation order shows in the update; the
     # weights agree to 1 % of how far they moved
-    for p0, p1, p4 in zip(before, one.engine.module.parameters(), four.engine.module.parameters()):
+    for p0, p1, p4 in zip(before, one.engine.module.parameters(), packed.engine.module.parameters()):
         moved = (p1 - p0).abs().max().item()
         assert moved > 0 and (p1 - p4).abs().max().item() <= 0.01 * moved
 
