@@ -39,7 +39,7 @@ from typing import Any, Sequence
 import torch
 
 from pivotrl.errors import DataError
-from pivotrl.training.packed_attention import PACKED_ATTENTION, SEGMENTS_KWARG
+from pivotrl.training.packed_attention import PACKED_ATTENTION, PACKED_MODEL_TYPES, SEGMENTS_KWARG
 
 __all__ = [
     "GroupLogprobs",
@@ -200,9 +200,6 @@ def _shared_logits(model: Any, prompt: torch.Tensor, ids: torch.Tensor, mask: to
     return torch.cat([first.expand(k, 1, first.shape[-1]), rest], dim=1)
 
 
-#: ``config.model_type`` of the models whose forward honours a 4-D attention mask with explicit
-#: ``position_ids`` (transformers' standard decoder layers; checked in tests/unit/test_logprobs.py).
-PACKED_MODEL_TYPES = frozenset({"llama", "qwen2", "mistral", "qwen3"})
 
 
 def packs(model: Any) -> bool:

@@ -22,9 +22,13 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["PACKED_ATTENTION", "SEGMENTS_KWARG", "use_packed_attention"]
+__all__ = ["PACKED_ATTENTION", "PACKED_MODEL_TYPES", "SEGMENTS_KWARG", "use_packed_attention"]
 
 PACKED_ATTENTION = "pivotrl_packed"
+#: ``config.model_type`` of the models whose forward honours a 4-D attention mask with explicit
+#: ``position_ids`` (transformers' standard decoder layers; checked in tests/unit/test_logprobs.py):
+#: the packed path serves them (:func:`pivotrl.training.logprobs.packs`).
+PACKED_MODEL_TYPES = frozenset({"llama", "qwen2", "mistral", "qwen3"})
 #: Keyword of the model's forward carrying the packed segments: ``((start, P, end), …)`` in order,
 #: covering the sequence (``start`` of the first is 0, each ``end`` is the next ``start``).
 SEGMENTS_KWARG = "pivotrl_segments"
@@ -85,13 +89,11 @@ def _packed_attention(
 def use_packed_attention(model: Any) -> bool:
     """Switch ``model`` (an HF causal LM, or a DeepSpeed engine's ``.module``) from ``"sdpa"`` to
     :data:`PACKED_ATTENTION` when its type takes the packed path
-    (:data:`pivotrl.training.logprobs.PACKED_MODEL_TYPES`); registers the function with transformers
+    (:data:`PACKED_MODEL_TYPES`); registers the function with transformers
     once per process. Other forwards of the model compute exactly as under ``"sdpa"``. Returns
     whether the model now uses it (False for other attention implementations and model types)."""
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
-
-    from pivotrl.training.logprobs import PACKED_MODEL_TYPES
 
     module = getattr(model, "module", model)
     config = getattr(module, "config", None)
