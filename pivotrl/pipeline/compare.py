@@ -194,7 +194,8 @@ def stage_sft_baseline(cfg: RunConfig, store: ArtifactStore, demos: dict[str, An
             ckpt = Path(tmp) / "ckpt"
             m = run_sft(str(rdir), cycled, str(ckpt), epochs=1, lr=cp.sft_lr or cfg.training.lr,
                         batch_size=cp.sft_batch_size, dtype=TRAINER_DTYPE[cfg.model.dtype],
-                        zero_stage=cfg.training.deepspeed.zero_stage, seed=cfg.run.seed)
+                        zero_stage=cfg.training.deepspeed.zero_stage, seed=cfg.run.seed,
+                        retain_host_memory=cfg.training.retain_host_memory)
             store.put_dir(str(ckpt), f"{key}/policy")
         led.add(optimizer_steps=int(m["steps"]), trainer_tokens=int(m["tokens"]), trainer_tokens_naive=int(m["tokens"]))
         summary.update(steps=int(m["steps"]), first_loss=m["first_loss"], final_loss=m["final_loss"])

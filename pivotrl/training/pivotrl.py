@@ -121,6 +121,7 @@ class PivotRLTrainer:
             grad_clip=training.grad_clip or 0.0,
             weight_decay=0.0,
             extra_config=training.deepspeed.extra or None,
+            retain_host_memory=training.retain_host_memory,
         )
         self.engine.eval()  # no dropout: log-probs must be deterministic functions of the weights
         self.ref_model = load_causal_lm(self.ref_model_dir, self.compute_dtype).eval()

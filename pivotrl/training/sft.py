@@ -114,6 +114,7 @@ def run_sft(
     tokenizer_dir: str | os.PathLike[str] | None = None,
     deepspeed_extra: dict[str, Any] | None = None,
     peak_gflops_per_thread: float | None = None,
+    retain_host_memory: bool = True,
 ) -> dict[str, Any]:
     """Fine-tune ``model_dir`` on ``examples`` and export an HF checkpoint (+ tokenizer) to ``out_dir``.
 
@@ -128,7 +129,7 @@ def run_sft(
             (0–3), seed (shuffle order and torch seed), grad_clip (≥ 0; None = off), weight_decay,
             deepspeed_extra (merged over the generated DeepSpeed config), peak_gflops_per_thread
             (the calibrated matmul peak of one thread in ``dtype``, :mod:`pivotrl.training.mfu`; None =
-            no ``mfu``).
+            no ``mfu``), retain_host_memory (see :func:`pivotrl.training.deepspeed_utils.build_engine`).
 
     Returns:
         metrics: ``losses`` (per step, mean NLL per loss token, nats), ``first_loss``,
@@ -155,6 +156,7 @@ def run_sft(
         grad_clip=grad_clip,
         weight_decay=weight_decay,
         extra_config=deepspeed_extra,
+        retain_host_memory=retain_host_memory,
     )
     engine.eval()  # no dropout: deterministic, and the same forward as the RL trainer
     rank, world = rank_and_world()
