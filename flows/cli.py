@@ -231,7 +231,7 @@ def show_config(config: str = ConfigOpt, overrides: Optional[list[str]] = SetOpt
     """Validate a config and print the values a run on this machine would use, with its hash.
 
     Checks that the model source and the local demonstration files exist; sizes the config by
-    run.sizing (the calibration kept in CACHE_DIR/calibration.json, or measured in about a second)
+    run.sizing (the calibration kept in CACHE_DIR/calibration.json, or measured in about three seconds)
     and marks each scaled size with what the config said and why."""
     from pivotrl.config import config_hash, dump_config
     from pivotrl.pipeline.console import precision_lines

@@ -48,6 +48,12 @@ def key_lines(text: str, duplicates: list[str] | None = None) -> dict[tuple[Any,
 def _read_text(path_or_url: str) -> str:
     import fsspec  # local import: only needed when a file is read
 
+    if "://" in path_or_url and not path_or_url.startswith(("file://", "local://")):
+        # A remote config: credentials, endpoint and the object checked first, with short timeouts
+        # and one line naming what to set (StorageAccessError / SourceNotFoundError / StorageError).
+        from pivotrl.storage_check import check_source
+
+        check_source(path_or_url, what=f"config {path_or_url}")
     try:
         with fsspec.open(path_or_url, "r", encoding="utf-8") as f:
             text = f.read()

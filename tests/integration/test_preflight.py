@@ -328,3 +328,29 @@ def test_denied_writes_are_permanent_and_never_retried(read_only_s3, monkeypatch
         with stage_lease(store, "probe-k"):
             pass
     assert is_permanent(e.value)
+
+
+def test_a_config_at_an_s3_url_is_read_or_refused_with_one_line(s3_endpoint, tiny, tmp_path):
+    import s3fs
+
+    url = "s3://pivotrl-configs/smoke.yaml"
+    cmd = [PIVOTRL, "config", "--config", url, "--set", f"model.source={tiny}", "--set", "run.sizing=fixed",
+           "--set", f"run.storage_root={tmp_path / 'root'}"]
+
+    def config(env: dict[str, str]) -> subprocess.CompletedProcess:
+        return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+
+    out = config(_env(tmp_path, s3_endpoint))  # no credentials
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    assert out.stderr.strip() == (f"error (StorageAccessError): config {url}: no AWS credentials found; set "
+                                  "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (and AWS_ENDPOINT_URL_S3 for a non-AWS "
+                                  "endpoint), or AWS_PROFILE / an instance role")
+    env = _env(tmp_path, s3_endpoint, AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing")
+    fs = s3fs.S3FileSystem(key="testing", secret="testing", client_kwargs={"endpoint_url": s3_endpoint})
+    fs.mkdir("pivotrl-configs")
+    out = config(env)  # the bucket, not the object
+    assert out.returncode == 2 and out.stderr.strip() == f"error (SourceNotFoundError): config {url}: no such file (object or bucket)", out.stderr
+    fs.put(str(REPO / "configs" / "smoke.yaml"), "pivotrl-configs/smoke.yaml")
+    out = config(env)
+    assert out.returncode == 0, out.stderr
+    assert f"source: {tiny}" in out.stdout and "group_size:" in out.stdout
