@@ -85,8 +85,12 @@ def validate_trajectory(traj: Trajectory, where: str = "") -> None:
     * every tool message answers an earlier assistant tool call (``tool_call_id`` matches a call id);
     * every called tool is one of the trajectory's ``tools``;
     * tool-call ids are unique within the trajectory;
-    * every tool name can be written in the action format (:func:`pivotrl.actions.is_action_name`).
+    * every tool name can be written in the action format (:func:`pivotrl.actions.is_action_name`);
+    * every answer rule in ``meta`` (``answer_rule``, ``answer_rules``) is well formed
+      (:func:`pivotrl.verifiers.text_rules.validate_rule`: keys, types, regular expressions).
     """
+    from pivotrl.verifiers.text_rules import validate_rule
+
     where = where or f"trajectory {traj.id!r}"
     if not traj.messages:
         raise DataError(f"{where}.messages: empty trajectory")
@@ -102,6 +106,8 @@ def validate_trajectory(traj: Trajectory, where: str = "") -> None:
     call_ids: set[str] = set()
     for i, m in enumerate(traj.messages):
         for j, c in enumerate(m.tool_calls):
+            if not tool_names:
+                raise DataError(f"{where}.tools: missing or empty, but messages[{i}].tool_calls[{j}] calls {c.name!r}")
             if c.name not in tool_names:
                 raise DataError(
                     f"{where}.messages[{i}].tool_calls[{j}].function.name: {c.name!r} is not one of the "
@@ -115,6 +121,15 @@ def validate_trajectory(traj: Trajectory, where: str = "") -> None:
             raise DataError(
                 f"{where}.messages[{i}].tool_call_id: {m.tool_call_id!r} does not match any earlier tool call"
             )
+    meta = traj.meta or {}
+    if meta.get("answer_rule") is not None:
+        validate_rule(meta["answer_rule"], f"{where}.meta.answer_rule")
+    rules = meta.get("answer_rules")
+    if rules is not None:
+        if not isinstance(rules, dict):
+            raise DataError(f"{where}.meta.answer_rules: expected an object of turn index -> rule")
+        for turn, rule in rules.items():
+            validate_rule(rule, f"{where}.meta.answer_rules.{turn}")
 
 
 def _field_of(message: str, where: str) -> str:

@@ -49,6 +49,9 @@ def bad_lines() -> list[bytes]:
     del no_messages["messages"]
     no_name = good("no_name")
     del no_name["messages"][1]["tool_calls"][0]["function"]["name"]
+    bad_rule = {**good("bad_rule"), "meta": {"answer_rule": {"regex": "(unclosed"}}}
+    no_tools = good("no_tools")
+    del no_tools["tools"]
     return [
         json.dumps(good("a")).encode(),                    # line 1
         b'{"id": "cut", "messages": [{"role": "us',         # line 2: malformed JSON
@@ -60,6 +63,8 @@ def bad_lines() -> list[bytes]:
         b'{"id": "latin1", "messages": "caf\xe9"}',         # line 8: not UTF-8
         json.dumps(good("b")).encode(),                     # line 9
         json.dumps(good("c")).encode(),                     # line 10
+        json.dumps(bad_rule).encode(),                      # line 11: an answer rule that cannot compile
+        json.dumps(no_tools).encode(),                      # line 12: calls a tool, declares none
     ]
 
 
@@ -88,6 +93,8 @@ def leftovers(root: Path) -> list[str]:
         (6, r"line 2 'no_messages'\.messages: missing or empty"),
         (7, r"line 2 'no_name'\.messages\[1\]\.tool_calls\[0\]\.function\.name: missing"),
         (8, r"line 2: not valid UTF-8"),
+        (11, r"line 2 'bad_rule'\.meta\.answer_rule\.regex: not a valid regular expression"),
+        (12, r"line 2 'no_tools'\.tools: missing or empty, but messages\[1\]\.tool_calls\[0\] calls 'cd'"),
     ],
 )
 def test_a_bad_record_stops_the_demonstrations_stage_and_writes_nothing(tmp_path, line, pattern):
@@ -107,7 +114,7 @@ def test_quarantine_skips_counts_and_describes_bad_records(tmp_path):
     cfg = chat_config(tmp_path, str(src), "data.on_invalid=quarantine")
     store = ArtifactStore(cfg.run.storage_root)
     out = build_demonstrations(cfg, store)
-    assert out["counts"]["trajectories"] == 3 and out["counts"]["quarantined"] == 7
+    assert out["counts"]["trajectories"] == 3 and out["counts"]["quarantined"] == 9
     key = demos_key(cfg)
     q = [json.loads(x) for x in store.read_text(f"{key}/quarantine.jsonl").splitlines()]
     assert [(e["record"], e["id"], e["field"]) for e in q] == [
@@ -118,6 +125,8 @@ def test_quarantine_skips_counts_and_describes_bad_records(tmp_path):
         ("line 6", "no_messages", "messages"),
         ("line 7", "no_name", "messages[1].tool_calls[0].function.name"),
         ("line 8", "", "record"),
+        ("line 11", "bad_rule", "meta.answer_rule.regex"),
+        ("line 12", "no_tools", "tools"),
     ]
     assert store.read_manifest(f"{key}/quarantine.jsonl").kind == "quarantine"
     assert sorted(store.read_parquet(f"{key}/trajectories.parquet")["id"]) == ["a", "b", "c"]
