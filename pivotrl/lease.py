@@ -35,6 +35,9 @@ log = logging.getLogger("pivotrl.lease")
 #: Folder under the run root that holds the leases.
 LEASE_DIR = "leases"
 
+# The leases this process holds now: owner id -> (filesystem, path); see release_held_leases.
+_HELD: dict[str, tuple[Any, str]] = {}
+
 
 @dataclass(frozen=True)
 class LeaseInfo:
@@ -200,12 +203,30 @@ def stage_lease(store: Any, key: str, *, ttl: float = 60.0, poll: float = 1.0, t
 
     renewer = threading.Thread(target=renew, name=f"lease-{key[:24]}", daemon=True)
     renewer.start()
+    _HELD[owner] = (fs, path)
     try:
         yield LeaseInfo(key=key, owner=owner, waited_s=time.time() - t0, holders=tuple(holders))
     finally:
         stop.set()
         renewer.join(timeout=5)
+        _HELD.pop(owner, None)
         _remove_if_owner(fs, path, owner)
+
+
+def release_held_leases() -> int:
+    """Delete every lease this process holds (a run stopped by a signal exits without unwinding its
+    ``with stage_lease``; the next run would otherwise find the lease of a dead process and break
+    it). Returns how many were deleted; a lease that cannot be deleted is left to expire. Never
+    raises."""
+    released = 0
+    for owner, (fs, path) in list(_HELD.items()):
+        _HELD.pop(owner, None)
+        try:
+            _remove_if_owner(fs, path, owner)
+            released += 1
+        except Exception as e:  # the store went away: the lease expires after its ttl
+            log.warning("could not release the lease %s: %s", path, e)
+    return released
 
 
 def _remove_if_owner(fs: Any, path: str, owner: Any) -> None:
@@ -217,4 +238,4 @@ def _remove_if_owner(fs: Any, path: str, owner: Any) -> None:
             pass
 
 
-__all__ = ["LEASE_DIR", "LeaseInfo", "lease_path", "stage_lease"]
+__all__ = ["LEASE_DIR", "LeaseInfo", "lease_path", "release_held_leases", "stage_lease"]

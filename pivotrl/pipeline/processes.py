@@ -48,6 +48,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
+from pivotrl.lease import release_held_leases
+
 #: Seconds the processes of a run get between SIGTERM and SIGKILL.
 GRACE_S = 5.0
 
@@ -250,6 +252,7 @@ class StopOnSignal:
         left = stop_tree(procs, self.grace_s)
         left += stop_tree(descendants(), 1.0)  # anything started meanwhile
         remove_tempdirs()  # os._exit runs no finally: the stages' spec files go here
+        release_held_leases()  # nor the stages' leases
         _say(f"stopped in {time.monotonic() - t0:.1f} s"
              + (f"; still alive: {sorted(p.pid for p in left)}" if left else "")
              + ". Published artifacts are kept; the next run resumes from them.\n")

@@ -143,6 +143,8 @@ def _interrupt_during(tmp: Path, model: Path, pattern: str, times: int = 1, sig:
     cmds = "\n".join(run.cmdlines)
     assert "pivotrl.pipeline.entry" in cmds, cmds  # the stage process was in the tree
     assert "prefect" in cmds and "server" in cmds or "uvicorn" in cmds, cmds  # and Prefect's server
+    if times == 1:  # a graceful stop releases the stage's lease (a second signal exits at once)
+        assert sorted(p.name for p in (tmp / "runs" / "leases").glob("*")) == []
     return run
 
 

@@ -69,3 +69,15 @@ def test_a_lease_of_a_live_process_is_waited_for(tmp_path):
     finally:
         child.send_signal(signal.SIGKILL)
         child.wait(timeout=30)
+
+
+def test_a_process_stopped_by_a_signal_releases_the_leases_it_holds(tmp_path):
+    from pivotrl.lease import release_held_leases
+
+    store = ArtifactStore(str(tmp_path / "root"))
+    path = Path(lease_path(store, "train/abc"))
+    with stage_lease(store, "train/abc", ttl=120.0), stage_lease(store, "probes/def", ttl=120.0):
+        assert path.exists() and len(list(path.parent.glob("*.json"))) == 2
+        assert release_held_leases() == 2  # what the run's signal handler calls before os._exit
+        assert list(path.parent.glob("*.json")) == []
+    assert release_held_leases() == 0  # nothing held after the with
