@@ -143,7 +143,7 @@ def load_config(path_or_url: str | None, overrides: Sequence[str] = ()) -> RunCo
 
     ``overrides`` are ``"dotted.key=value"`` strings whose value is parsed as YAML
     (``"training.beta=0.01"``, ``"evaluation.seeds=[0, 1]"``, ``"data.sources.0.limit_per_category=5"``),
-    applied in order. Raises ConfigError for an unreadable file, invalid YAML, an unknown override key
+    applied in order. Raises ConfigError for an unreadable or empty file, invalid YAML, an unknown override key
     (naming it and the valid keys) or any invalid value (every problem listed).
     """
     text = _read_text(path_or_url) if path_or_url is not None else ""
@@ -153,6 +153,10 @@ def load_config(path_or_url: str | None, overrides: Sequence[str] = ()) -> RunCo
     if duplicates:
         raise ConfigError(f"config {path_or_url}: {len(duplicates)} key(s) written twice (YAML would keep the "
                           "last one silently; remove the other)\n  - " + "\n  - ".join(duplicates))
+    if data is None and path_or_url is not None:
+        # An empty file (or one of comments only) loads as None: never taken for the full default run.
+        raise ConfigError(f"config {path_or_url}: empty config file (no settings); a run on it would be the "
+                          "full default run — pass no --config for that")
     if data is None:
         data = {}
     if not isinstance(data, Mapping):

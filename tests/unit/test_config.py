@@ -233,6 +233,19 @@ def test_file_errors_name_the_file(tmp_path):
         load_config(str(lst))
 
 
+@pytest.mark.parametrize("text", ["", "\n", "# run:\n#   name: x\n"])
+def test_an_empty_config_file_is_refused(tmp_path, text):
+    path = tmp_path / "empty.yaml"
+    path.write_text(text, encoding="utf-8")
+    with pytest.raises(ConfigError) as e:
+        load_config(str(path))
+    assert str(e.value) == (f"config {path}: empty config file (no settings); a run on it would be the full default "
+                            "run — pass no --config for that")
+    explicit = tmp_path / "explicit.yaml"  # an explicit empty mapping is a choice, not an accident
+    explicit.write_text("{}\n", encoding="utf-8")
+    assert load_config(str(explicit)) == RunConfig()
+
+
 # ------------------------------------------------------------------------------- overrides
 def test_overrides_are_yaml_scalars_applied_in_order():
     cfg = load_config(
