@@ -10,7 +10,7 @@ from typing import Any, Mapping, Sequence
 import yaml
 
 from pivotrl.config.schema import RunConfig
-from pivotrl.config.validate import item_type, models_of, parse_config
+from pivotrl.config.validate import did_you_mean, item_type, models_of, parse_config
 from pivotrl.data.schema import canonical_json
 from pivotrl.errors import ConfigError
 
@@ -107,9 +107,10 @@ def _apply_override(data: dict[str, Any], override: str) -> None:
         if models:
             owner = next((m for m in models if key in m.model_fields), None)
             if owner is None:
-                valid = ", ".join(models[0].model_fields)
+                valid = list(models[0].model_fields)
                 section = ".".join(keys[:i]) or "the top level"
-                raise ConfigError(f"override {override!r}: unknown key {here!r}; valid keys of {section}: {valid}")
+                raise ConfigError(f"override {override!r}: unknown key {here!r}; valid keys of {section}: "
+                                  f"{', '.join(valid)}" + did_you_mean(key, valid))
             tp = owner.model_fields[key].annotation
         else:
             tp = None  # free-form mapping (e.g. training.deepspeed.extra)

@@ -105,6 +105,13 @@ _RULES = {
 }
 
 
+def did_you_mean(name: str, valid: Sequence[str]) -> str:
+    """`` (did you mean 'storage_root'?)`` for the valid key closest to an unknown ``name``; "" when none is
+    close. The one suggestion of an unknown key, in a config file and in an override."""
+    hint = difflib.get_close_matches(name, list(valid), n=1)
+    return f" (did you mean {hint[0]!r}?)" if hint else ""
+
+
 def _describe(err: Mapping[str, Any]) -> str:
     path, parent_path, parent, info = _walk_loc(err["loc"])
     etype, ctx, value = err["type"], err.get("ctx") or {}, err.get("input")
@@ -114,10 +121,9 @@ def _describe(err: Mapping[str, Any]) -> str:
     if etype == "extra_forbidden":
         valid = list(parent.model_fields) if parent is not None else []
         name = path.rsplit(".", 1)[-1]
-        hint = difflib.get_close_matches(name, valid, n=1)
         section = parent_path or "the top level"
         text = f"{path} = {show_value(value)}: unknown key; valid keys of {section}: {', '.join(valid)}"
-        return text + (f" (did you mean {hint[0]!r}?)" if hint else "")
+        return text + did_you_mean(name, valid)
     if etype in _RULES:
         try:
             rule = _RULES[etype](ctx)

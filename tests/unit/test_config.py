@@ -213,6 +213,25 @@ def test_unknown_override_key_is_named():
         load_config(None, ["data.sources.5.limit_per_category=1"])
 
 
+def test_an_override_key_typo_gets_the_suggestion_a_file_typo_gets(tmp_path):
+    path = tmp_path / "typo.yaml"
+    path.write_text("run:\n  storge_root: x\n", encoding="utf-8")
+    with pytest.raises(ConfigError) as in_file:
+        load_config(str(path))
+    with pytest.raises(ConfigError) as in_override:
+        load_config(None, ["run.storge_root=x"])
+    assert str(in_file.value).endswith(" (did you mean 'storage_root'?)")
+    assert str(in_override.value) == ("override 'run.storge_root=x': unknown key 'run.storge_root'; valid keys of run: "
+                                      "name, seed, storage_root, storage_options, cache_dir, log_level, sizing "
+                                      "(did you mean 'storage_root'?)")
+    with pytest.raises(ConfigError) as top:
+        load_config(None, ["trainig.beta=0.1"])
+    assert str(top.value).endswith(" (did you mean 'training'?)")
+    with pytest.raises(ConfigError) as far:  # nothing close: no suggestion
+        load_config(None, ["run.zzzz=1"])
+    assert "did you mean" not in str(far.value)
+
+
 def test_an_empty_section_means_its_defaults(tmp_path):
     path = tmp_path / "empty.yaml"
     path.write_text("probing:\n  # num_probes: 4\ntraining:\n  beta: 0.0\n", encoding="utf-8")
