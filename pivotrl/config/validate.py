@@ -174,10 +174,14 @@ def _line_of(err: Mapping[str, Any], data: Any, lines: Mapping[tuple[Any, ...], 
 
 def _config_error(exc: ValidationError, source: str | None, data: Any = None,
                   lines: Mapping[tuple[Any, ...], int] | None = None) -> ConfigError:
-    problems = []
+    located = []
     for e in exc.errors():
         line = _line_of(e, data, lines) if lines else None
-        problems.append((f"line {line}: " if line else "") + _describe(e))
+        located.append((line, (f"line {line}: " if line else "") + _describe(e)))
+    # In file order (pydantic lists them by schema field); problems with no line of the file
+    # (an override's value) after them, in the order found.
+    located.sort(key=lambda lp: (lp[0] is None, lp[0] or 0))
+    problems = [text for _, text in located]
     where = f" {source}" if source else ""
     head = f"invalid config{where}: {len(problems)} problem{'s' if len(problems) != 1 else ''}"
     return ConfigError(head + "\n  - " + "\n  - ".join(problems))

@@ -31,12 +31,12 @@ def test_each_problem_names_its_line_in_the_file_unless_an_override_set_it(tmp_p
     with pytest.raises(ConfigError) as e:
         load_config(str(path))
     got = [line[4:] for line in str(e.value).splitlines() if line.startswith("  - ")]
-    assert sorted(got) == sorted([
+    assert got == [  # in the file's order (the schema puts data and probing before training)
         "line 3: training.lr = 'fast': must be a number",
         next(g for g in got if g.startswith("line 5: training.bogus_key = 3: unknown key")),
         next(g for g in got if g.startswith("line 10: data.sources[0].nonsense = 1: unknown key")),
         "line 13: probing.lambda_diff = 0: must be > 0 (μ̂ < lambda_diff keeps nothing when lambda_diff ≤ 0)",
-    ])
+    ]
     # An overridden value's problem is not the file's: no line; the file's other problems keep theirs.
     with pytest.raises(ConfigError) as e:
         load_config(str(path), ["training.lr=slow", "probing.lambda_diff=-1"])
@@ -44,6 +44,7 @@ def test_each_problem_names_its_line_in_the_file_unless_an_override_set_it(tmp_p
     assert "training.lr = 'slow': must be a number" in got
     assert any(g.startswith("probing.lambda_diff = -1: must be > 0") for g in got)
     assert any(g.startswith("line 5: training.bogus_key = 3") for g in got)
+    assert [g[:7] for g in got[:2]] == ["line 5:", "line 10"]  # the file's lines first, the overrides' after
     # A missing key is located at its section's entry (the list item here).
     path.write_text("data:\n  sources:\n    - kind: chat\n", encoding="utf-8")
     with pytest.raises(ConfigError, match=r"line 3: data\.sources\[0\]\.url: required key is missing"):
