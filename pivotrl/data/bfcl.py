@@ -60,7 +60,7 @@ from pivotrl.data.audit import (
     failure_status,
     not_in_history_flags,
 )
-from pivotrl.data.schema import Message, ToolCall, ToolSpec, Trajectory, file_sha256
+from pivotrl.data.schema import Message, ToolCall, ToolSpec, Trajectory, file_sha256, json_problem
 from pivotrl.data.sources import validate_trajectory
 from pivotrl.envs.bfcl import (
     BFCL_CLASSES,
@@ -158,7 +158,7 @@ def _read_jsonl(path: Path) -> list[dict[str, Any]]:
                 try:
                     out.append(json.loads(line))
                 except json.JSONDecodeError as e:
-                    raise DataError(f"{path.name} line {lineno}: malformed JSON ({e.msg})") from None
+                    raise DataError(f"{path.name} line {lineno}: malformed JSON ({json_problem(e)})") from None
     return out
 
 

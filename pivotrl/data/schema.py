@@ -27,6 +27,12 @@ def canonical_json(obj: Any) -> str:
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
 
 
+def json_problem(e: json.JSONDecodeError) -> str:
+    """What is wrong with a JSON text, where: ``Unterminated string starting at column 7`` (some of
+    json's messages end in "at" already; the column is never written after a second one)."""
+    return f"{e.msg.removesuffix(' at')} at column {e.colno}"
+
+
 def content_hash(obj: Any) -> str:
     """sha256 hex digest of ``canonical_json(obj)``."""
     return hashlib.sha256(canonical_json(obj).encode("utf-8")).hexdigest()
@@ -70,7 +76,7 @@ class ToolCall:
             try:
                 args = json.loads(args) if args.strip() else {}
             except json.JSONDecodeError as e:
-                raise DataError(f"{where}.function.arguments: not valid JSON ({e.msg})") from None
+                raise DataError(f"{where}.function.arguments: not valid JSON ({json_problem(e)})") from None
         if not isinstance(args, Mapping):
             raise DataError(f"{where}.function.arguments: expected an object, got {type(args).__name__}")
         call_id = d.get("id", "") or ""

@@ -28,7 +28,7 @@ import fsspec
 
 from pivotrl.actions import is_action_name
 from pivotrl.data.audit import audit_chat_record
-from pivotrl.data.schema import Trajectory
+from pivotrl.data.schema import Trajectory, json_problem
 from pivotrl.errors import ConfigError, DataError, SourceNotFoundError, StorageAccessError, StorageError
 from pivotrl.interop.nemo import is_nemo_row, row_to_record
 
@@ -183,7 +183,7 @@ def _iter_jsonl(url: str) -> Iterator[tuple[str, str, Any]]:
         try:
             obj = json.loads(text)
         except json.JSONDecodeError as e:
-            yield loc, "", DataError(f"{url} {loc}: malformed JSON ({e.msg} at column {e.colno})")
+            yield loc, "", DataError(f"{url} {loc}: malformed JSON ({json_problem(e)})")
             continue
         except RecursionError:
             yield loc, "", DataError(f"{url} {loc}: JSON nested too deeply to read")
@@ -221,7 +221,7 @@ def _iter_parquet(url: str) -> Iterator[tuple[str, str, Any]]:
                 try:
                     obj[col] = json.loads(v) if v.strip() else None
                 except json.JSONDecodeError as e:
-                    bad = DataError(f"{url} {loc} {rid!r}.{col}: malformed JSON ({e.msg} at column {e.colno})")
+                    bad = DataError(f"{url} {loc} {rid!r}.{col}: malformed JSON ({json_problem(e)})")
                     break
                 except RecursionError:
                     bad = DataError(f"{url} {loc} {rid!r}.{col}: JSON nested too deeply to read")

@@ -51,6 +51,7 @@ from typing import Any
 
 from pivotrl.actions import parse_action
 from pivotrl.data.bfcl import SINGLE_TURN_CATEGORIES
+from pivotrl.data.schema import json_problem
 from pivotrl.envs.bfcl import bfcl_class
 from pivotrl.errors import ActionParseError, DataError
 
@@ -279,7 +280,7 @@ class BFCLSingleTurnJudge:
                         try:
                             obj = json.loads(line)
                         except json.JSONDecodeError as e:
-                            raise DataError(f"{path.name} line {lineno}: malformed JSON ({e.msg})") from None
+                            raise DataError(f"{path.name} line {lineno}: malformed JSON ({json_problem(e)})") from None
                         if into == "answer":
                             answers[str(obj.get("id"))] = obj.get("ground_truth")
                         else:

@@ -29,7 +29,7 @@ from __future__ import annotations
 import json
 from typing import Any, Mapping
 
-from pivotrl.data.schema import Message, ToolCall, TurnState
+from pivotrl.data.schema import Message, ToolCall, TurnState, json_problem
 from pivotrl.errors import DataError
 
 __all__ = ["pivot_row", "row_to_record", "is_nemo_row", "DEFAULT_AGENT"]
@@ -95,7 +95,7 @@ def _arguments(raw: Any, where: str) -> dict[str, Any]:
     try:
         args = json.loads(raw) if isinstance(raw, str) and raw.strip() else {}
     except json.JSONDecodeError as e:
-        raise DataError(f"{where}.arguments: not valid JSON ({e.msg})") from None
+        raise DataError(f"{where}.arguments: not valid JSON ({json_problem(e)})") from None
     if not isinstance(args, Mapping):
         raise DataError(f"{where}.arguments: expected a JSON object")
     return dict(args)

@@ -130,6 +130,19 @@ def test_errors_name_file_line_record_and_field(tmp_path, index, pattern):
         load_trajectories(url)
 
 
+def test_json_errors_name_the_column_once(tmp_path):
+    cut = good("cut")
+    cut["messages"][1]["tool_calls"][0]["function"]["arguments"] = '{"folder": "docs'
+    url = write_lines(tmp_path / "demo.jsonl", [json.dumps(good("ok")), '{"id": "x", "messages": "abc', json.dumps(cut)])
+    q: list[dict] = []
+    load_trajectories(url, on_invalid="quarantine", quarantine=q)
+    assert [e["error"] for e in q] == [
+        f"{url} line 2: malformed JSON (Unterminated string starting at column 25)",  # json's "...at", once
+        f"{url} line 3 'cut'.messages[1].tool_calls[0].function.arguments: not valid JSON "
+        "(Unterminated string starting at column 12)",
+    ]
+
+
 def test_quarantine_skips_and_describes_bad_records(tmp_path):
     url = write_lines(tmp_path / "demo.jsonl", bad_records())
     q: list[dict] = []
