@@ -18,6 +18,7 @@ file, the record (line number or row, and id when known) and the field; with
 
 from __future__ import annotations
 
+import codecs
 import json
 import logging
 import os
@@ -166,6 +167,8 @@ def _iter_jsonl(url: str) -> Iterator[tuple[str, str, Any]]:
         raise SourceNotFoundError(f"{url}: no such file") from None
     except Exception as e:  # noqa: BLE001 - OSError, or a driver's own (botocore's NoCredentialsError…)
         raise _read_error(url, e) from e
+    # A UTF-8 byte-order mark (written by some Windows editors) starts the file, not its first record.
+    data = data.removeprefix(codecs.BOM_UTF8)
     for lineno, raw in enumerate(data.split(b"\n"), start=1):
         if not raw.strip():
             continue

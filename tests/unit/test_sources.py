@@ -143,6 +143,19 @@ def test_json_errors_name_the_column_once(tmp_path):
     ]
 
 
+def test_a_utf8_byte_order_mark_at_the_start_of_a_file_is_accepted(tmp_path):
+    url = write_lines(tmp_path / "bom.jsonl", [b"\xef\xbb\xbf" + json.dumps(good("a")).encode(), json.dumps(good("b"))])
+    assert [t.id for t in load_trajectories(url)] == ["a", "b"]
+    gz = str(tmp_path / "bom.jsonl.gz")
+    with fsspec.open(gz, "wb", compression="gzip") as f:
+        f.write(b"\xef\xbb\xbf" + json.dumps(good("z")).encode() + b"\n")
+    assert [t.id for t in load_trajectories(gz)] == ["z"]
+    # Only at the start of the file: inside a record it is a record's own problem.
+    url = write_lines(tmp_path / "mid.jsonl", [json.dumps(good("a")), b"\xef\xbb\xbf" + json.dumps(good("b")).encode()])
+    with pytest.raises(DataError, match=r"mid\.jsonl line 2: malformed JSON"):
+        load_trajectories(url)
+
+
 def test_quarantine_skips_and_describes_bad_records(tmp_path):
     url = write_lines(tmp_path / "demo.jsonl", bad_records())
     q: list[dict] = []
