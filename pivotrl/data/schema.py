@@ -201,7 +201,9 @@ class Trajectory:
             raise DataError(f"{where}.id: missing")
         where = f"{where} {tid!r}"
         msgs = d.get("messages")
-        if not isinstance(msgs, list) or not msgs:
+        if msgs is not None and not isinstance(msgs, list):
+            raise DataError(f"{where}.messages: expected a list of messages, got {type(msgs).__name__}")
+        if not msgs:
             raise DataError(f"{where}.messages: missing or empty")
         tools = d.get("tools") or []
         if not isinstance(tools, list):

@@ -156,6 +156,18 @@ def test_a_utf8_byte_order_mark_at_the_start_of_a_file_is_accepted(tmp_path):
         load_trajectories(url)
 
 
+@pytest.mark.parametrize("messages, problem", [
+    ("hello", "expected a list of messages, got str"),
+    ({"role": "user"}, "expected a list of messages, got dict"),
+    ([], "missing or empty"),
+    (None, "missing or empty"),
+])
+def test_messages_that_are_not_a_list_are_named_as_such(messages, problem):
+    with pytest.raises(DataError) as e:
+        Trajectory.from_dict({"id": "t", "messages": messages}, where="demo.jsonl line 3")
+    assert str(e.value) == f"demo.jsonl line 3 't'.messages: {problem}"
+
+
 def test_quarantine_skips_and_describes_bad_records(tmp_path):
     url = write_lines(tmp_path / "demo.jsonl", bad_records())
     q: list[dict] = []
