@@ -44,6 +44,20 @@ def file_sha256(path: str | os.PathLike[str]) -> str:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
+def _function_of(d: Mapping[str, Any], where: str, shape: str) -> Mapping[str, Any]:
+    """The ``function`` object of an OpenAI tool call or tool (``d`` itself in the flat form, whose
+    ``name`` is at the top); DataError naming ``where.function`` when there is none or it is not an
+    object, ``where.function.name`` when its name is missing."""
+    if "function" not in d and "name" not in d:
+        raise DataError(f"{where}.function: missing (expected {shape})")
+    fn = d.get("function", d)
+    if not isinstance(fn, Mapping):
+        raise DataError(f"{where}.function: expected an object, got {type(fn).__name__}")
+    if not isinstance(fn.get("name"), str) or not fn["name"]:
+        raise DataError(f"{where}.function.name: missing or not a non-empty string")
+    return fn
+
+
 @dataclass(frozen=True)
 class ToolCall:
     """One function call inside an assistant message.
@@ -68,9 +82,7 @@ class ToolCall:
     def from_dict(cls, d: Mapping[str, Any], where: str = "tool_call") -> "ToolCall":
         if not isinstance(d, Mapping):
             raise DataError(f"{where}: expected an object, got {type(d).__name__}")
-        fn = d.get("function", d)
-        if not isinstance(fn, Mapping) or not isinstance(fn.get("name"), str) or not fn["name"]:
-            raise DataError(f"{where}.function.name: missing or not a non-empty string")
+        fn = _function_of(d, where, '{"type": "function", "function": {"name": ..., "arguments": ...}}')
         args = fn.get("arguments", {})
         if isinstance(args, str):
             try:
@@ -155,9 +167,7 @@ class ToolSpec:
     def from_dict(cls, d: Mapping[str, Any], where: str = "tool") -> "ToolSpec":
         if not isinstance(d, Mapping):
             raise DataError(f"{where}: expected an object")
-        fn = d.get("function", d)
-        if not isinstance(fn, Mapping) or not isinstance(fn.get("name"), str) or not fn["name"]:
-            raise DataError(f"{where}.function.name: missing or not a non-empty string")
+        fn = _function_of(d, where, '{"type": "function", "function": {"name": ..., "parameters": ...}}')
         params = fn.get("parameters") or {}
         if not isinstance(params, Mapping):
             raise DataError(f"{where}.function.parameters: expected an object")

@@ -168,6 +168,26 @@ def test_messages_that_are_not_a_list_are_named_as_such(messages, problem):
     assert str(e.value) == f"demo.jsonl line 3 't'.messages: {problem}"
 
 
+@pytest.mark.parametrize("call, problem", [
+    ({"id": "c1", "type": "function"}, "function: missing (expected "
+     '{"type": "function", "function": {"name": ..., "arguments": ...}})'),
+    ({"id": "c1", "type": "function", "function": "cd"}, "function: expected an object, got str"),
+    ({"id": "c1", "type": "function", "function": {"arguments": "{}"}}, "function.name: missing or not a non-empty string"),
+])
+def test_a_tool_call_without_its_function_object_is_named_as_such(tmp_path, call, problem):
+    rec = good("t")
+    rec["messages"][1]["tool_calls"] = [call]
+    url = write_lines(tmp_path / "demo.jsonl", [json.dumps(rec)])
+    with pytest.raises(DataError) as e:
+        load_trajectories(url)
+    assert str(e.value) == f"{url} line 1 't'.messages[1].tool_calls[0].{problem}"
+    # The flat form (name and arguments at the top of the call) is still read.
+    assert ToolCall.from_dict({"name": "cd", "arguments": {"folder": "x"}}) == ToolCall("cd", {"folder": "x"})
+    tool = {"type": "function", "description": "change dir"}
+    with pytest.raises(DataError, match=r"^tools\[0\]\.function: missing \(expected "):
+        ToolSpec.from_dict(tool, "tools[0]")
+
+
 def test_quarantine_skips_and_describes_bad_records(tmp_path):
     url = write_lines(tmp_path / "demo.jsonl", bad_records())
     q: list[dict] = []
