@@ -211,7 +211,7 @@ def _state_lengths(cfg: Any, store: Any, key: str) -> dict[str, Any]:
     from pivotrl.data.states import frame_to_states
     from pivotrl.models import load_tokenizer
     from pivotrl.pipeline.common import prompt_kwargs, resolve_base_model
-    from pivotrl.pipeline.demos import cache_dir, read_histories
+    from pivotrl.pipeline.demos import cache_dir, category_name, read_histories
     from pivotrl.prompts import encode_state
 
     tok = load_tokenizer(resolve_base_model(cfg, cache_dir(cfg)))
@@ -221,8 +221,8 @@ def _state_lengths(cfg: Any, store: Any, key: str) -> dict[str, Any]:
         states = frame_to_states(g, read_histories(store, key, g["trajectory_id"]))
         n = [len(encode_state(s, tok, max_len=10**9, **prompt_kwargs(cfg))) for s in states]
         q = np.percentile(n, [0, 50, 90, 100])
-        out[str(cat)] = {"states": len(n), "min": int(q[0]), "median": int(q[1]), "p90": int(q[2]), "max": int(q[3]),
-                         "over_context": int(sum(x > cfg.model.max_context for x in n))}
+        out[category_name(cat)] = {"states": len(n), "min": int(q[0]), "median": int(q[1]), "p90": int(q[2]),
+                                   "max": int(q[3]), "over_context": int(sum(x > cfg.model.max_context for x in n))}
     return out
 
 

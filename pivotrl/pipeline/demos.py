@@ -58,6 +58,15 @@ def demos_key(cfg: RunConfig) -> str:
     )[:16]
 
 
+#: What a record without a category is counted under (``counts``, ``pivotrl demos --lengths``).
+NO_CATEGORY = "(none)"
+
+
+def category_name(category: Any) -> str:
+    """The name a category is counted under: :data:`NO_CATEGORY` for a record without one."""
+    return str(category) if category not in (None, "") else NO_CATEGORY
+
+
 #: The kinds of audit flags, in the order ``counts["flags_by_kind"]`` lists them.
 FLAG_KINDS = ("failing_call", "no_op", "not_reproduced", "not_ground_truth", "not_in_history")
 
@@ -192,13 +201,13 @@ def build_demonstrations(cfg: RunConfig, store: ArtifactStore) -> dict[str, Any]
     counts = {
         "trajectories": len(trajs),
         "trajectories_per_split": dict(Counter(split_of.values())),
-        "trajectories_per_category": dict(Counter(t.category for t in trajs)),
+        "trajectories_per_category": dict(Counter(category_name(t.category) for t in trajs)),
         "user_turns": sum(1 for t in trajs for m in t.messages if m.role == "user"),
         "assistant_turns": len(states) + too_long,
         # States whose history has more messages than model.max_context has tokens: they can never
         # fit (every message renders to at least one token), so they are not stored or probed.
         "skipped_too_long": too_long,
-        "candidates_per_category": dict(Counter(s.category for s in states)),
+        "candidates_per_category": dict(Counter(category_name(s.category) for s in states)),
         "candidates_per_split": dict(Counter(cand_df["split"])),
         "quarantined": n_bad,  # bad records only (a source's "all quarantined" note is no record)
         "flagged": len(flagged),
@@ -225,7 +234,8 @@ def build_demonstrations(cfg: RunConfig, store: ArtifactStore) -> dict[str, Any]
         inputs={"trajectories": store.url(f"{key}/trajectories.parquet")}, config=config, extra={"seed": sp.seed},
     )
     store.write_json(f"{key}/counts.json", counts)
-    return _result(store, key, counts)
+    # As a later run reads them back from counts.json (write_json sorts keys): one order either way.
+    return _result(store, key, json.loads(json.dumps(counts, sort_keys=True)))
 
 
 def _record_json(traj: Trajectory, origin: str) -> str:

@@ -186,6 +186,27 @@ def test_a_parquet_file_without_messages_names_the_missing_column(tmp_path):
         load_trajectories(str(src))
 
 
+def test_pivotrl_demos_prints_the_same_counts_fresh_and_cached_and_names_a_missing_category(tmp_path):
+    from typer.testing import CliRunner
+
+    from pivotrl.flows.cli import app
+
+    recs = [good("a"), good("b"), {k: v for k, v in good("c").items() if k != "category"}]
+    src = tmp_path / "demo.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in recs), encoding="utf-8")
+    sets = [f"run.storage_root={tmp_path / 'root'}", f"data.sources=[{{kind: chat, url: '{src}'}}]",
+            "warm_start.enabled=false", "data.split.warm_start=0.0", "data.split.pivot=0.67", "data.split.heldout=0.33"]
+    args = ["demos", *(a for kv in sets for a in ("--set", kv))]
+    fresh = CliRunner().invoke(app, args)
+    cached = CliRunner().invoke(app, args)  # the counts read back from counts.json
+    assert fresh.exit_code == cached.exit_code == 0, fresh.output + cached.output
+    assert fresh.output == cached.output
+    counts = json.loads(fresh.output.split("\ntrajectories: ", 1)[0])
+    assert list(counts) == sorted(counts)
+    assert list(counts["trajectories_per_category"].items()) == [("(none)", 1), ("demo", 2)]
+    assert list(counts["candidates_per_category"].items()) == [("(none)", 2), ("demo", 4)]
+
+
 # ------------------------------------------------------------------------------------ fuzzing
 _json = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats(allow_nan=True) | st.text(max_size=8),
