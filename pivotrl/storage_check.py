@@ -95,6 +95,9 @@ def _check_local(path: str) -> None:
         if parent == p:
             break
         p = parent
+    if not os.path.isdir(p):  # the root, or the nearest of its parents that exists, is a file
+        raise StorageAccessError(f"storage root {path}: {p} is a file, not a directory; choose another "
+                                 "run.storage_root or move the file")
     if not os.access(p, os.W_OK | os.X_OK):
         raise StorageAccessError(f"storage root {path}: {p} is not writable by this user")
     try:

@@ -298,6 +298,19 @@ def test_bad_root_and_local_dir():
         ArtifactStore("memory://x", failure_rate=1.5)
 
 
+def test_a_local_storage_root_under_a_file_is_named_as_a_file(tmp_path):
+    from pivotrl.storage_check import check_storage
+
+    blocker = tmp_path / "runs"
+    blocker.write_text("a file where a folder belongs\n", encoding="utf-8")
+    for root in (blocker / "root", blocker / "a" / "b", blocker):
+        with pytest.raises(StorageError) as e:
+            check_storage(str(root))
+        assert str(e.value) == (f"storage root {root}: {blocker} is a file, not a directory; choose another "
+                                "run.storage_root or move the file")
+    check_storage(str(tmp_path / "fresh" / "root"))  # a root that does not exist yet is fine
+
+
 def test_put_dir_refuses_a_missing_directory(store, tmp_path):
     with pytest.raises(StorageError, match="is not a directory"):
         store.put_dir(tmp_path / "absent", "ckpt/x")
