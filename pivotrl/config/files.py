@@ -24,6 +24,15 @@ def _local(path: str) -> str | None:
     return None if "://" in path else os.path.expanduser(path)
 
 
+def _not_found(local: str, what: str = "") -> str:
+    """``no such file`` with ``what`` the file is and, for a relative path, the directory it was
+    resolved against: ``no such file (a Jinja chat template; a relative path, resolved against …)``."""
+    from pivotrl.storage.files import relative_note
+
+    notes = [n for n in (what, relative_note(local)) if n]
+    return "no such file" + (f" ({'; '.join(notes)})" if notes else "")
+
+
 def hostfile_problems(path: str, nnodes: int, nproc_per_node: int) -> list[str]:
     """What is wrong with the DeepSpeed hostfile at ``path`` for ``nnodes`` × ``nproc_per_node``
     ranks: [] when nothing is. Each problem is one line starting ``training.hostfile = '<path>'``."""
@@ -32,7 +41,7 @@ def hostfile_problems(path: str, nnodes: int, nproc_per_node: int) -> list[str]:
     if local is None:
         return []
     if not os.path.isfile(local):
-        what = "a directory, not a file" if os.path.isdir(local) else "no such file"
+        what = "a directory, not a file" if os.path.isdir(local) else _not_found(local)
         return [f"{head}: {what}; the DeepSpeed launcher reads the nodes from it ('<host> slots=<GPUs>' a line): "
                 f"copy {HOSTFILE_EXAMPLE} to {path} and list your {nnodes} node(s)"]
     try:
@@ -70,7 +79,7 @@ def named_file_problems(cfg: Any) -> list[str]:
     problems: list[str] = []
     template = cfg.prompt.chat_template
     if template and (local := _local(template)) is not None and not os.path.isfile(local):
-        problems.append(f"prompt.chat_template = {template!r}: no such file (a Jinja chat template)")
+        problems.append(f"prompt.chat_template = {template!r}: {_not_found(local, 'a Jinja chat template')}")
     tr = cfg.training
     if tr.hostfile:
         problems += hostfile_problems(tr.hostfile, tr.nnodes, tr.nproc_per_node)

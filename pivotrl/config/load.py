@@ -58,7 +58,10 @@ def _read_text(path_or_url: str) -> str:
         with fsspec.open(path_or_url, "r", encoding="utf-8") as f:
             text = f.read()
     except FileNotFoundError:
-        raise ConfigError(f"config file not found: {path_or_url}") from None
+        from pivotrl.storage.files import relative_note
+
+        note = "" if "://" in path_or_url else relative_note(path_or_url)
+        raise ConfigError(f"config file not found: {path_or_url}" + (f" ({note})" if note else "")) from None
     except OSError as e:
         raise ConfigError(f"cannot read config {path_or_url}: {e}") from None
     return text

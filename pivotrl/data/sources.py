@@ -67,10 +67,18 @@ def check_sources_exist(sources: Iterable[Any]) -> None:
             continue
         local = os.path.expanduser(path if protocol is None else fsspec.core.strip_protocol(url))
         if not os.path.isfile(local):
-            what = "is a directory, not a file" if os.path.isdir(local) else "no such file"
+            what = "is a directory, not a file" if os.path.isdir(local) else f"no such file{_relative(local)}"
             missing.append(f"data.sources[{i}] (chat): {url}: {what}")
     if missing:
         raise SourceNotFoundError("\n".join(missing))
+
+
+def _relative(url: str) -> str:
+    """`` (a relative path, resolved against the current directory …)`` for a relative local ``url``."""
+    from pivotrl.storage.files import relative_note
+
+    note = "" if "://" in url else relative_note(url)
+    return f" ({note})" if note else ""
 
 
 def _too_big(url: str, loc: str, size: int, rid: str = "") -> DataError:
@@ -164,7 +172,7 @@ def _iter_jsonl(url: str) -> Iterator[tuple[str, str, Any]]:
         with fsspec.open(url, "rb", compression="infer") as f:
             data = f.read()
     except FileNotFoundError:
-        raise SourceNotFoundError(f"{url}: no such file") from None
+        raise SourceNotFoundError(f"{url}: no such file{_relative(url)}") from None
     except Exception as e:  # noqa: BLE001 - OSError, or a driver's own (botocore's NoCredentialsError…)
         raise _read_error(url, e) from e
     # A UTF-8 byte-order mark (written by some Windows editors) starts the file, not its first record.
@@ -202,7 +210,7 @@ def _iter_parquet(url: str) -> Iterator[tuple[str, str, Any]]:
         with fsspec.open(url, "rb") as f:
             table = pq.read_table(f)
     except FileNotFoundError:
-        raise SourceNotFoundError(f"{url}: no such file") from None
+        raise SourceNotFoundError(f"{url}: no such file{_relative(url)}") from None
     except Exception as e:  # noqa: BLE001 - pyarrow raises several types for unreadable files
         if _is_storage_failure(e):
             raise _read_error(url, e) from e

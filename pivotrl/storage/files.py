@@ -22,7 +22,16 @@ from typing import IO, Callable, Iterator
 
 from pivotrl.data.schema import file_sha256
 
-__all__ = ["HashingWriter", "atomic_dir", "atomic_file", "file_sha256", "replace_path"]
+__all__ = ["HashingWriter", "atomic_dir", "atomic_file", "file_sha256", "relative_note", "replace_path"]
+
+
+def relative_note(path: str | os.PathLike[str]) -> str:
+    """What to say of a local ``path`` a config names and that was not found: ``a relative path,
+    resolved against the current directory <cwd>`` when it is relative (after ``~``), "" when
+    it is absolute."""
+    if os.path.isabs(os.path.expanduser(os.fspath(path))):
+        return ""
+    return f"a relative path, resolved against the current directory {os.getcwd()}"
 
 
 def replace_path(src: str | os.PathLike[str], dst: str | os.PathLike[str], *, replace_existing: bool = False) -> None:

