@@ -18,9 +18,9 @@ from pivotrl.data.schema import TurnState
 from pivotrl.errors import ConfigError, StateTooLongError
 from pivotrl.prompts import encode_state
 from pivotrl.rollout.base import SamplingConfig
-from pivotrl.rollout.scoring import sample_and_score
+from pivotrl.rollout.scoring import sample_and_score_groups
 
-__all__ = ["evaluate_local"]
+__all__ = ["evaluate_local", "evaluate_local_groups"]
 
 _COLUMNS = [
     "state_id", "trajectory_id", "turn_index", "category", "status", "n_samples", "n_accepted",
@@ -82,15 +82,76 @@ def evaluate_local(
         if not isinstance(n, int) or n < 1:
             raise ConfigError(f"evaluate_local: n must be an integer >= 1, got {n!r}")
         sampling = dataclasses.replace(sampling, n=n)
+    return evaluate_local_groups(engine, tokenizer, [(states, sampling)], verifier, max_context=max_context,
+                                 tool_style=tool_style, max_tool_output_chars=max_tool_output_chars, format=format,
+                                 tool_parser=tool_parser, batch_size=batch_size, label=label)[0]
+
+
+def evaluate_local_groups(
+    engine: Any,
+    tokenizer: Any,
+    jobs: Sequence[tuple[Sequence[TurnState], SamplingConfig]],
+    verifier: Any,
+    *,
+    max_context: int = 8192,
+    tool_style: str = "compact",
+    max_tool_output_chars: int | None = None,
+    format: str = "pythonic",
+    tool_parser: str = "pythonic",
+    batch_size: int = 64,
+    label: str = "local evaluation",
+) -> list[tuple[pd.DataFrame, dict[str, Any]]]:
+    """:func:`evaluate_local` for several ``(states, sampling)`` jobs at once (e.g. the held-out
+    states greedy and with m samples, the stop decisions, the out-of-domain states), each job
+    scored as its own :func:`evaluate_local` call scores it (the same batches of ``batch_size``
+    prompts, seeded alike), but all sampled in one engine call
+    (:func:`pivotrl.rollout.scoring.sample_and_score_groups`), so the engine's batch stays full
+    until the last sample of any job is done.
+
+    Returns:
+        One ``(per_state, summary)`` per job, in order (see :func:`evaluate_local`).
+
+    Raises:
+        ConfigError: batch_size < 1, or max_context not above a job's ``sampling.max_tokens``.
+    """
     if not isinstance(batch_size, int) or batch_size < 1:
         raise ConfigError(f"evaluate_local: batch_size must be an integer >= 1, got {batch_size!r}")
-    budget = max_context - sampling.max_tokens
-    if budget < 1:
-        raise ConfigError(f"max_context ({max_context}) must exceed sampling.max_tokens ({sampling.max_tokens})")
     opts: dict[str, Any] = {"tool_style": tool_style, "format": format, "tool_parser": tool_parser}
     if max_tool_output_chars is not None:
         opts["max_tool_output_chars"] = max_tool_output_chars
 
+    prepared = [_encode(tokenizer, states, sampling, max_context, opts) for states, sampling in jobs]
+    # Each job in batches of batch_size prompts, as separate calls would send them.
+    groups = [(j, todo[a : a + batch_size]) for j, (_, todo) in enumerate(prepared)
+              for a in range(0, len(todo), batch_size)]
+
+    from pivotrl.progress import Progress
+
+    total = sum(len(todo) for _, todo in prepared)
+    with Progress(label, total, "states", enabled=bool(total)) as bar:
+        scored = sample_and_score_groups(engine, verifier, [
+            ([jobs[j][0][i] for i, _ in chunk], [ids for _, ids in chunk], jobs[j][1]) for j, chunk in groups])
+        for (j, chunk), group in zip(groups, scored):
+            rows = prepared[j][0]
+            for (i, _), g in zip(chunk, group):
+                if g.decided:
+                    _score_state(rows[i], g.results, g.samples)
+                else:  # undecided: counted, left out of the accuracy (pivotrl.rollout.scoring)
+                    rows[i].update(status="verifier_error", n_samples=0, n_accepted=0, accuracy=float("nan"),
+                                   parse_errors=0, tokens_generated=sum(len(x.token_ids) for x in g.samples),
+                                   reasons={"verifier_error": len(g.samples)}, samples="[]")
+            bar.update(len(chunk))
+    return [_summarise(rows, len(states), sampling) for (rows, _), (states, sampling) in zip(prepared, jobs)]
+
+
+def _encode(tokenizer: Any, states: Sequence[TurnState], sampling: SamplingConfig, max_context: int,
+            opts: dict[str, Any]) -> tuple[dict[int, dict[str, Any]], list[tuple[int, list[int]]]]:
+    """(rows by state index, [(state index, prompt ids)] of the states that fit): each state rendered
+    with :func:`pivotrl.prompts.encode_state`; one too long for ``max_context - sampling.max_tokens``
+    gets its final row (status "too_long") now."""
+    budget = max_context - sampling.max_tokens
+    if budget < 1:
+        raise ConfigError(f"max_context ({max_context}) must exceed sampling.max_tokens ({sampling.max_tokens})")
     rows: dict[int, dict[str, Any]] = {}
     todo: list[tuple[int, list[int]]] = []
     for i, state in enumerate(states):
@@ -110,24 +171,13 @@ def evaluate_local(
         else:
             rows[i] = {**base, "status": "ok"}
             todo.append((i, ids))
+    return rows, todo
 
-    from pivotrl.progress import Progress
 
-    with Progress(label, len(todo), "states", enabled=bool(todo)) as bar:
-        for start in range(0, len(todo), batch_size):
-            chunk = todo[start : start + batch_size]
-            scored = sample_and_score(engine, verifier, [states[i] for i, _ in chunk], [ids for _, ids in chunk],
-                                      sampling)
-            for (i, _), g in zip(chunk, scored):
-                if g.decided:
-                    _score_state(rows[i], g.results, g.samples)
-                else:  # undecided: counted, left out of the accuracy (pivotrl.rollout.scoring)
-                    rows[i].update(status="verifier_error", n_samples=0, n_accepted=0, accuracy=float("nan"),
-                                   parse_errors=0, tokens_generated=sum(len(x.token_ids) for x in g.samples),
-                                   reasons={"verifier_error": len(g.samples)}, samples="[]")
-            bar.update(len(chunk))
-
-    df = pd.DataFrame([rows[i] for i in range(len(states))], columns=_COLUMNS)
+def _summarise(rows: dict[int, dict[str, Any]], n_states: int, sampling: SamplingConfig
+               ) -> tuple[pd.DataFrame, dict[str, Any]]:
+    """The per-state table and the summary of one job (see :func:`evaluate_local`)."""
+    df = pd.DataFrame([rows[i] for i in range(n_states)], columns=_COLUMNS)
     ok = df[df["status"] == "ok"]
     n_samples = int(ok["n_samples"].sum())
     n_accepted = int(ok["n_accepted"].sum())

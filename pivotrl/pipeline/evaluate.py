@@ -157,7 +157,7 @@ def policy_state_results(cfg: RunConfig, engine: Any, tok: Any, states: EvalStat
     measures (:data:`BFCL_JUDGED`) take BFCL's ``ast_checker`` verdict on BFCL single-turn states,
     pivotrl's verifier's kept beside (:func:`pivotrl.evaluation.bfcl_single.rejudge_local`)."""
     from pivotrl.evaluation.aggregate import accuracy_by_category
-    from pivotrl.evaluation.local import evaluate_local
+    from pivotrl.evaluation.local import evaluate_local_groups
 
     unknown = sorted(set(measures) - set(STATE_MEASURES))
     if unknown:
@@ -169,17 +169,24 @@ def policy_state_results(cfg: RunConfig, engine: Any, tok: Any, states: EvalStat
         greedy = sampling_for(cfg, n=1, temperature=ev.temperature, seed=seed)
         # Sampled success as in probing (m samples at the probe temperature), beside greedy.
         sampled = sampling_for(cfg, n=cfg.probing.num_probes, temperature=cfg.probing.temperature, seed=seed)
-        plan = {"heldout_greedy": (states.local, greedy, "held-out states, greedy", "local_heldout_runs"),
-                "heldout_sampled": (states.local, sampled, "held-out states, m samples", "local_sampled_runs"),
-                "stop_decisions_greedy": (states.stop, greedy, "stop decisions", "local_stop_runs"),
-                "out_of_domain_greedy": (states.ood, greedy, "out-of-domain states", "out_of_domain_runs")}
+        plan = {"heldout_greedy": (states.local, greedy, "local_heldout_runs"),
+                "heldout_sampled": (states.local, sampled, "local_sampled_runs"),
+                "stop_decisions_greedy": (states.stop, greedy, "local_stop_runs"),
+                "out_of_domain_greedy": (states.ood, greedy, "out_of_domain_runs")}
+        # Every measure of this policy and seed in one engine pass (a measure sampled alone leaves
+        # the engine's batch emptying while its slowest samples finish).
+        run = [k for k, (chosen, _, _) in plan.items()
+               if k in measures and (chosen or k in ("heldout_greedy", "heldout_sampled"))]
+        pivots = bool(ev.local_pivots and "pivots" in measures)
+        jobs = [(plan[k][0], plan[k][1]) for k in run] + ([(states.pivots, greedy)] if pivots else [])
+        done = dict(zip(run + ["pivots"] * pivots, evaluate_local_groups(
+            engine, tok, jobs, verifier, **lkw, label=f"{policy}: local measures, seed {seed}")))
         frames: dict[str, pd.DataFrame] = {}
-        for kind, (chosen, samp, label, runs) in plan.items():
+        for kind, (chosen, _, runs) in plan.items():
             if kind not in measures:
                 continue
-            if chosen or kind in ("heldout_greedy", "heldout_sampled"):
-                frame, summary = evaluate_local(engine, tok, chosen, verifier, sampling=samp, **lkw,
-                                                label=f"{policy}: {label}")
+            if kind in done:
+                frame, summary = done[kind]
             else:  # no stop decision or out-of-domain state: an empty table, no summary
                 some = next(iter(frames.values()), None)
                 frame, summary = (some.iloc[:0] if some is not None else pd.DataFrame()), None
@@ -193,9 +200,8 @@ def policy_state_results(cfg: RunConfig, engine: Any, tok: Any, states: EvalStat
                        for name, kind in (("greedy", "heldout_greedy"), ("sampled", "heldout_sampled")) if kind in frames}
         if by_category:
             res["local_by_category"] = by_category
-        if ev.local_pivots and "pivots" in measures:
-            pdf, psum = evaluate_local(engine, tok, states.pivots, verifier, sampling=greedy, **lkw,
-                                        label=f"{policy}: training pivots")
+        if pivots:
+            pdf, psum = done["pivots"]
             parts.pivot_frames.append(pdf.assign(policy=policy, seed=seed))
             res.setdefault("local_pivot_runs", []).append(psum)
     parts.results[policy] = res

@@ -139,6 +139,25 @@ def make_engine(
     return factory(model_dir, dtype=dtype, max_model_len=max_model_len, **kwargs)
 
 
+def generate_groups(engine: Any, groups: Sequence[tuple[Sequence[list[int]], SamplingConfig]]
+                    ) -> list[list[list[Generation]]]:
+    """Several batches of prompts, each with its own sampling settings, as
+    ``[engine.generate(prompts, sampling) for prompts, sampling in groups]`` would sample them (each
+    prompt seeded by its position in its own batch).
+
+    An engine with a ``generate_groups`` method serves them together (vLLM: one scheduler pass, so
+    a batch of short greedy answers fills the tail of a batch of m samples); any other engine gets
+    one ``generate`` call per batch.
+
+    Returns:
+        ``[len(groups)][len(prompts)][n]`` generations.
+    """
+    own = getattr(engine, "generate_groups", None)
+    if callable(own):
+        return own(groups)
+    return [engine.generate(prompts, sampling) for prompts, sampling in groups]
+
+
 def check_prompts(prompts: Sequence[list[int]], vocab_size: int, max_model_len: int) -> None:
     """Raise ConfigError for an empty prompt, an out-of-vocabulary id or P >= ``max_model_len``.
 

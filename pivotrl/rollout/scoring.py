@@ -22,8 +22,9 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from pivotrl.errors import VerifierError
+from pivotrl.rollout.base import generate_groups
 
-__all__ = ["ScoredState", "sample_and_score", "verifier_retries"]
+__all__ = ["ScoredState", "sample_and_score", "sample_and_score_groups", "verifier_retries"]
 
 
 @dataclass(frozen=True)
@@ -105,6 +106,32 @@ def sample_and_score(engine: Any, verifier: Any, states: Sequence[Any], prompts:
         gens = engine.generate(prompts, sampling, positions=list(positions))
     else:
         gens = engine.generate(prompts, sampling)
+    return _score(verifier, states, prompts, gens)
+
+
+def sample_and_score_groups(engine: Any, verifier: Any,
+                            groups: Sequence[tuple[Sequence[Any], Sequence[list[int]], Any]]) -> list[list[ScoredState]]:
+    """:func:`sample_and_score` for several batches ``(states, prompts, sampling)`` at once, each
+    sampled as its own ``engine.generate(prompts, sampling)`` call would sample it, all served by
+    one :func:`pivotrl.rollout.base.generate_groups` call (vLLM: one scheduler pass).
+
+    Returns:
+        One list of :class:`ScoredState` per group, in input order.
+
+    Raises:
+        ValueError: a group's states and prompts differ in length.
+    """
+    for states, prompts, _ in groups:
+        if len(states) != len(prompts):
+            raise ValueError(f"sample_and_score_groups: {len(states)} states, {len(prompts)} prompts")
+    ids = [[list(p) for p in prompts] for _, prompts, _ in groups]
+    gens = iter(generate_groups(engine, [(p, g[2]) for p, g in zip(ids, groups) if p]))
+    return [_score(verifier, g[0], p, next(gens)) if p else [] for p, g in zip(ids, groups)]
+
+
+def _score(verifier: Any, states: Sequence[Any], prompts: Sequence[list[int]],
+           gens: Sequence[Sequence[Any]]) -> list[ScoredState]:
+    """Each state's generations scored with ``verifier.score`` (undecided states kept, see the module docstring)."""
     out: list[ScoredState] = []
     for state, ids, samples in zip(states, prompts, gens):
         samples = list(samples)

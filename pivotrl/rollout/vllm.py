@@ -151,8 +151,40 @@ class VLLMEngine:
         Returns:
             ``[len(prompts)][K]`` generations; ``rollout_logprobs`` at temperature 1.
         """
-        from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
+
+        params = self._params(prompts, sampling, seeds, positions)
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(map(int, p))) for p in prompts], params,
+                                    use_tqdm=False)
+        return self._collect(outputs, stop_fn)
+
+    def generate_groups(self, groups: Sequence[tuple[Sequence[list[int]], SamplingConfig]]) -> list[list[list[Generation]]]:
+        """Several batches, each with its own sampling settings, in one scheduler pass: the same
+        generations as ``[self.generate(prompts, sampling) for prompts, sampling in groups]`` (each
+        prompt seeded by its position in its own batch), but the short batches fill the tail of
+        the long ones instead of each batch waiting for its own slowest sample.
+
+        Returns:
+            ``[len(groups)][len(prompts)][n]`` generations.
+        """
+        from vllm.inputs import TokensPrompt
+
+        requests, params, sizes = [], [], []
+        for prompts, sampling in groups:
+            params += self._params(prompts, sampling, None, None)
+            requests += [TokensPrompt(prompt_token_ids=list(map(int, p))) for p in prompts]
+            sizes.append(len(prompts))
+        gens = self._collect(self.llm.generate(requests, params, use_tqdm=False) if requests else [], None)
+        out, at = [], 0
+        for size in sizes:
+            out.append(gens[at : at + size])
+            at += size
+        return out
+
+    def _params(self, prompts: Sequence[list[int]], sampling: SamplingConfig, seeds: Sequence[int] | None,
+                positions: Sequence[int] | None) -> list[Any]:
+        """One ``vllm.SamplingParams`` per prompt (checked; seeded as :meth:`generate` says)."""
+        from vllm import SamplingParams
 
         check_prompts(prompts, self.vocab_size, self.max_model_len)
         if seeds is not None and len(seeds) != len(prompts):
@@ -160,24 +192,24 @@ class VLLMEngine:
         if positions is not None and len(positions) != len(prompts):
             raise ConfigError(f"generate: {len(positions)} positions for {len(prompts)} prompts")
         at = list(range(len(prompts))) if positions is None else [int(x) for x in positions]
-        params = []
-        for i, prompt in enumerate(prompts):
-            params.append(
-                SamplingParams(
-                    n=sampling.n,
-                    temperature=float(sampling.temperature),
-                    top_p=float(sampling.top_p),
-                    top_k=int(sampling.top_k),
-                    max_tokens=min(sampling.max_tokens, self.max_model_len - len(prompt)),
-                    seed=(sample_seed(int(seeds[i]), 0, 0) if seeds is not None
-                          else None if sampling.seed is None else sample_seed(sampling.seed, at[i], 0)),
-                    stop=list(sampling.stop) or None,
-                    logprobs=0,
-                    skip_special_tokens=True,
-                )
+        return [
+            SamplingParams(
+                n=sampling.n,
+                temperature=float(sampling.temperature),
+                top_p=float(sampling.top_p),
+                top_k=int(sampling.top_k),
+                max_tokens=min(sampling.max_tokens, self.max_model_len - len(prompt)),
+                seed=(sample_seed(int(seeds[i]), 0, 0) if seeds is not None
+                      else None if sampling.seed is None else sample_seed(sampling.seed, at[i], 0)),
+                stop=list(sampling.stop) or None,
+                logprobs=0,
+                skip_special_tokens=True,
             )
-        requests = [TokensPrompt(prompt_token_ids=list(map(int, p))) for p in prompts]
-        outputs = self.llm.generate(requests, params, use_tqdm=False)
+            for i, prompt in enumerate(prompts)
+        ]
+
+    def _collect(self, outputs: Sequence[Any], stop_fn: StopFn | None) -> list[list[Generation]]:
+        """vLLM's request outputs → ``[len(outputs)][n]`` generations (``stop_fn`` applied)."""
         results: list[list[Generation]] = []
         for out in outputs:
             gens = []

@@ -7,9 +7,11 @@ the end-to-end path with the real ``TransformersEngine`` on the tiny random mode
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Callable, Sequence
 
+import pandas as pd
 import pytest
 
 from pivotrl.actions import format_action, format_call
@@ -25,7 +27,7 @@ from pivotrl.evaluation.full_task import (
     sandbox_executor,
     split_user_turns,
 )
-from pivotrl.evaluation.local import evaluate_local
+from pivotrl.evaluation.local import evaluate_local, evaluate_local_groups
 from pivotrl.prompts import encode_state
 from pivotrl.rollout.base import Generation, SamplingConfig
 from pivotrl.testing import tiny_llama, tiny_tokenizer
@@ -355,3 +357,22 @@ def test_local_accuracy_counts_accepted_actions(tasks, tok):
     df2, s2 = evaluate_local(PerStateEngine(), tok, states, verifier, sampling=GREEDY, max_context=short + 32)
     assert list(df2["status"]) == ["ok", "too_long", "too_long"]
     assert (s2["n_states"], s2["n_too_long"], s2["n_samples"], s2["accuracy"]) == (1, 2, 1, 1.0)
+
+    # Several measures at once: one engine call for all of them (batches of batch_size prompts,
+    # each with its job's sampling), the same tables and summaries as one evaluate_local each.
+    class GroupEngine(PerStateEngine):
+        calls: list[list[tuple[int, int]]] = []
+
+        def generate_groups(self, groups):
+            self.calls.append([(len(p), s.n) for p, s in groups])
+            return [self.generate(p, s) for p, s in groups]
+
+    eng = GroupEngine()
+    jobs = [(states, GREEDY), (states, dataclasses.replace(GREEDY, n=3)), (states[:1], GREEDY), ([], GREEDY)]
+    together = evaluate_local_groups(eng, tok, jobs, verifier, max_context=BIG_CONTEXT, batch_size=2)
+    assert eng.calls == [[(2, 1), (1, 1), (2, 3), (1, 3), (1, 1)]]
+    for (frame, summ), (chosen, samp) in zip(together, jobs):
+        alone_df, alone = evaluate_local(PerStateEngine(), tok, chosen, verifier, sampling=samp, max_context=BIG_CONTEXT)
+        pd.testing.assert_frame_equal(frame, alone_df)
+        assert summ == pytest.approx(alone, nan_ok=True)
+    assert [s["n_samples"] for _, s in together] == [3, 9, 1, 0]

@@ -285,6 +285,26 @@ def test_vllm_logprobs_match_transformers_oracle(vllm_setup, model, engine, prom
 
 
 @pytest.mark.vllm
+def test_vllm_groups_in_one_pass_sample_what_separate_calls_sample(vllm_setup, prompts) -> None:
+    """Batches with their own sampling (greedy; m seeded samples; another seed) served in one
+    scheduler pass give the generations of one generate call per batch, token for token."""
+    from pivotrl.rollout.base import generate_groups
+
+    eng = vllm_setup[0]
+    groups = [(prompts, SamplingConfig(n=1, temperature=0.0, max_tokens=12, seed=1)),
+              (prompts, SamplingConfig(n=4, temperature=1.0, max_tokens=12, seed=2)),
+              (prompts[::-1], SamplingConfig(n=2, temperature=0.7, max_tokens=6, seed=3))]
+    together = generate_groups(eng, groups)
+    alone = [eng.generate(p, s) for p, s in groups]
+    shape = [[len(row) for row in g] for g in together]
+    assert shape == [[1, 1], [4, 4], [2, 2]] == [[len(row) for row in g] for g in alone]
+    assert [[[x.token_ids for x in row] for row in g] for g in together] == \
+        [[[x.token_ids for x in row] for row in g] for g in alone]
+    assert all(len(x.token_ids) <= 6 for row in together[2] for x in row)
+    assert len({tuple(x.token_ids) for x in together[1][0]}) > 1  # sampled, not greedy
+
+
+@pytest.mark.vllm
 def test_vllm_load_weights_changes_and_restores(vllm_setup, tok, prompts) -> None:
     eng, ckpt0, ckpt1 = vllm_setup
     action = [[40, 41, 42, 43]]
