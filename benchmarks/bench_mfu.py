@@ -4,6 +4,7 @@ Usage::
 
     python benchmarks/bench_mfu.py profile [--dtype bfloat16] [--groups 2] [--prompt 1000] [--prompt-min N] [--action 32]
     python benchmarks/bench_mfu.py compare [--variants before,after] [--repeats 3] [--json OUT]
+    python benchmarks/bench_mfu.py ceiling [--dtype bfloat16] [--groups 1] [--repeats 3]
 
 The model comes from ``pivotrl.models.resolve_model`` (default: SmolLM2-135M-Instruct dequantised
 from Q4_1). The groups are synthetic token ids shaped like the default run's: a state of
@@ -30,6 +31,14 @@ one masked SDPA call per layer (transformers' ``"sdpa"``, the packed path before
 ``cache``, ``packed`` and ``unfused`` force one choice; ``unpacked`` runs one forward per group
 (``training.pack_tokens: 1``, π_ref's groups not packed together); ``mb2`` and ``mb4`` put 2 or 4
 groups in a micro-batch (packed into one forward).
+
+**ceiling** times only the matrix products and the attention one step of those groups needs —
+every linear layer's forward GEMM for π_ref and π_θ and its two backward GEMMs (input and weight
+gradients) for π_θ, at the packed step's row counts, the output head only at the action positions,
+and each layer's packed attention (π_ref forward, π_θ forward and backward) — with random tensors in
+the dtype. It prints the GFLOP/s each GEMM shape and the attention reach against the calibrated peak
+× threads, and the MFU a step would reach if everything else (element-wise work, copies, the
+optimizer, Python) took no time.
 """
 
 from __future__ import annotations
@@ -198,11 +207,118 @@ def compare(model_dir: str, args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+def _gemm_seconds(m: int, k: int, n: int, dtype: torch.dtype, repeats: int) -> float:
+    """Median seconds of one (m × k) · (k × n) product in ``dtype`` (after one warm-up)."""
+    a, b = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
+    torch.mm(a, b)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        torch.mm(a, b)
+        times.append(time.perf_counter() - t0)
+    return median(times)
+
+
+def ceiling(model_dir: str, args: argparse.Namespace) -> dict[str, Any]:
+    from transformers import AutoConfig
+
+    from pivotrl.training import mfu as M
+    from pivotrl.training.logprobs import processed_tokens, work_counts
+
+    cfg = AutoConfig.from_pretrained(model_dir)
+    dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[args.dtype]
+    h, inter, layers = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers
+    head_dim = getattr(cfg, "head_dim", None) or h // cfg.num_attention_heads
+    q, kv = cfg.num_attention_heads * head_dim, cfg.num_key_value_heads * head_dim
+    linears = {"q": (h, q), "k": (h, kv), "v": (h, kv), "o": (q, h), "gate": (h, inter), "up": (h, inter),
+               "down": (inter, h)}
+    groups = _groups(args, 0)
+    # the packed step's rows (actions padded to the longest), its logit positions and attention pairs
+    rows_body = sum(processed_tokens(len(g.prompt_ids), [len(a) for a in g.actions], shared_prefix=True)
+                    for g in groups)
+    counts = [work_counts(len(g.prompt_ids), [len(a) for a in g.actions], shared_prefix=True) for g in groups]
+    rows_head, pairs = sum(c[0] for c in counts), sum(c[1] for c in counts)
+    peak = M.calibrated_peak_gflops(args.dtype, args.cache_dir) or float("nan")
+    total, table = 0.0, []
+    # (label, m, k, n, times per step): forward for π_ref and π_θ (2×), backward dX and dW for π_θ
+    shapes = []
+    for name, (fin, fout) in linears.items():
+        shapes += [(f"{name} fwd", rows_body, fin, fout, 2 * layers), (f"{name} bwd dX", rows_body, fout, fin, layers),
+                   (f"{name} bwd dW", fout, rows_body, fin, layers)]
+    shapes += [("head fwd", rows_head, h, cfg.vocab_size, 2), ("head bwd dX", rows_head, cfg.vocab_size, h, 1),
+               ("head bwd dW", cfg.vocab_size, rows_head, h, 1)]
+    for label, m, k, n, times in shapes:
+        s = _gemm_seconds(m, k, n, dtype, args.repeats)
+        total += s * times
+        rate = 2 * m * k * n / s / 1e9
+        table.append([label, f"{m}×{k}×{n}", times, round(s * 1e3, 2), round(rate, 1),
+                      f"{100 * rate / (peak * args.threads):.0f} %"])
+    print(md_table(["GEMM", "m×k×n", "per step", "ms", "GFLOP/s", "of peak"], table))
+    shape = M.ModelShape.of_config(cfg, _n_params(cfg))
+    flop = 4 * M.forward_flops(shape, rows_body, rows_head, pairs)  # π_θ 3× + π_ref 1×
+    gemm_flop = flop - 4 * 4 * layers * shape.attn_dim * pairs
+    attn = layers * sum(_attention_seconds(len(g.prompt_ids), len(g.actions), max(len(a) for a in g.actions) - 1,
+                                           cfg.num_attention_heads, cfg.num_key_value_heads, head_dim, dtype,
+                                           args.repeats) for g in groups)
+    print(f"\nGEMMs: {gemm_flop / 1e12:.3f} TFLOP in {total:.2f} s = {gemm_flop / total / 1e9:.1f} GFLOP/s "
+          f"({100 * (M.mfu(gemm_flop, total, peak, args.threads) or float('nan')):.1f} % of {args.threads} × {peak:.1f} GFLOP/s)")
+    print(f"attention (the packed path's SDPA calls, π_ref forward + π_θ forward and backward): "
+          f"{(flop - gemm_flop) / 1e12:.3f} TFLOP in {attn:.2f} s = {(flop - gemm_flop) / attn / 1e9:.1f} GFLOP/s")
+    ceil = M.mfu(flop, total + attn, peak, args.threads)
+    print(f"GEMMs + attention alone: {total + attn:.2f} s for the step's {flop / 1e12:.3f} model TFLOP → MFU ceiling "
+          f"{100 * (ceil or float('nan')):.1f} % (everything else taking no time)")
+    return {"gemm_s": total, "attention_s": attn, "model_tflop": flop / 1e12, "gemm_tflop": gemm_flop / 1e12,
+            "mfu_ceiling": ceil, "rows": table}
+
+
+def _attention_seconds(p: int, k: int, s: int, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
+                       repeats: int) -> float:
+    """Median seconds of one layer's attention for one packed group (state P, K actions of s inputs)
+    through :func:`pivotrl.training.packed_attention._packed_attention`, laid out as the model lays it
+    out: one forward without gradients (π_ref) plus one forward and backward (π_θ)."""
+    from pivotrl.training.packed_attention import SEGMENTS_KWARG, _packed_attention
+
+    n = p + k * s
+    idx, block = torch.arange(n), torch.cat([torch.full((p,), -1), torch.arange(k).repeat_interleave(s)])
+    attend = (idx[:, None] >= idx[None]) & ((block[None] == -1) | (block[:, None] == block[None]))
+    mask = torch.zeros(n, n, dtype=dtype).masked_fill_(~attend, torch.finfo(dtype).min)[None, None]
+    x = [torch.randn(1, n, h * head_dim, dtype=dtype, requires_grad=True) for h in (heads, kv_heads, kv_heads)]
+
+    def once(grad: bool) -> None:
+        with torch.set_grad_enabled(grad):
+            q, kk, v = (t.view(1, n, -1, head_dim).transpose(1, 2) for t in x)
+            out, _ = _packed_attention(None, q, kk, v, mask, scaling=head_dim ** -0.5, **{SEGMENTS_KWARG: ((0, p, n),)})
+            if grad:
+                out.sum().backward()
+
+    def step() -> None:
+        once(False)
+        once(True)
+
+    step()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+    return median(times)
+
+
+def _n_params(cfg: Any) -> int:
+    """Parameters of a Llama-type decoder from its config (tied head counted once)."""
+    h, inter, layers = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers
+    head_dim = getattr(cfg, "head_dim", None) or h // cfg.num_attention_heads
+    q, kv = cfg.num_attention_heads * head_dim, cfg.num_key_value_heads * head_dim
+    block = h * q + 2 * h * kv + q * h + 3 * h * inter + 2 * h
+    embed = cfg.vocab_size * h
+    return layers * block + h + embed * (1 if getattr(cfg, "tie_word_embeddings", False) else 2)
+
+
 def main(argv: list[str] | None = None) -> int:
     from pivotrl.models import DEFAULT_MODEL_SOURCE, resolve_model
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", choices=["profile", "compare"])
+    ap.add_argument("what", choices=["profile", "compare", "ceiling"])
     ap.add_argument("--model", default=DEFAULT_MODEL_SOURCE)
     ap.add_argument("--cache-dir", default=DEFAULT_CACHE_DIR)
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
@@ -222,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ["OMP_NUM_THREADS"] = str(args.threads)
     print(header(f"bench_mfu {args.what}"))
     model_dir = str(resolve_model(args.model, args.cache_dir))
-    out = profile(model_dir, args) if args.what == "profile" else compare(model_dir, args)
+    out = {"profile": profile, "compare": compare, "ceiling": ceiling}[args.what](model_dir, args)
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1, default=str))
     return 0

@@ -3,11 +3,16 @@ warm start, probing."""
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import Annotated, Any, Literal, Mapping, Union
 
 from pydantic import Field, model_validator
 
 from pivotrl.config.base import Float, Int, Section, bound_error, is_credential_key
+
+#: The environment variable that overrides ``run.cache_dir`` (:meth:`RunSection.local_cache`).
+CACHE_DIR_ENV = "PIVOTRL_CACHE_DIR"
 
 
 class RunSection(Section):
@@ -33,7 +38,10 @@ class RunSection(Section):
     cache_dir: str = Field(
         "~/.cache/pivotrl",
         min_length=1,
-        description="Local cache for downloaded wheels, datasets and converted models ('~' is expanded).",
+        description=(
+            "Local cache for downloaded wheels, datasets, converted models and the machine's calibration "
+            "('~' is expanded); the environment variable PIVOTRL_CACHE_DIR, when set, takes its place."
+        ),
     )
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO", description="Logging level.")
     sizing: Literal["auto", "fixed"] = Field(
@@ -45,6 +53,11 @@ class RunSection(Section):
             "keys given with --set are never scaled; printed at start); fixed = the sizes as written."
         ),
     )
+
+    def local_cache(self) -> Path:
+        """The local cache folder every stage uses: ``$PIVOTRL_CACHE_DIR`` when set, else ``cache_dir``;
+        '~' expanded. Not created here."""
+        return Path(os.path.expanduser(os.environ.get(CACHE_DIR_ENV) or self.cache_dir))
 
     @model_validator(mode="after")
     def _no_credentials(self) -> "RunSection":

@@ -40,7 +40,7 @@ log = logging.getLogger(__name__)
 
 def cache_dir(cfg: RunConfig) -> Path:
     """The local download/conversion cache (env ``PIVOTRL_CACHE_DIR`` overrides the config)."""
-    return Path(os.path.expanduser(os.environ.get("PIVOTRL_CACHE_DIR") or cfg.run.cache_dir))
+    return cfg.run.local_cache()
 
 
 def demos_key(cfg: RunConfig) -> str:

@@ -20,6 +20,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
+from pivotrl.config.sections import CACHE_DIR_ENV
 from pivotrl.errors import ConfigError, DataError, ModelError, PivotRLError, StorageAccessError, TrainingError
 from pivotrl.pipeline.console import ConsoleFilter
 from pivotrl.pipeline.evaluate_stage import eval_shard
@@ -99,12 +100,12 @@ def run_stage(stage: str, config: dict[str, Any], inputs: dict[str, Any], *, att
 
 def stage_log_path(config: dict[str, Any], stage: str) -> Path:
     """Where a stage process's full output is kept: ``<run.storage_root>/logs/`` for a local root,
-    else ``<run.cache_dir>/logs/``; one file per stage run, ``<run.name>-<stage>-<UTC time>.log``."""
+    else ``<run.cache_dir>/logs/`` (``$PIVOTRL_CACHE_DIR`` in its place when set); one file per stage run, ``<run.name>-<stage>-<UTC time>.log``."""
     run = config.get("run", {})
     root = str(run.get("storage_root", "runs"))
     local = "://" not in root or root.startswith("file://")
     base = Path(os.path.expanduser(root.removeprefix("file://"))) if local else \
-        Path(os.path.expanduser(str(run.get("cache_dir", "~/.cache/pivotrl"))))
+        Path(os.path.expanduser(os.environ.get(CACHE_DIR_ENV) or str(run.get("cache_dir", "~/.cache/pivotrl"))))
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
     return (base / "logs" / f"{run.get('name', 'run')}-{stage}-{stamp}.log").absolute()
 

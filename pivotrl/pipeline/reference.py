@@ -82,7 +82,7 @@ def stage_reference(cfg: RunConfig, store: ArtifactStore, demos: Mapping[str, An
             str(base_dir), examples, str(ckpt), epochs=cfg.warm_start.epochs, lr=cfg.warm_start.lr,
             batch_size=cfg.warm_start.batch_size, dtype=TRAINER_DTYPE[cfg.model.dtype],
             zero_stage=cfg.training.deepspeed.zero_stage, seed=cfg.run.seed,
-            peak_gflops_per_thread=calibrated_peak_gflops(cfg.model.dtype, cfg.run.cache_dir),
+            peak_gflops_per_thread=calibrated_peak_gflops(cfg.model.dtype, str(cfg.run.local_cache())),
             retain_host_memory=cfg.training.retain_host_memory,
         )
         ref_hash = checkpoint_hash(ckpt)

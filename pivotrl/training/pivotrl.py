@@ -143,7 +143,7 @@ class PivotRLTrainer:
     def for_run(cls, cfg: RunConfig, model_dir: str | os.PathLike[str]) -> PivotRLTrainer:
         """The trainer of a validated, dtype-resolved run config on π_ref = π_θ = ``model_dir``."""
         trainer = cls(model_dir, model_dir, tokenizer_dir=model_dir, **run_trainer_inputs(cfg))
-        trainer.peak_gflops_per_thread = calibrated_peak_gflops(cfg.model.dtype, cfg.run.cache_dir)
+        trainer.peak_gflops_per_thread = calibrated_peak_gflops(cfg.model.dtype, str(cfg.run.local_cache()))
         return trainer
 
     @classmethod

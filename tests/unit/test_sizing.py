@@ -16,6 +16,12 @@ REPO = Path(__file__).resolve().parents[2]
 AVX2_FP32 = 96.0  # best 1-thread 1024x1024 fp32 matmul under the AVX2 imitation (benchmarks/RESULTS.md)
 
 
+@pytest.fixture(autouse=True)
+def _config_cache_dir(monkeypatch):
+    """These tests set run.cache_dir; the suite's PIVOTRL_CACHE_DIR would take its place."""
+    monkeypatch.delenv("PIVOTRL_CACHE_DIR", raising=False)
+
+
 def _cfg(tmp_path, *overrides):
     return load_config("configs/default.yaml", [f"run.cache_dir={tmp_path / 'cache'}", *overrides])
 
@@ -146,3 +152,22 @@ def test_pivotrl_config_stops_on_a_missing_model_or_demonstration_file(tmp_path)
     out = CliRunner().invoke(app, [*base, "--set", f"data.sources=[{{kind: chat, url: {demos}}}, "
                                                    "{kind: chat, url: 's3://bucket/demos.jsonl'}]"])
     assert out.exit_code == 0, out.output  # a remote source is checked when the demonstrations stage reads it
+
+
+def test_the_cache_dir_environment_variable_holds_the_calibration_the_trainer_reads(tmp_path, monkeypatch):
+    from pivotrl.training.mfu import calibrated_peak_gflops
+
+    env_cache = tmp_path / "env-cache"
+    monkeypatch.setenv("PIVOTRL_CACHE_DIR", str(env_cache))
+    cfg = _cfg(tmp_path)
+    assert cfg.run.local_cache() == env_cache  # the variable takes run.cache_dir's place, as for models and data
+    apply_sizing(cfg, measure=lambda *a: AVX2_FP32)
+    assert not (tmp_path / "cache" / "calibration.json").exists()
+    (entry,) = json.loads((env_cache / "calibration.json").read_text()).values()
+    assert entry["gflops"] == AVX2_FP32
+    # the warm start and the trainer read their MFU peak from the same file (no second measurement)
+    peak = calibrated_peak_gflops(entry["dtype"], str(cfg.run.local_cache()),
+                                  measure=lambda *a: pytest.fail("measured a second calibration"))
+    assert peak == AVX2_FP32
+    monkeypatch.delenv("PIVOTRL_CACHE_DIR")
+    assert cfg.run.local_cache() == tmp_path / "cache"
