@@ -94,14 +94,15 @@ def _load(config: str, overrides: Optional[list[str]]):
 
 def _preflight(cfg, storage: bool = True) -> None:
     """Checks that need no stage to run: the model source, the local demonstration files and every
-    other local file the config names (chat template, hostfile: pivotrl.config.files) exist, and
+    other local file the config names (chat template, hostfile: pivotrl.config.files) exist, the local
+    cache folder takes a write (pivotrl.storage_check.check_cache_dir), and
     (``storage``) the storage root's credentials, endpoint and bucket work and take a write, and the
     remote chat sources can be read (pivotrl.storage_check) — before Prefect starts."""
     from pivotrl.config.files import named_file_problems
     from pivotrl.data.sources import check_sources_exist
     from pivotrl.errors import ModelError, SourceNotFoundError, StorageError
     from pivotrl.models import check_model_source
-    from pivotrl.storage_check import check_sources, check_storage
+    from pivotrl.storage_check import check_cache_dir, check_sources, check_storage
 
     problems = []
     try:
@@ -115,6 +116,10 @@ def _preflight(cfg, storage: bool = True) -> None:
     except SourceNotFoundError as e:
         problems += [f"data error: {line}" for line in str(e).splitlines()]
     problems += [f"config error: {line}" for line in named_file_problems(cfg)]  # chat template, hostfile
+    try:  # downloads, converted models and the calibration (written before any stage, by the sizing)
+        check_cache_dir(cfg.run.local_cache())
+    except StorageError as e:
+        problems.append(f"storage error: {e}")
     if problems:  # every missing input at once
         typer.echo("\n".join(problems), err=True)
         raise typer.Exit(2)

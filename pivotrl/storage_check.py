@@ -88,7 +88,20 @@ def check_storage(root_url: str, storage_options: Mapping[str, Any] | None = Non
     _prove_write(fs, path, root_url, options)
 
 
-def _check_local(path: str) -> None:
+def check_cache_dir(path: str | os.PathLike[str]) -> None:
+    """Check that the local cache folder (``RunSection.local_cache()``: ``$PIVOTRL_CACHE_DIR`` or
+    ``run.cache_dir``) can take the downloads, the converted models and the calibration: the folder,
+    or the nearest of its parents that exists, is a directory this user can write in (a small file is
+    written and removed). Returns None when it can.
+
+    Raises:
+        StorageAccessError: one line naming the folder, what is wrong and what to set.
+    """
+    _check_local(str(path), "cache folder",
+                 "set run.cache_dir (or PIVOTRL_CACHE_DIR, which takes its place) to another folder")
+
+
+def _check_local(path: str, what: str = "storage root", choose: str = "choose another run.storage_root") -> None:
     p = os.path.abspath(path)
     while not os.path.exists(p):
         parent = os.path.dirname(p)
@@ -96,15 +109,14 @@ def _check_local(path: str) -> None:
             break
         p = parent
     if not os.path.isdir(p):  # the root, or the nearest of its parents that exists, is a file
-        raise StorageAccessError(f"storage root {path}: {p} is a file, not a directory; choose another "
-                                 "run.storage_root or move the file")
+        raise StorageAccessError(f"{what} {path}: {p} is a file, not a directory; {choose} or move the file")
     if not os.access(p, os.W_OK | os.X_OK):
-        raise StorageAccessError(f"storage root {path}: {p} is not writable by this user")
+        raise StorageAccessError(f"{what} {path}: {p} is not writable by this user; {choose}")
     try:
         with tempfile.NamedTemporaryFile(prefix=".pivotrl-preflight-", dir=p):
             pass  # written and removed
     except OSError as e:
-        raise StorageAccessError(f"storage root {path}: cannot write in {p} ({e.strerror or e})") from None
+        raise StorageAccessError(f"{what} {path}: cannot write in {p} ({e.strerror or e}); {choose}") from None
 
 
 def _prove_write(fs: Any, path: str, url: str, options: Mapping[str, Any] | None) -> None:
@@ -241,4 +253,4 @@ def _raise(url: str, e: BaseException, options: Mapping[str, Any] | None = None)
     raise StorageError(f"storage root {url}: the store does not answer{where}: {type(e).__name__}: {e}") from e
 
 
-__all__ = ["S3_VARIABLES", "access_problem", "check_source", "check_sources", "check_storage"]
+__all__ = ["S3_VARIABLES", "access_problem", "check_cache_dir", "check_source", "check_sources", "check_storage"]

@@ -11,14 +11,14 @@ from typing import Any, Callable, Sequence
 
 from pivotrl.config import RunConfig, load_config
 from pivotrl.sizing import sized_config
-from pivotrl.storage_check import check_sources, check_storage
+from pivotrl.storage_check import check_cache_dir, check_sources, check_storage
 
 
 def prepared_config(config_path: str | None, overrides: Sequence[str] | None = None, *,
                     echo: Callable[[str], Any] | None = print) -> RunConfig:
     """The validated config at ``config_path`` with ``--set``-style ``overrides``, after checking its
     storage root and its remote demonstration sources (credentials, endpoint, bucket, read and write
-    access; StorageAccessError, never retried), sized to this
+    access; StorageAccessError, never retried) and that the local cache folder takes a write, sized to this
     machine (``run.sizing``, :func:`pivotrl.sizing.sized_config`; ``echo`` prints the decision).
 
     Raises ConfigError naming the key and file line of an invalid value, StorageAccessError for a
@@ -26,5 +26,6 @@ def prepared_config(config_path: str | None, overrides: Sequence[str] | None = N
     """
     cfg = load_config(config_path, list(overrides or []))
     check_storage(cfg.run.storage_root, cfg.run.storage_options)
+    check_cache_dir(cfg.run.local_cache())  # the calibration below is written there
     check_sources(cfg.data.sources)  # remote chat sources: credentials, endpoint, read access
     return sized_config(cfg, list(overrides or []), echo=echo)

@@ -171,3 +171,20 @@ def test_the_cache_dir_environment_variable_holds_the_calibration_the_trainer_re
     assert peak == AVX2_FP32
     monkeypatch.delenv("PIVOTRL_CACHE_DIR")
     assert cfg.run.local_cache() == tmp_path / "cache"
+
+
+def test_pivotrl_config_names_a_cache_folder_it_cannot_write_in_one_line(tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    import pivotrl.sizing as sizing
+    from pivotrl.flows.cli import app
+
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("x\n", encoding="utf-8")
+    monkeypatch.setenv("PIVOTRL_CACHE_DIR", str(blocker / "cache"))
+    monkeypatch.setattr(sizing, "measure_gflops", lambda *a: pytest.fail("measured before the cache was checked"))
+    out = CliRunner().invoke(app, ["config", "--config", "configs/default.yaml"])
+    assert out.exit_code == 2, out.output
+    assert out.output.strip() == (f"storage error: cache folder {blocker / 'cache'}: {blocker} is a file, not a "
+                                  "directory; set run.cache_dir (or PIVOTRL_CACHE_DIR, which takes its place) to "
+                                  "another folder or move the file")

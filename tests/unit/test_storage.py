@@ -311,6 +311,20 @@ def test_a_local_storage_root_under_a_file_is_named_as_a_file(tmp_path):
     check_storage(str(tmp_path / "fresh" / "root"))  # a root that does not exist yet is fine
 
 
+def test_a_cache_folder_under_a_file_is_named_with_what_to_set(tmp_path):
+    from pivotrl.storage_check import check_cache_dir
+
+    blocker = tmp_path / "cache"
+    blocker.write_text("a file where a folder belongs\n", encoding="utf-8")
+    for folder in (blocker, blocker / "sub"):
+        with pytest.raises(StorageError) as e:
+            check_cache_dir(folder)
+        assert str(e.value) == (f"cache folder {folder}: {blocker} is a file, not a directory; set run.cache_dir "
+                                "(or PIVOTRL_CACHE_DIR, which takes its place) to another folder or move the file")
+    check_cache_dir(tmp_path / "fresh" / "cache")  # a folder that does not exist yet is fine
+    assert not (tmp_path / "fresh").exists()  # and the check creates nothing
+
+
 def test_put_dir_refuses_a_missing_directory(store, tmp_path):
     with pytest.raises(StorageError, match="is not a directory"):
         store.put_dir(tmp_path / "absent", "ckpt/x")
