@@ -15,6 +15,12 @@ from pivotrl.config.base import Float, Int, Section, bound_error, is_credential_
 CACHE_DIR_ENV = "PIVOTRL_CACHE_DIR"
 
 
+def local_cache_dir(cache_dir: str) -> Path:
+    """The local cache folder in use for a configured ``run.cache_dir``: ``$PIVOTRL_CACHE_DIR`` when
+    set, else ``cache_dir``; '~' expanded. Not created here."""
+    return Path(os.path.expanduser(os.environ.get(CACHE_DIR_ENV) or cache_dir))
+
+
 class RunSection(Section):
     name: str = Field(
         "pivotrl-cpu",
@@ -57,7 +63,7 @@ class RunSection(Section):
     def local_cache(self) -> Path:
         """The local cache folder every stage uses: ``$PIVOTRL_CACHE_DIR`` when set, else ``cache_dir``;
         '~' expanded. Not created here."""
-        return Path(os.path.expanduser(os.environ.get(CACHE_DIR_ENV) or self.cache_dir))
+        return local_cache_dir(self.cache_dir)
 
     @model_validator(mode="after")
     def _no_credentials(self) -> "RunSection":

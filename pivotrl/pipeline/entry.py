@@ -20,7 +20,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
-from pivotrl.config.sections import CACHE_DIR_ENV
+from pivotrl.config.sections import local_cache_dir
 from pivotrl.errors import ConfigError, DataError, ModelError, PivotRLError, StorageAccessError, TrainingError
 from pivotrl.pipeline.console import ConsoleFilter
 from pivotrl.pipeline.evaluate_stage import eval_shard
@@ -105,7 +105,7 @@ def stage_log_path(config: dict[str, Any], stage: str) -> Path:
     root = str(run.get("storage_root", "runs"))
     local = "://" not in root or root.startswith("file://")
     base = Path(os.path.expanduser(root.removeprefix("file://"))) if local else \
-        Path(os.path.expanduser(os.environ.get(CACHE_DIR_ENV) or str(run.get("cache_dir", "~/.cache/pivotrl"))))
+        local_cache_dir(str(run.get("cache_dir", "~/.cache/pivotrl")))
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
     return (base / "logs" / f"{run.get('name', 'run')}-{stage}-{stamp}.log").absolute()
 
