@@ -88,17 +88,17 @@ def bfcl_multi_turn_states(tokenizer: Any, cache_dir: str, *, max_prompt: int,
                            records: int | None = None) -> list[tuple[str, list[int], list[list[int]]]]:
     """Real BFCL ``multi_turn_base`` turn states: ``(state_id, prompt_ids (P,), demo actions)``.
 
-    ``prompt_ids`` come from ``pivotrl.prompts.encode_state`` (the project's renderer, compact
+    ``prompt_ids`` come from ``pivotrl.format.prompts.encode_state`` (the project's renderer, compact
     tools); states longer than ``max_prompt`` tokens are skipped, as the pipeline does. The demo
     actions are every demonstrated action of the same trajectory, encoded with
-    ``pivotrl.prompts.encode_action`` (the state's own action first): real action strings and
+    ``pivotrl.format.prompts.encode_action`` (the state's own action first): real action strings and
     lengths. Raises whatever loading BFCL raises (callers decide whether to fall back).
     """
-    from pivotrl.actions import format_action
-    from pivotrl.data.bfcl import load_bfcl
+    from pivotrl.format.actions import format_action
+    from pivotrl.bfcl.data import load_bfcl
     from pivotrl.data.states import extract_turn_states
-    from pivotrl.errors import StateTooLongError
-    from pivotrl.prompts import encode_action, encode_state
+    from pivotrl.core.errors import StateTooLongError
+    from pivotrl.format.prompts import encode_action, encode_state
 
     out = []
     for traj in load_bfcl(["multi_turn_base"], cache_dir, limit_per_category=records):

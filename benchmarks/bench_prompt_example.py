@@ -37,7 +37,7 @@ outputs equal to the prompt's example (after stripping; either example counted),
 length in tokens, and how many states' prompts differ between old and new; per model × format ×
 state kind whose prompts differ, the paired new − old difference (exact McNemar p,
 ``pivotrl.evaluation.stats``). Each format also records whether its checkpoint spells the tool-call
-tags as text (``tags_spelled_as_text``, from the checkpoint's ``pivotrl.tool_tags.tool_tags_record``)
+tags as text (``tags_spelled_as_text``, from the checkpoint's ``pivotrl.format.tool_tags.tool_tags_record``)
 and the checkpoint's folder name. Written as JSON to ``--out`` and as a markdown table to stdout (and
 ``--out`` with ``.md``).
 """
@@ -83,7 +83,7 @@ def split_format(spec: str) -> tuple[str, list[str]]:
 @contextlib.contextmanager
 def prompt_variant(name: str) -> Iterator[None]:
     """Inside: the pythonic instruction of this process is the ``old`` one or the current (``new``)."""
-    from pivotrl.tool_parsers import PythonicParser
+    from pivotrl.format.tool_parsers import PythonicParser
 
     if name == "new":
         yield
@@ -99,7 +99,7 @@ def prompt_variant(name: str) -> Iterator[None]:
 
 def example_of(state: Any, variant: str) -> str:
     """The example of the pythonic instruction a state's prompt shows under ``variant``."""
-    from pivotrl.tool_parsers import PythonicParser
+    from pivotrl.format.tool_parsers import PythonicParser
 
     with prompt_variant(variant):
         text = PythonicParser().instruction_for(state.tools)
@@ -126,9 +126,9 @@ def heldout_states(cfg: Any, store: Any, n_multi: int | None, n_single: int | No
 
 def encode_all(states: list[Any], tok: Any, cfg: Any, variant: str) -> list[list[int] | None]:
     """Each state's prompt token ids under ``variant`` (None where the prompt does not fit)."""
-    from pivotrl.errors import StateTooLongError
+    from pivotrl.core.errors import StateTooLongError
     from pivotrl.pipeline.common import prompt_kwargs
-    from pivotrl.prompts import encode_state
+    from pivotrl.format.prompts import encode_state
 
     kw = prompt_kwargs(cfg)
     budget = cfg.model.max_context - cfg.rollout.max_tokens
@@ -172,9 +172,9 @@ def score(engine: Any, tok: Any, states: list[Any], verifier: Any, cfg: Any, var
 def run_format(model: str, fmt: str, states: dict[str, list[Any]], args: argparse.Namespace, store_root: str,
                engines: dict[str, Any]) -> dict[str, Any]:
     from pivotrl.config import load_config
-    from pivotrl.data.bfcl import ensure_bfcl
+    from pivotrl.bfcl.data import ensure_bfcl
     from pivotrl.evaluation.stats import paired_binary, wilson_interval
-    from pivotrl.models import load_tokenizer
+    from pivotrl.runtime.models import load_tokenizer
     from pivotrl.pipeline.common import (
         close_quietly,
         make_rollout_engine,
@@ -183,7 +183,7 @@ def run_format(model: str, fmt: str, states: dict[str, list[Any]], args: argpars
         resolve_base_model,
     )
     from pivotrl.pipeline.demos import cache_dir
-    from pivotrl.tool_tags import tool_tags_record
+    from pivotrl.format.tool_tags import tool_tags_record
 
     spec = fmt
     fmt, extra = split_format(spec)  # e.g. auto+prompt.untrained_tool_tags=keep: a format with more overrides
@@ -299,7 +299,7 @@ def main() -> None:
         print(table(json.loads(Path(a.out).read_text())["results"]))
         return
     from pivotrl.config import load_config
-    from pivotrl.errors import ConfigError
+    from pivotrl.core.errors import ConfigError
     from pivotrl.pipeline.common import make_store, set_threads
 
     with contextlib.ExitStack() as stack:

@@ -32,7 +32,7 @@ from _common import DEFAULT_CACHE_DIR, header, load1, md_table, median  # noqa: 
 
 def main(argv: list[str] | None = None) -> int:
     from pivotrl.config import load_config
-    from pivotrl.models import DEFAULT_MODEL_SOURCE, resolve_model
+    from pivotrl.runtime.models import DEFAULT_MODEL_SOURCE, resolve_model
     from pivotrl.rollout import make_engine
     from pivotrl.training.pivotrl import PivotRLTrainer
     from pivotrl.training.rank_engines import refresh_delta, reload

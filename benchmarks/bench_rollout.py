@@ -7,9 +7,9 @@ Usage::
                                        [--dtype bf16] [--repeats 3] [--threads N]
                                        [--json OUT] [--quick]
 
-The model comes from ``pivotrl.models.resolve_model`` (default: SmolLM2-135M-Instruct dequantised
+The model comes from ``pivotrl.runtime.models.resolve_model`` (default: SmolLM2-135M-Instruct dequantised
 from Q4_1). Prompts are real BFCL ``multi_turn_base`` turn states rendered with
-``pivotrl.prompts.encode_state`` with ``--min-prompt``..``--max-prompt`` tokens (so P follows the
+``pivotrl.format.prompts.encode_state`` with ``--min-prompt``..``--max-prompt`` tokens (so P follows the
 real distribution): with ``--order random`` drawn independently, so prompts share no prefix beyond
 the system prompt; with ``--order trajectory`` whole trajectories in turn order, as the probe stage
 batches its candidates (sorted by state id), so each state repeats the previous one as its prefix.
@@ -157,7 +157,7 @@ def main(argv: list[str] | None = None) -> None:
 
     import torch
 
-    from pivotrl.models import DEFAULT_MODEL_SOURCE, load_tokenizer, resolve_model
+    from pivotrl.runtime.models import DEFAULT_MODEL_SOURCE, load_tokenizer, resolve_model
     from pivotrl.rollout import SamplingConfig
 
     print(header("Rollout: generated tokens per second by engine"))

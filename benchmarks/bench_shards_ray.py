@@ -7,7 +7,7 @@ engine, fp32, m = 4, ``--max-tokens`` per action).
 ``--model smollm2``: the default config's model and data (SmolLM2-135M-Instruct from
 ``model.source``, a dequantised Q4_1 GGUF copy; BFCL multi_turn_base + simple_python + multiple),
 ``rollout.engine=vllm``, ``rollout.num_threads=1`` (one OpenMP thread per engine, on the CPU its
-engine claimed: ``pivotrl.cpu_claims``), ``model.dtype`` as resolved from the default ``auto``
+engine claimed: ``pivotrl.runtime.cpu_claims``), ``model.dtype`` as resolved from the default ``auto``
 (bf16 on CPUs with AVX512_BF16, else fp32; ``--dtype`` overrides; printed), m = 8,
 ``rollout.max_tokens`` 96, ``--states`` pivot states per run (``probing.max_states``),
 ``rollout.kv_cache_gib=1``. The warm start is disabled (``warm_start.enabled=false``): it would
@@ -111,8 +111,8 @@ def main() -> None:
     from pivotrl.flows.shards import sharded_probe
     from pivotrl.pipeline import stages
     from pivotrl.pipeline.demos import build_demonstrations
-    from pivotrl.precision import with_resolved_dtype
-    from pivotrl.ray_local import RayCluster
+    from pivotrl.runtime.precision import with_resolved_dtype
+    from pivotrl.runtime.ray_local import RayCluster
     from pivotrl.storage import ArtifactStore
     from pivotrl.tasks.shards import task_runner
 

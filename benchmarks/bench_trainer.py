@@ -5,12 +5,12 @@ Usage::
     python benchmarks/bench_trainer.py [--model SOURCE] [--groups 6] [--group-size 8] [--threads 1]
                                        [--naive-seqs N] [--json OUT] [--quick] [--trainer-step]
 
-The model comes from ``pivotrl.models.resolve_model`` (default: the project's default source,
+The model comes from ``pivotrl.runtime.models.resolve_model`` (default: the project's default source,
 SmolLM2-135M-Instruct dequantised from Q4_1, not the original bf16 weights). States are drawn
 uniformly at random from *all* real BFCL ``multi_turn_base`` turn states that fit
-``--max-prompt`` (rendered with ``pivotrl.prompts.encode_state``), so P follows the real
+``--max-prompt`` (rendered with ``pivotrl.format.prompts.encode_state``), so P follows the real
 distribution; the script prints that distribution. The K actions of a group are real
-demonstrated actions of the same task (``pivotrl.prompts.encode_action``), the state's own first.
+demonstrated actions of the same task (``pivotrl.format.prompts.encode_action``), the state's own first.
 ``--synthetic`` (or BFCL being unavailable) uses random ids with P in ``--min-prompt``..
 ``--max-prompt`` and T in ``--min-action``..``--max-action``.
 
@@ -168,10 +168,10 @@ def _trainer_steps(model_dir: Any, groups: list[Group], args: argparse.Namespace
 
 
 def main(argv: list[str] | None = None) -> int:
-    from pivotrl.models import DEFAULT_MODEL_SOURCE
+    from pivotrl.runtime.models import DEFAULT_MODEL_SOURCE
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=DEFAULT_MODEL_SOURCE, help="model source for pivotrl.models.resolve_model")
+    ap.add_argument("--model", default=DEFAULT_MODEL_SOURCE, help="model source for pivotrl.runtime.models.resolve_model")
     ap.add_argument("--cache-dir", default=DEFAULT_CACHE_DIR)
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--groups", type=int, default=6)
@@ -199,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.groups < 1 or args.group_size < 1 or naive_seqs < 1:
         ap.error("--groups, --group-size and --naive-seqs must be >= 1")
 
-    from pivotrl.models import load_tokenizer, resolve_model
+    from pivotrl.runtime.models import load_tokenizer, resolve_model
     from pivotrl.training.deepspeed_utils import load_causal_lm
     from pivotrl.training.logprobs import compute_group_logprobs
 

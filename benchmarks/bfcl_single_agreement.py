@@ -5,17 +5,17 @@
 Each gold (pivotrl's demonstration text of each ``simple_python``, ``multiple``, ``parallel`` and
 ``parallel_multiple`` record) is written as it is and in variants a policy may write (a code fence,
 no brackets, trailing prose, lists as tuples, positional arguments, integers as floats); each text
-is judged by both (:mod:`pivotrl.evaluation.bfcl_single`) and the texts their parsers read
+is judged by both (:mod:`pivotrl.bfcl.single`) and the texts their parsers read
 differently are counted by kind. Prints one line per variant: texts, agreement counts, kinds.
 """
 import collections
 import os
 import time
 
-from pivotrl.actions import format_action, format_call, format_value
-from pivotrl.data.bfcl import SINGLE_TURN_CATEGORIES, ensure_bfcl, load_bfcl
+from pivotrl.format.actions import format_action, format_call, format_value
+from pivotrl.bfcl.data import SINGLE_TURN_CATEGORIES, ensure_bfcl, load_bfcl
 from pivotrl.data.states import extract_turn_states
-from pivotrl.evaluation.bfcl_single import BFCLSingleTurnJudge, decoder_difference
+from pivotrl.bfcl.single import BFCLSingleTurnJudge, decoder_difference
 from pivotrl.verifiers import get_verifier
 
 cache = os.path.expanduser("~/.cache/pivotrl")

@@ -7,11 +7,11 @@ environment that has CUDA torch, transformers and deepspeed.
 
 Every part runs on its own (a failing part records its error and the others still run) and the
 whole run stops starting new parts after ``--budget-s`` seconds. Models are HF checkpoint
-directories (e.g. SmolLM2-135M converted by ``pivotrl.models.resolve_model`` on a CPU machine and
+directories (e.g. SmolLM2-135M converted by ``pivotrl.runtime.models.resolve_model`` on a CPU machine and
 carried along, or a ``.gguf`` file: converted here, no download).
 
 Peak: a timed bf16 matmul on the GPU (8192², best of 20) — the "calibration" of this machine;
-MFU = model FLOPs (``pivotrl.training.mfu``) / trainer seconds / that peak.
+MFU = model FLOPs (``pivotrl.runtime.mfu``) / trainer seconds / that peak.
 """
 
 from __future__ import annotations
@@ -155,7 +155,7 @@ def zero2_step(model_dir: str) -> dict[str, Any]:
 
 def _model_dir(spec: str) -> str:
     if spec.endswith(".gguf"):  # convert here (no download)
-        from pivotrl.models import resolve_model
+        from pivotrl.runtime.models import resolve_model
 
         return str(resolve_model(spec, os.path.expanduser("~/.cache/pivotrl")))
     return spec

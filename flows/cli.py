@@ -83,7 +83,7 @@ SetOpt = typer.Option(None, "--set", "-s", metavar="KEY=VALUE",
 
 def _load(config: str, overrides: Optional[list[str]]):
     from pivotrl.config import load_config
-    from pivotrl.errors import ConfigError
+    from pivotrl.core.errors import ConfigError
 
     try:
         return load_config(config, overrides or [])
@@ -95,14 +95,14 @@ def _load(config: str, overrides: Optional[list[str]]):
 def _preflight(cfg, storage: bool = True) -> None:
     """Checks that need no stage to run: the model source, the local demonstration files and every
     other local file the config names (chat template, hostfile: pivotrl.config.files) exist, the local
-    cache folder takes a write (pivotrl.storage_check.check_cache_dir), and
+    cache folder takes a write (pivotrl.storage.check.check_cache_dir), and
     (``storage``) the storage root's credentials, endpoint and bucket work and take a write, and the
-    remote chat sources can be read (pivotrl.storage_check) — before Prefect starts."""
+    remote chat sources can be read (pivotrl.storage.check) — before Prefect starts."""
     from pivotrl.config.files import named_file_problems
     from pivotrl.data.sources import check_sources_exist
-    from pivotrl.errors import ModelError, SourceNotFoundError, StorageError
-    from pivotrl.models import check_model_source
-    from pivotrl.storage_check import check_cache_dir, check_sources, check_storage
+    from pivotrl.core.errors import ModelError, SourceNotFoundError, StorageError
+    from pivotrl.runtime.models import check_model_source
+    from pivotrl.storage.check import check_cache_dir, check_sources, check_storage
 
     problems = []
     try:
@@ -214,10 +214,10 @@ def _state_lengths(cfg: Any, store: Any, key: str) -> dict[str, Any]:
     import numpy as np
 
     from pivotrl.data.states import frame_to_states
-    from pivotrl.models import load_tokenizer
+    from pivotrl.runtime.models import load_tokenizer
     from pivotrl.pipeline.common import prompt_kwargs, resolve_base_model
     from pivotrl.pipeline.demos import cache_dir, category_name, read_histories
-    from pivotrl.prompts import encode_state
+    from pivotrl.format.prompts import encode_state
 
     tok = load_tokenizer(resolve_base_model(cfg, cache_dir(cfg)))
     df = store.read_parquet(f"{key}/candidates.parquet")
@@ -240,7 +240,7 @@ def show_config(config: str = ConfigOpt, overrides: Optional[list[str]] = SetOpt
     and marks each scaled size with what the config said and why."""
     from pivotrl.config import config_hash, dump_config
     from pivotrl.pipeline.console import precision_lines
-    from pivotrl.sizing import annotate_dump, apply_sizing
+    from pivotrl.runtime.sizing import annotate_dump, apply_sizing
 
     cfg = _load(config, overrides)
     _preflight(cfg, storage=False)  # the model and local data files exist (the storage root is not touched)
@@ -257,8 +257,8 @@ def show_config(config: str = ConfigOpt, overrides: Optional[list[str]] = SetOpt
 def lineage(uri: str = typer.Argument(..., help="URI of an artifact (its manifest sits beside it)."),
             as_json: bool = typer.Option(False, "--json", help="Print the tree as JSON.")) -> None:
     """Print the lineage tree of an artifact back to the raw sources (with reference and verifier)."""
-    from pivotrl.errors import StorageError
-    from pivotrl.lineage import lineage_tree, open_artifact, render_tree
+    from pivotrl.core.errors import StorageError
+    from pivotrl.provenance.lineage import lineage_tree, open_artifact, render_tree
 
     try:
         store, key = open_artifact(uri)
@@ -280,8 +280,8 @@ def pivots_diff(a: str = typer.Argument(..., help="URI of the first pivots.parqu
     """Which states entered (+) or left (-) the pivot set from A to B, and why."""
     import dataclasses
 
-    from pivotrl.errors import StorageError
-    from pivotrl.lineage import diff_pivots, open_artifact, render_diff
+    from pivotrl.core.errors import StorageError
+    from pivotrl.provenance.lineage import diff_pivots, open_artifact, render_diff
 
     try:
         store_a, key_a = open_artifact(a)
@@ -310,7 +310,7 @@ def main() -> None:
     """
     import os
 
-    from pivotrl.errors import PivotRLError
+    from pivotrl.core.errors import PivotRLError
 
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")

@@ -21,8 +21,8 @@ def rollouts(uri: str = typer.Argument(..., help="Run root, or any artifact fold
     Each with its reward, verifier reason, advantage, ratio and the policy step that sampled it."""
     import os
 
-    from pivotrl.errors import StorageError
-    from pivotrl.rollouts import read_rollouts, render_rollouts
+    from pivotrl.core.errors import StorageError
+    from pivotrl.provenance.rollouts import read_rollouts, render_rollouts
     from pivotrl.storage import ArtifactStore
 
     try:
@@ -54,10 +54,10 @@ def export(pivots: str = typer.Argument(..., help="URI of a pivots.parquet (its 
     manifests record them, more than one reward per pivot, same verifier and chat template as at
     probing, expert actions only, no stop decisions unless --allow-stop-decisions)."""
     from pivotrl.config import load_config
-    from pivotrl.errors import ConfigError, DataError, ModelError, StorageError
+    from pivotrl.core.errors import ConfigError, DataError, ModelError, StorageError
     from pivotrl.interop.export import export_pivots
-    from pivotrl.lineage import open_artifact
-    from pivotrl.models import load_tokenizer, resolve_model
+    from pivotrl.provenance.lineage import open_artifact
+    from pivotrl.runtime.models import load_tokenizer, resolve_model
     from pivotrl.pipeline.demos import cache_dir
 
     try:

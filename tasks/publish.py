@@ -138,7 +138,7 @@ def emit_assets(store: Any, uris: list[str | None]) -> list[str]:
     from prefect.events import emit_event
     from prefect.runtime import flow_run, task_run
 
-    from pivotrl.lineage import asset_key
+    from pivotrl.provenance.lineage import asset_key
 
     keys: list[str] = []
     for uri in uris:

@@ -24,7 +24,7 @@ from datetime import timedelta
 from typing import Any, Callable, Iterator, Mapping
 
 from prefect import Task, task
-from pivotrl.errors import PivotRLError
+from pivotrl.core.errors import PivotRLError
 from pivotrl.tasks import publish
 from pivotrl.tasks.stages import RESULTS_DIR, config_of, run_once, retry_unless_permanent, store_of, result_storage
 

@@ -61,8 +61,8 @@ def _base_key(stage: str, config: Mapping[str, Any], inputs: Any) -> str:
     if _KEYED_AS.get(stage, stage) in STAGE_INPUTS:
         key = stage_key(_KEYED_AS.get(stage, stage), cfg, store_of(config), inputs)
         return f"pivotrl-{stage}-" + key.replace("/", ".").replace("-", ".")
-    from pivotrl.data.schema import content_hash
-    from pivotrl.fingerprints import inputs_fingerprint
+    from pivotrl.core.hashing import content_hash
+    from pivotrl.provenance.fingerprints import inputs_fingerprint
     from pivotrl.storage import code_version
 
     config = {k: v for k, v in config.items() if k != "tracking"}  # where a run is recorded changes no result
@@ -194,11 +194,11 @@ def pipeline_tasks(config: Mapping[str, Any]) -> PipelineTasks:
 def run_once(stage: str, config: Mapping[str, Any], inputs: Any, compute: Any) -> tuple[dict[str, Any], bool]:
     """``(result, computed)``: run ``compute()`` under the lease on the stage's key, or reuse the
     result another run computed meanwhile (two runs on one storage root never compute, or write,
-    the same stage at once; see :mod:`pivotrl.lease`). The result and the artifacts it points at
+    the same stage at once; see :mod:`pivotrl.storage.lease`). The result and the artifacts it points at
     are recorded under ``.prefect-results/outputs`` while the lease is held."""
     from prefect.runtime import flow_run
 
-    from pivotrl.lease import stage_lease
+    from pivotrl.storage.lease import stage_lease
 
     store, base = store_of(config), _base_key(stage, config, inputs)
     logger = get_run_logger()

@@ -35,7 +35,7 @@ from typing import Any
 
 
 def _prepare(args: argparse.Namespace) -> int:
-    from pivotrl.data.schema import content_hash
+    from pivotrl.core.hashing import content_hash
     from pivotrl.pipeline import stages
     from pivotrl.pipeline.common import make_store
     from pivotrl.pipeline.demos import build_demonstrations

@@ -10,7 +10,7 @@ configured by one YAML file (local path or fsspec URL) plus ``dotted.key=value``
 
     cfg = load_config("configs/default.yaml", ["training.beta=0.01", "probing.num_probes=4"])
 
-Every validation problem is reported at once as a :class:`~pivotrl.errors.ConfigError` whose
+Every validation problem is reported at once as a :class:`~pivotrl.core.errors.ConfigError` whose
 message names the key path, the value and the rule, e.g.
 ``probing.num_probes = 1: must be ≥ 2 (σ̂² needs two probes)``.
 

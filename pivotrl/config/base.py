@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import json
-import re
+
 from typing import Annotated, Any
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict
 from pydantic_core import PydanticCustomError
+
+from pivotrl.core.redact import is_credential_key
+
+__all__ = ["Float", "Int", "Section", "bound_error", "is_credential_key", "show_value"]
 
 
 def _reject_bool(value: Any) -> Any:
@@ -19,22 +23,6 @@ def _reject_bool(value: Any) -> Any:
 
 Int = Annotated[int, BeforeValidator(_reject_bool)]
 Float = Annotated[float, BeforeValidator(_reject_bool)]
-
-_CREDENTIAL_PARTS = frozenset({"secret", "password", "passwd", "token", "credential", "credentials", "sas"})
-_CREDENTIAL_NAMES = frozenset({"key", "key_id", "access_key", "account_key", "private_key", "api_key", "apikey"})
-
-
-def is_credential_key(name: str) -> bool:
-    """True for option names that hold secrets (``secret``, ``aws_session_token``, ``key``, ``api_key``...).
-
-    Names are split on ``_``/``-``; ``max_tokens`` is not a credential, ``session_token`` is.
-    """
-    lowered = str(name).lower()
-    parts = re.split(r"[_\-.]", lowered)
-    if lowered in _CREDENTIAL_NAMES or any(p in _CREDENTIAL_PARTS for p in parts):
-        return True
-    return any(lowered.endswith("_" + n) for n in _CREDENTIAL_NAMES)
-
 
 def bound_error(key: str, value: Any, rule: str) -> PydanticCustomError:
     """A cross-field error; ``key`` is relative to the model that raises it."""

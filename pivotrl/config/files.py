@@ -5,7 +5,7 @@ is validated on other machines too.
 Covered here: ``prompt.chat_template`` (a local Jinja file) and ``training.hostfile`` (a DeepSpeed
 hostfile: ``<host> slots=<n>`` a line, ``#`` comments; as many hosts as ``training.nnodes`` and
 ``training.nproc_per_node`` slots on each). The model source and the ``data.sources`` are checked
-by :func:`pivotrl.models.check_model_source` and :func:`pivotrl.data.sources.check_sources_exist`.
+by :func:`pivotrl.runtime.models.check_model_source` and :func:`pivotrl.data.sources.check_sources_exist`.
 """
 
 from __future__ import annotations

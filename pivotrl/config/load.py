@@ -11,8 +11,8 @@ import yaml
 
 from pivotrl.config.schema import RunConfig
 from pivotrl.config.validate import did_you_mean, item_type, models_of, parse_config
-from pivotrl.data.schema import canonical_json
-from pivotrl.errors import ConfigError
+from pivotrl.core.hashing import canonical_json
+from pivotrl.core.errors import ConfigError
 
 
 def key_lines(text: str, duplicates: list[str] | None = None) -> dict[tuple[Any, ...], int]:
@@ -51,7 +51,7 @@ def _read_text(path_or_url: str) -> str:
     if "://" in path_or_url and not path_or_url.startswith(("file://", "local://")):
         # A remote config: credentials, endpoint and the object checked first, with short timeouts
         # and one line naming what to set (StorageAccessError / SourceNotFoundError / StorageError).
-        from pivotrl.storage_check import check_source
+        from pivotrl.storage.check import check_source
 
         check_source(path_or_url, what=f"config {path_or_url}")
     try:
@@ -183,10 +183,7 @@ def load_config(path_or_url: str | None, overrides: Sequence[str] = ()) -> RunCo
 def public_config(cfg: RunConfig) -> dict[str, Any]:
     """The config as JSON-compatible data without ``run.storage_options`` and ``tracking`` (what hashes and
     manifests see)."""
-    data = cfg.model_dump(mode="json")
-    data["run"].pop("storage_options", None)
-    data.pop("tracking", None)  # where a run is recorded changes no result
-    return data
+    return cfg.public_dict()
 
 
 def config_hash(cfg: RunConfig) -> str:

@@ -50,7 +50,7 @@ class RunConfig(Section):
             if training.get("refresh_tolerance") is None:
                 model = data.get("model")
                 dtype = model.get("dtype", "auto") if isinstance(model, Mapping) else getattr(model, "dtype", "auto")
-                if dtype != "auto":  # auto: filled in once resolved (pivotrl.precision.with_resolved_dtype)
+                if dtype != "auto":  # auto: filled in once resolved (pivotrl.runtime.precision.with_resolved_dtype)
                     training["refresh_tolerance"] = 1e-4 if dtype == "fp32" else 0.3
             data = {**data, "training": training}
         return data
@@ -92,3 +92,11 @@ class RunConfig(Section):
             return
         raise bound_error("rollout.tensor_parallel_size", ro.tensor_parallel_size,
                     f"must be ≤ the {span} GPUs of an engine's ranks (engine_placement {ro.engine_placement})")
+
+    def public_dict(self) -> dict[str, Any]:
+        """The config as JSON-compatible data without ``run.storage_options`` and ``tracking`` (what
+        hashes and manifests see: where a run is recorded and how it reaches storage change no result)."""
+        data = self.model_dump(mode="json")
+        data["run"].pop("storage_options", None)
+        data.pop("tracking", None)
+        return data

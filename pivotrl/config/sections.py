@@ -55,7 +55,7 @@ class RunSection(Section):
         description=(
             "auto = on a CPU slower than the one the default run was timed on, a three-second matmul "
             "calibration (kept per machine in cache_dir) scales warm_start.epochs, probing.max_states, "
-            "training.max_steps and quality.out_of_domain_limit down so the run fits (pivotrl.sizing; "
+            "training.max_steps and quality.out_of_domain_limit down so the run fits (pivotrl.runtime.sizing; "
             "keys given with --set are never scaled; printed at start); fixed = the sizes as written."
         ),
     )
@@ -83,7 +83,7 @@ class RunSection(Section):
 
 
 # ---------------------------------------------------------------------------------------- data
-#: The BFCL categories the loader converts (pivotrl.data.bfcl: SINGLE_TURN_CATEGORIES + MULTI_TURN_CATEGORIES).
+#: The BFCL categories the loader converts (pivotrl.bfcl.data: SINGLE_TURN_CATEGORIES + MULTI_TURN_CATEGORIES).
 BFCLCategory = Literal["multi_turn_base", "simple_python", "multiple", "parallel", "parallel_multiple"]
 
 
@@ -162,7 +162,7 @@ class ModelSection(Section):
         "auto",
         description=(
             "Compute dtype; bf16 = bf16 compute with fp32 master weights (spec tolerances); auto = bf16 where "
-            "the device computes bf16 natively (CUDA, CPUs with AVX512_BF16/AMX), else fp32 (pivotrl.precision)."
+            "the device computes bf16 natively (CUDA, CPUs with AVX512_BF16/AMX), else fp32 (pivotrl.runtime.precision)."
         ),
     )
     max_context: Int = Field(

@@ -11,8 +11,8 @@ from pydantic import BaseModel, ValidationError
 
 from pivotrl.config.base import show_value
 from pivotrl.config.schema import RunConfig
-from pivotrl.data.schema import canonical_json
-from pivotrl.errors import ConfigError
+from pivotrl.core.hashing import canonical_json
+from pivotrl.core.errors import ConfigError
 
 
 def _type_members(tp: Any) -> list[Any]:

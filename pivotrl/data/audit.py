@@ -1,18 +1,18 @@
 """Data audit at load time: gold calls that fail, replays that do not reproduce, malformed chat records.
 
 BFCL multi-turn gold (:func:`failure_status`, :func:`audit_bfcl_replay`)
-    Every ground-truth call is executed while the task is converted (``pivotrl.data.bfcl``). A call
+    Every ground-truth call is executed while the task is converted (``pivotrl.bfcl.data``). A call
     whose output is an execution error (``"Error during execution: ..."``) or a failure status
     (a JSON object with an ``"error"`` key, or a ``*status``/``success`` key that is ``false``) is a
     *flag*; so is a second replay from the same ``initial_config`` that does not give the same
-    outputs and final state, and so is a *no-op* gold call (``pivotrl.data.bfcl``): a call of a
+    outputs and final state, and so is a *no-op* gold call (``pivotrl.bfcl.data``): a call of a
     method that changes the environment's state in some other gold replay of the category but
     leaves it unchanged here (e.g. ``{"retweet_status": "Already retweeted"}``).
 
     *Not BFCL's ground truth* (:func:`audit_bfcl_turn`). At the end of every user turn the state
     reached by replaying the demonstration's calls is compared with the state BFCL's own checker
     reaches by executing that task's ground truth turn by turn
-    (:class:`pivotrl.envs.bfcl.GroundTruthChecker`: BFCL's ``execute_multi_turn_func_call``,
+    (:class:`pivotrl.bfcl.envs.GroundTruthChecker`: BFCL's ``execute_multi_turn_func_call``,
     ``state_checker`` and ``response_checker``, i.e. exactly what a model answering with the
     demonstration would be scored against). A turn whose state differs (a class attribute that is
     ``!=``), or whose ground-truth outputs are not all among the replay's outputs so far, is
@@ -70,7 +70,7 @@ import re
 from typing import Any, Iterator, Mapping, Sequence
 
 from pivotrl.data.schema import Message, Trajectory
-from pivotrl.errors import ActionParseError, DataError
+from pivotrl.core.errors import ActionParseError, DataError
 
 __all__ = ["AUDIT_FLAGS_KEY", "GROUND_TRUTH_MARK", "NOT_IN_HISTORY_MARK", "audit_bfcl_replay", "audit_bfcl_turn",
            "audit_chat_record", "audit_parser", "failure_status", "is_flagged", "not_in_history_flags",
@@ -216,10 +216,10 @@ def audit_parser(tool_parser: str) -> str:
 
 def audit_chat_record(traj: Trajectory, where: str, tool_parser: str = "pythonic") -> None:
     """The chat-record checks of the module docstring, demonstration actions read with
-    ``tool_parser`` (a name of :mod:`pivotrl.tool_parsers`); DataError ``"<where>.<field>: ..."``."""
+    ``tool_parser`` (a name of :mod:`pivotrl.format.tool_parsers`); DataError ``"<where>.<field>: ..."``."""
     import jsonschema
 
-    from pivotrl.tool_parsers import get_tool_parser
+    from pivotrl.format.tool_parsers import get_tool_parser
 
     parser = get_tool_parser(tool_parser)
     validators: dict[str, Any] = {}

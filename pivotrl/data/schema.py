@@ -9,39 +9,16 @@ history before one assistant (model) call; the *demo action* is the assistant me
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import json
-import os
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Literal, Mapping, Sequence
 
-from pivotrl.errors import DataError
+from pivotrl.core.errors import DataError
+from pivotrl.core.hashing import canonical_json, content_hash, json_problem
 
 Role = Literal["system", "user", "assistant", "tool"]
 ROLES: tuple[str, ...] = ("system", "user", "assistant", "tool")
-
-
-def canonical_json(obj: Any) -> str:
-    """Deterministic JSON (sorted keys, no spaces, UTF-8) used for hashing and Parquet cells."""
-    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
-
-
-def json_problem(e: json.JSONDecodeError) -> str:
-    """What is wrong with a JSON text, where: ``Unterminated string starting at column 7`` (some of
-    json's messages end in "at" already; the column is never written after a second one)."""
-    return f"{e.msg.removesuffix(' at')} at column {e.colno}"
-
-
-def content_hash(obj: Any) -> str:
-    """sha256 hex digest of ``canonical_json(obj)``."""
-    return hashlib.sha256(canonical_json(obj).encode("utf-8")).hexdigest()
-
-
-def file_sha256(path: str | os.PathLike[str]) -> str:
-    """sha256 hex digest of a local file's bytes (``hashlib.file_digest``)."""
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def _function_of(d: Mapping[str, Any], where: str, shape: str) -> Mapping[str, Any]:

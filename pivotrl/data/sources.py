@@ -27,11 +27,12 @@ from typing import Any, Iterable, Iterator, Literal
 
 import fsspec
 
-from pivotrl.actions import is_action_name
+from pivotrl.format.actions import is_action_name
 from pivotrl.data.audit import audit_chat_record
-from pivotrl.data.schema import Trajectory, json_problem
-from pivotrl.errors import ConfigError, DataError, SourceNotFoundError, StorageAccessError, StorageError
-from pivotrl.interop.nemo import is_nemo_row, row_to_record
+from pivotrl.data.schema import Trajectory
+from pivotrl.core.hashing import json_problem
+from pivotrl.core.errors import ConfigError, DataError, SourceNotFoundError, StorageAccessError, StorageError
+from pivotrl.data.nemo import is_nemo_row, row_to_record
 
 __all__ = ["check_sources_exist", "load_trajectories", "save_trajectories_jsonl", "validate_trajectory"]
 
@@ -94,11 +95,11 @@ def validate_trajectory(traj: Trajectory, where: str = "") -> None:
     * every tool message answers an earlier assistant tool call (``tool_call_id`` matches a call id);
     * every called tool is one of the trajectory's ``tools``;
     * tool-call ids are unique within the trajectory;
-    * every tool name can be written in the action format (:func:`pivotrl.actions.is_action_name`);
+    * every tool name can be written in the action format (:func:`pivotrl.format.actions.is_action_name`);
     * every answer rule in ``meta`` (``answer_rule``, ``answer_rules``) is well formed
-      (:func:`pivotrl.verifiers.text_rules.validate_rule`: keys, types, regular expressions).
+      (:func:`pivotrl.data.text_rules.validate_rule`: keys, types, regular expressions).
     """
-    from pivotrl.verifiers.text_rules import validate_rule
+    from pivotrl.data.text_rules import validate_rule
 
     where = where or f"trajectory {traj.id!r}"
     if not traj.messages:
@@ -150,8 +151,8 @@ def _field_of(message: str, where: str) -> str:
 
 
 def _is_storage_failure(e: BaseException) -> bool:
-    from pivotrl.storage.retry import is_transient
-    from pivotrl.storage_check import access_problem
+    from pivotrl.core.retry import is_transient
+    from pivotrl.storage.check import access_problem
 
     return access_problem(e) is not None or is_transient(e)
 
@@ -159,7 +160,7 @@ def _is_storage_failure(e: BaseException) -> bool:
 def _read_error(url: str, e: BaseException) -> StorageError:
     """The one-line error of a source that cannot be read: StorageAccessError (never retried) when
     the store refuses us (no credentials, access denied), else StorageError."""
-    from pivotrl.storage_check import CREDENTIALS_HOW_TO, access_problem
+    from pivotrl.storage.check import CREDENTIALS_HOW_TO, access_problem
 
     if (reason := access_problem(e)) is not None:
         return StorageAccessError(f"{url}: cannot read: access refused ({reason}); {CREDENTIALS_HOW_TO}")

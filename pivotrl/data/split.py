@@ -17,7 +17,7 @@ import math
 from typing import Sequence
 
 from pivotrl.data.schema import Trajectory
-from pivotrl.errors import ConfigError, DataError
+from pivotrl.core.errors import ConfigError, DataError
 
 __all__ = ["SPLIT_NAMES", "split_trajectories", "split_of"]
 

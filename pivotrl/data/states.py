@@ -15,7 +15,7 @@ history before it (``messages``), the tools, and the demonstration's action (``d
 * ``"candidate_kind"``: "call", "stop" (the text equals ``meta["stop_text"]``, e.g. BFCL's closing
   "Done."), "text_rule" (``meta["answer_rules"][str(turn_index)]`` or, for the last assistant
   message, ``meta["answer_rule"]`` gives an acceptance rule, copied to ``"answer_rule"``) or
-  "text_no_rule" (see :mod:`pivotrl.verifiers.text_rules`; :func:`candidate_kinds_for_pivots`).
+  "text_no_rule" (see :mod:`pivotrl.data.text_rules`; :func:`candidate_kinds_for_pivots`).
 
 Two table forms. The *full* form (:func:`states_to_frame`, columns :data:`STATE_COLUMNS`; the pivot
 set) stores each state's history as JSON. The *candidates* form (:func:`candidates_frame`, columns
@@ -36,7 +36,7 @@ import numpy as np
 import pandas as pd
 
 from pivotrl.data.schema import Message, MessagePrefix, Trajectory, TurnState
-from pivotrl.errors import DataError
+from pivotrl.core.errors import DataError
 
 __all__ = [
     "CANDIDATE_COLUMNS",
@@ -60,7 +60,7 @@ def candidate_kinds_for_pivots(include_stop_decisions: bool = False) -> tuple[st
 def text_kind(traj: Trajectory, turn_index: int, content: str, is_last: bool) -> tuple[str, dict[str, Any] | None]:
     """``(kind, answer rule or None)`` of a text assistant message (module docstring). Raises
     DataError naming the trajectory and field for a malformed rule."""
-    from pivotrl.verifiers.text_rules import validate_rule
+    from pivotrl.data.text_rules import validate_rule
 
     meta = traj.meta or {}
     stop = meta.get("stop_text")

@@ -1,10 +1,5 @@
-"""Executable tool environments behind demonstrations (``Trajectory.env``).
+"""Tool execution outside the trainer's process: a sandboxed worker that runs a tool call with a
+time limit and retries (:mod:`~pivotrl.envs.sandbox`, :mod:`~pivotrl.envs.sandbox_worker`).
 
-``kind == "bfcl"``: :class:`pivotrl.envs.bfcl.BFCLEnvironment` (BFCL's simulated multi-turn tools).
+BFCL's simulated environments live in :mod:`pivotrl.bfcl.envs`.
 """
-
-from __future__ import annotations
-
-from pivotrl.envs.bfcl import BFCLEnvironment, replay
-
-__all__ = ["BFCLEnvironment", "replay"]

@@ -17,9 +17,9 @@ Inside a worker:
   This is a guard against accidents, not a kernel sandbox: code that reaches the C-level
   ``_socket`` module or spawns programs is not stopped. Run untrusted code in a container.
 
-With a :class:`~pivotrl.faults.FaultInjector` (``faults=``), the pool draws one fault per request
+With a :class:`~pivotrl.runtime.faults.FaultInjector` (``faults=``), the pool draws one fault per request
 (in its own process, from the injector's private RNG); the worker sleeps the drawn latency and, for
-a failure, exits with :data:`~pivotrl.faults.FAULT_EXIT_CODE` before running the function, which
+a failure, exits with :data:`~pivotrl.runtime.faults.FAULT_EXIT_CODE` before running the function, which
 the pool reports as reason ``"crash"`` (retryable) and replaces the worker.
 
 In the pool, a request that gets no reply within ``timeout_s`` wall-clock seconds is killed (the
@@ -45,9 +45,9 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from pivotrl.envs.sandbox_worker import FRAME_HEADER, write_message
-from pivotrl.errors import ConfigError, ToolExecutionError
-from pivotrl.faults import FAULT_EXIT_CODE, FaultInjector, ToolFault
-from pivotrl.storage.retry import RetryStats, call_with_retries  # re-exported: the one retry mechanism
+from pivotrl.core.errors import ConfigError, ToolExecutionError
+from pivotrl.runtime.faults import FAULT_EXIT_CODE, FaultInjector, ToolFault
+from pivotrl.core.retry import RetryStats, call_with_retries  # re-exported: the one retry mechanism
 
 __all__ = ["BUILTIN_FUNCTIONS", "RetryStats", "SandboxError", "SandboxPool", "call_with_retries"]
 
@@ -200,7 +200,7 @@ class SandboxPool:
             ``settings["bfcl_root"]``), or None.
         functions: extra allow-listed functions, ``name → "module:function"`` (the module must be
             importable in a fresh interpreter); added to :data:`BUILTIN_FUNCTIONS`.
-        faults: a :class:`~pivotrl.faults.FaultInjector` deciding injected failures and latency per
+        faults: a :class:`~pivotrl.runtime.faults.FaultInjector` deciding injected failures and latency per
             request (None = no injection).
 
     Use as a context manager or call :meth:`close`. Workers start lazily, on first use.

@@ -19,7 +19,7 @@ import tempfile
 import time
 from typing import Any, Callable, Mapping
 
-from pivotrl.faults import FAULT_EXIT_CODE, ToolFault
+from pivotrl.runtime.faults import FAULT_EXIT_CODE, ToolFault
 
 FRAME_HEADER = struct.Struct(">Q")  # 8-byte big-endian length prefix of every JSON message
 

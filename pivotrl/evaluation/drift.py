@@ -18,7 +18,7 @@ from typing import Any, Sequence
 
 import pandas as pd
 
-from pivotrl.filtering import pivot_decision
+from pivotrl.pivots.filter import pivot_decision
 
 __all__ = ["drift_markdown", "drift_table", "zero_variance_summary"]
 

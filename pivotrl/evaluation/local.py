@@ -15,8 +15,8 @@ from typing import Any, Sequence
 import pandas as pd
 
 from pivotrl.data.schema import TurnState
-from pivotrl.errors import ConfigError, StateTooLongError
-from pivotrl.prompts import encode_state
+from pivotrl.core.errors import ConfigError, StateTooLongError
+from pivotrl.format.prompts import encode_state
 from pivotrl.rollout.base import SamplingConfig
 from pivotrl.rollout.scoring import sample_and_score_groups
 
@@ -46,7 +46,7 @@ def evaluate_local(
 ) -> tuple[pd.DataFrame, dict[str, Any]]:
     """Fraction of sampled actions the verifier accepts at each held-out state.
 
-    Each state is rendered with :func:`pivotrl.prompts.encode_state` (the training renderer),
+    Each state is rendered with :func:`pivotrl.format.prompts.encode_state` (the training renderer),
     ``n`` actions are sampled from ``engine`` and scored with ``verifier.score(state, texts)``.
     States whose prompt plus ``sampling.max_tokens`` does not fit ``max_context`` are skipped and
     counted (status "too_long"), never truncated.
@@ -125,7 +125,7 @@ def evaluate_local_groups(
     groups = [(j, todo[a : a + batch_size]) for j, (_, todo) in enumerate(prepared)
               for a in range(0, len(todo), batch_size)]
 
-    from pivotrl.progress import Progress
+    from pivotrl.core.progress import Progress
 
     total = sum(len(todo) for _, todo in prepared)
     with Progress(label, total, "states", enabled=bool(total)) as bar:
@@ -147,7 +147,7 @@ def evaluate_local_groups(
 def _encode(tokenizer: Any, states: Sequence[TurnState], sampling: SamplingConfig, max_context: int,
             opts: dict[str, Any]) -> tuple[dict[int, dict[str, Any]], list[tuple[int, list[int]]]]:
     """(rows by state index, [(state index, prompt ids)] of the states that fit): each state rendered
-    with :func:`pivotrl.prompts.encode_state`; one too long for ``max_context - sampling.max_tokens``
+    with :func:`pivotrl.format.prompts.encode_state`; one too long for ``max_context - sampling.max_tokens``
     gets its final row (status "too_long") now."""
     budget = max_context - sampling.max_tokens
     if budget < 1:
@@ -209,7 +209,7 @@ def _score_state(row: dict[str, Any], results: Sequence[Any], gens: Sequence[Any
         parse_errors=reasons.get("parse_error", 0),
         tokens_generated=sum(len(g.token_ids) for g in gens),
         reasons=dict(reasons),
-        # every sample, for the rollout records (pivotrl.rollouts)
+        # every sample, for the rollout records (pivotrl.provenance.rollouts)
         samples=json.dumps([{"text": g.text, "tokens": len(g.token_ids), "reward": float(r.reward),
                              "reason": r.reason} for g, r in zip(gens, results)], ensure_ascii=False),
     )

@@ -18,7 +18,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import pandas as pd
 
-from pivotrl.errors import ConfigError, StorageError
+from pivotrl.core.errors import ConfigError, StorageError
 from pivotrl.evaluation import plots as P
 from pivotrl.evaluation.comparison import (
     comparison_markdown, floor_note, format_meta_value, format_rate, stats_name, turn_interval, verdict, verdict_lines,
@@ -462,8 +462,8 @@ def _markdown(report: Mapping[str, Any], rows: list[dict[str, Any]], plots: Mapp
 
 # ------------------------------------------------------------------------------------------- speed
 def _training_speed(metrics_df: pd.DataFrame | None) -> dict[str, float]:
-    """The trainer's speed over all steps (:func:`pivotrl.training.mfu.summarize`); {} without the columns."""
-    from pivotrl.training.mfu import summarize
+    """The trainer's speed over all steps (:func:`pivotrl.runtime.mfu.summarize`); {} without the columns."""
+    from pivotrl.runtime.mfu import summarize
 
     if metrics_df is None or "model_tflop" not in metrics_df.columns:
         return {}
@@ -478,7 +478,7 @@ def _warm_start_speed(meta: Mapping[str, Any]) -> dict[str, float]:
 
 
 def _speed_lines(train: Mapping[str, float], warm: Mapping[str, float]) -> list[str]:
-    """The report's "Speed" lines: MFU = model FLOPs / time / calibrated peak (pivotrl.training.mfu)."""
+    """The report's "Speed" lines: MFU = model FLOPs / time / calibrated peak (pivotrl.runtime.mfu)."""
     if not train and not warm:
         return []
     lines = ["", "### Speed (model FLOPs utilization)", "",
@@ -493,7 +493,7 @@ def _speed_lines(train: Mapping[str, float], warm: Mapping[str, float]) -> list[
                      f"| {train['model_tflop']:.2f} | {pct(train.get('mfu'))} |")
     lines += ["", "Model FLOPs: 6·N per trained token and 2·N per forward-only token (N = the transformer body; "
               "the output head only where logits are computed), plus causal attention; against the calibrated "
-              "matmul peak of the compute dtype × the threads used (`pivotrl.training.mfu`)."]
+              "matmul peak of the compute dtype × the threads used (`pivotrl.runtime.mfu`)."]
     return lines
 
 

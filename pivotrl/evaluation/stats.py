@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from statistics import NormalDist
 from typing import Any, Sequence
 
-from pivotrl.errors import ConfigError
+from pivotrl.core.errors import ConfigError
 
 __all__ = [
     "PAIRED_TEST",

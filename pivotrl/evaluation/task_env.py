@@ -16,7 +16,7 @@ from os import PathLike
 from typing import Any, Callable, Mapping, Protocol, Sequence
 
 from pivotrl.data.schema import Message, ToolCall, Trajectory
-from pivotrl.errors import ConfigError, DataError, ToolExecutionError
+from pivotrl.core.errors import ConfigError, DataError, ToolExecutionError
 
 __all__ = [
     "SANDBOX_FUNCTIONS", "EnvFactory", "SandboxSession", "ToolSession", "UserTurn", "default_factory",
@@ -26,7 +26,7 @@ __all__ = [
 
 
 class ToolSession(Protocol):
-    """A live tool environment of one task (e.g. :class:`pivotrl.envs.bfcl.BFCLEnvironment`)."""
+    """A live tool environment of one task (e.g. :class:`pivotrl.bfcl.envs.BFCLEnvironment`)."""
 
     def execute_all(self, calls: Sequence[ToolCall]) -> list[str]:
         """Execute ``calls`` in order; one output string per call."""
@@ -149,7 +149,7 @@ def sandbox_replay(payload: Mapping[str, Any], settings: Mapping[str, Any]) -> d
     the prior calls are replayed (the simulators are deterministic), then ``calls`` are executed.
     Returns ``{"outputs": [one string per new call], "snapshot": state after them}``.
     """
-    from pivotrl.envs.bfcl import BFCLEnvironment
+    from pivotrl.bfcl.envs import BFCLEnvironment
 
     env = BFCLEnvironment.from_context(payload["ctx"], settings["bfcl_root"])
     for i, d in enumerate(payload["prior_calls"]):
@@ -208,7 +208,7 @@ def sandbox_executor(pool: Any) -> EnvFactory:
 
 
 def default_factory(bfcl_root: str | PathLike[str] | None) -> EnvFactory:
-    from pivotrl.envs.bfcl import BFCLEnvironment
+    from pivotrl.bfcl.envs import BFCLEnvironment
 
     if bfcl_root is None:
         raise ConfigError("evaluate_full_tasks: bfcl_root is required when no executor is given")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Sequence
 
-from pivotrl.evaluation.bfcl_judge import BFCL_STEP_LIMIT
+from pivotrl.bfcl.judge import BFCL_STEP_LIMIT
 
 __all__ = ["BFCL_METRIC", "full_task_metric", "out_of_domain_states", "trust_sections"]
 
@@ -70,9 +70,9 @@ def out_of_domain_states(cfg: Any, cache_dir: Any) -> list[Any]:
     """Turn states of the ``quality.out_of_domain`` BFCL categories (first ``out_of_domain_limit``
     records each). Raises ConfigError when such a category is also a training source: an
     out-of-domain category must be one that neither the warm start nor training sees."""
-    from pivotrl.data.bfcl import load_bfcl
+    from pivotrl.bfcl.data import load_bfcl
     from pivotrl.data.states import extract_turn_states
-    from pivotrl.errors import ConfigError
+    from pivotrl.core.errors import ConfigError
 
     ood = list(cfg.quality.out_of_domain)
     if not ood:

@@ -28,9 +28,9 @@ from __future__ import annotations
 import json
 from typing import Any, Mapping
 
-from pivotrl.errors import DataError
-from pivotrl.fingerprints import chat_template_hash, verifier_hash
-from pivotrl.interop.nemo import DEFAULT_AGENT, pivot_row
+from pivotrl.core.errors import DataError
+from pivotrl.provenance.fingerprints import chat_template_hash, verifier_hash
+from pivotrl.data.nemo import DEFAULT_AGENT, pivot_row
 
 __all__ = ["export_pivots", "check_pivots"]
 
@@ -44,7 +44,7 @@ def _names(ids: list[str]) -> str:
 
 def _open(uri: str) -> tuple[Any, str]:
     """(store, key) of the artifact at ``uri`` wherever it lives (its manifest sits beside it)."""
-    from pivotrl.lineage import open_artifact
+    from pivotrl.provenance.lineage import open_artifact
 
     return open_artifact(uri)
 

@@ -8,7 +8,7 @@
 - :mod:`~pivotrl.objective.tis`: sampler–trainer mismatch and truncated importance sampling
   against the sampler's log-probs (``training.tis_cap``, off by default).
 
-Every choice a config string makes is a :class:`~pivotrl.registry.Registry`:
+Every choice a config string makes is a :class:`~pivotrl.core.registry.Registry`:
 ``ADVANTAGE_ESTIMATORS``, ``RATIO_TYPES``, ``KL_ESTIMATORS``.
 """
 

@@ -29,8 +29,8 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from pivotrl.errors import ConfigError
-from pivotrl.registry import Registry
+from pivotrl.core.errors import ConfigError
+from pivotrl.core.registry import Registry
 
 AdvantageEstimator = Callable[[Tensor, float], Tensor]
 

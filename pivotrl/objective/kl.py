@@ -44,7 +44,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from pivotrl.registry import Registry
+from pivotrl.core.registry import Registry
 
 KLEstimator = Callable[[Tensor, Tensor, Tensor], Tensor]
 

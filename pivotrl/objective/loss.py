@@ -25,7 +25,7 @@ import operator
 import torch
 from torch import Tensor
 
-from pivotrl.errors import ConfigError, TrainingError
+from pivotrl.core.errors import ConfigError, TrainingError
 from pivotrl.objective.kl import DEFAULT_KL_ESTIMATOR, k3_value, kl_terms
 from pivotrl.objective.ratios import DEFAULT_LOG_RATIO_CLAMP, DEFAULT_RATIO_TYPE, action_ratios
 from pivotrl.objective.surrogate import clipped_surrogate

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from pivotrl.errors import ConfigError
+from pivotrl.core.errors import ConfigError
 from pivotrl.objective.ratios import DEFAULT_LOG_RATIO_CLAMP
 
 __all__ = ["sampler_mismatch", "truncated_is_weights"]

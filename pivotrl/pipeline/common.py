@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from pivotrl.config import RunConfig
-from pivotrl.errors import ModelError, StorageError
-from pivotrl.faults import FaultInjector, fault_seed
+from pivotrl.core.errors import ModelError, StorageError
+from pivotrl.runtime.faults import FaultInjector, fault_seed
 from pivotrl.storage import ArtifactStore, RetryStats, call_with_retries
 from pivotrl.training.checkpoints import is_local, local_checkpoint, local_path  # noqa: F401 (re-export)
 
@@ -148,7 +148,7 @@ def make_rollout_engine(cfg: RunConfig, model_dir: Path | str, *, engine: str | 
 
     if Path(model_dir).is_dir():
         verify_checkpoint(model_dir)
-    from pivotrl.precision import with_resolved_dtype
+    from pivotrl.runtime.precision import with_resolved_dtype
 
     name = engine or cfg.rollout.engine
     kwargs: dict[str, Any] = {"dtype": with_resolved_dtype(cfg).model.dtype, "max_model_len": cfg.model.max_context}
@@ -170,21 +170,21 @@ def prompt_kwargs(cfg: RunConfig) -> dict[str, Any]:
 
 def resolve_base_model(cfg: RunConfig, cache: Path) -> Path:
     """The base policy's checkpoint directory: ``model.source`` resolved (downloaded, converted),
-    carrying ``prompt.chat_template`` when one is configured (``pivotrl.chat_format.attach_chat_template``),
+    carrying ``prompt.chat_template`` when one is configured (``pivotrl.format.chat_format.attach_chat_template``),
     with the tool parser's tags spelled as text when their output rows are untrained
-    (``prompt.untrained_tool_tags``, :func:`pivotrl.tool_tags.fix_untrained_tags`)."""
-    from pivotrl.models import resolve_model
+    (``prompt.untrained_tool_tags``, :func:`pivotrl.format.tool_tags.fix_untrained_tags`)."""
+    from pivotrl.runtime.models import resolve_model
 
     base_dir = Path(resolve_model(cfg.model.source, cache))
     if base_dir.is_dir():
         verify_checkpoint(base_dir)  # a truncated checkpoint fails here, naming the file
     if cfg.prompt.chat_template:
-        from pivotrl.chat_format import attach_chat_template
+        from pivotrl.format.chat_format import attach_chat_template
 
         base_dir = attach_chat_template(base_dir, cfg.prompt.chat_template, cache)
     if base_dir.is_dir() and cfg.prompt.tool_parser in ("auto", "hermes"):  # tags whose rows are untrained
-        from pivotrl.models import load_tokenizer
-        from pivotrl.tool_tags import fix_untrained_tags
+        from pivotrl.runtime.models import load_tokenizer
+        from pivotrl.format.tool_tags import fix_untrained_tags
 
         parser = prompt_format(cfg, load_tokenizer(base_dir)).tool_parser
         base_dir = fix_untrained_tags(base_dir, parser, cfg.prompt.untrained_tool_tags, cache)
@@ -192,8 +192,8 @@ def resolve_base_model(cfg: RunConfig, cache: Path) -> Path:
 
 
 def prompt_format(cfg: RunConfig, tokenizer: Any) -> Any:
-    """The run's resolved prompt format for ``tokenizer`` (``pivotrl.chat_format.ResolvedFormat``)."""
-    from pivotrl.chat_format import resolve_format
+    """The run's resolved prompt format for ``tokenizer`` (``pivotrl.format.chat_format.ResolvedFormat``)."""
+    from pivotrl.format.chat_format import resolve_format
 
     return resolve_format(tokenizer, cfg.prompt.format, cfg.prompt.tool_parser)
 

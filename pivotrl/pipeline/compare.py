@@ -15,7 +15,7 @@ Stages (each ``(cfg, store, inputs) -> result dict``, content-addressed like the
 * :func:`stage_compare_evaluate` - in ``pivotrl.pipeline.compare_eval``.
 
 Every baseline records the checkpoint hash it started from (``start_hash``), which must equal the
-reference's (``ref_hash``), and writes ``ledger.json`` (a :class:`pivotrl.ledger.CostLedger`)
+reference's (``ref_hash``), and writes ``ledger.json`` (a :class:`pivotrl.runtime.ledger.CostLedger`)
 with a manifest beside its summary.
 """
 
@@ -29,11 +29,11 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from pivotrl.code_digest import STAGE_MODULES, module_digest
+from pivotrl.provenance.code_digest import STAGE_MODULES, module_digest
 from pivotrl.config import RunConfig
-from pivotrl.data.schema import content_hash
-from pivotrl.errors import StateTooLongError
-from pivotrl.ledger import CostLedger
+from pivotrl.core.hashing import content_hash
+from pivotrl.core.errors import StateTooLongError
+from pivotrl.runtime.ledger import CostLedger
 from pivotrl.pipeline.common import make_rollout_engine, prompt_kwargs
 from pivotrl.pipeline.demos import cache_dir, read_trajectories
 from pivotrl.pipeline.reference import TRAINER_DTYPE, reference_dir
@@ -48,7 +48,7 @@ __all__ = ["e2e_baseline_key", "pivotrl_ledger", "sft_baseline_key", "stage_e2e_
 def compare_code_digest(module: str = "pivotrl.pipeline.compare") -> str:
     """The digest of the code of a ``pivotrl compare`` stage: the import closure of ``module``
     without the nightly stages' modules, whose outputs enter through their keys
-    (:func:`pivotrl.code_digest.module_digest`)."""
+    (:func:`pivotrl.provenance.code_digest.module_digest`)."""
     return module_digest(module, exclude=tuple(STAGE_MODULES.values()))
 
 
@@ -66,8 +66,8 @@ def pivotrl_ledger(cfg: RunConfig, store: ArtifactStore, probe: dict[str, Any], 
     and sampled actions of (state tokens + action tokens).
     """
     from pivotrl.data.states import frame_to_states
-    from pivotrl.models import load_tokenizer
-    from pivotrl.prompts import encode_state
+    from pivotrl.runtime.models import load_tokenizer
+    from pivotrl.format.prompts import encode_state
 
     led = CostLedger(name="pivotrl")
     import json
@@ -156,8 +156,8 @@ def stage_sft_baseline(cfg: RunConfig, store: ArtifactStore, demos: dict[str, An
     Returns {"key", "policy_key", "summary" (steps, target_steps, examples, start_hash, ...),
     "ledger"}. With a PivotRL run of 0 steps the baseline trains 0 steps: the policy is π_ref.
     """
-    from pivotrl.models import checkpoint_hash, load_tokenizer
-    from pivotrl.prompts import build_sft_examples
+    from pivotrl.runtime.models import checkpoint_hash, load_tokenizer
+    from pivotrl.format.prompts import build_sft_examples
     from pivotrl.training.sft import run_sft
 
     target = sum(int(r.get("updates", 0) or 0) for r in _metrics(store, train))
@@ -211,8 +211,8 @@ def stage_e2e_baseline(cfg: RunConfig, store: ArtifactStore, demos: dict[str, An
     Returns {"key", "policy_key", "summary" (budget, budget_tokens, budget_wall_s, steps,
     generated_tokens, wall_s, budget_reached, reward per step, start_hash, ...), "ledger"}. No task with an environment: the policy is π_ref (noted).
     """
-    from pivotrl.data.bfcl import ensure_bfcl
-    from pivotrl.models import checkpoint_hash, load_tokenizer
+    from pivotrl.bfcl.data import ensure_bfcl
+    from pivotrl.runtime.models import checkpoint_hash, load_tokenizer
     from pivotrl.training.e2e import E2ESettings, run_e2e
     from pivotrl.training.pivotrl import PivotRLTrainer
 

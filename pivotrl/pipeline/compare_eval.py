@@ -23,12 +23,12 @@ from typing import Any, Mapping
 import pandas as pd
 
 from pivotrl.config import RunConfig
-from pivotrl.data.schema import content_hash
+from pivotrl.core.hashing import content_hash
 from pivotrl.evaluation.comparison import difference_ci, oriented_pair, signed
-from pivotrl.ledger import CostLedger
-from pivotrl.data.bfcl import ensure_bfcl
+from pivotrl.runtime.ledger import CostLedger
+from pivotrl.bfcl.data import ensure_bfcl
 from pivotrl.evaluation.comparison import compare_policies
-from pivotrl.models import load_tokenizer
+from pivotrl.runtime.models import load_tokenizer
 from pivotrl.pipeline.common import close_quietly, local_checkpoint, make_rollout_engine, make_verifier
 from pivotrl.pipeline.compare import compare_code_digest, pivotrl_ledger
 from pivotrl.pipeline.demos import cache_dir

@@ -10,7 +10,7 @@ import logging
 import re
 from typing import Any, Callable
 
-from pivotrl.errors import PivotRLError
+from pivotrl.core.errors import PivotRLError
 
 
 def _strip(record: logging.LogRecord) -> logging.LogRecord:
@@ -42,7 +42,7 @@ def quiet_stage_tracebacks(logger_names: tuple[str, ...] = ("prefect",)) -> None
 def precision_lines(cfg: Any, *, measure: bool = True) -> list[str]:
     """The precision line of a run, plus a warning (with a measured bf16/fp32 slowdown when
     ``measure``) for an explicit bf16 on a device that emulates it."""
-    from pivotrl.precision import bf16_slowdown, run_precision
+    from pivotrl.runtime.precision import bf16_slowdown, run_precision
 
     p = run_precision(cfg)
     lines = [p.line()]

@@ -28,8 +28,9 @@ from typing import Any
 import pandas as pd
 
 from pivotrl.config import RunConfig
-from pivotrl.data.schema import Message, Trajectory, canonical_json, content_hash
-from pivotrl.errors import DataError
+from pivotrl.data.schema import Message, Trajectory
+from pivotrl.core.hashing import canonical_json, content_hash
+from pivotrl.core.errors import DataError
 from pivotrl.storage import ArtifactStore
 
 DATA_FORMAT_VERSION = 2  # 2: candidates refer to their trajectory's history (history_len)
@@ -46,8 +47,8 @@ def cache_dir(cfg: RunConfig) -> Path:
 def demos_key(cfg: RunConfig) -> str:
     """Content address of the demonstration artifacts: data section, the identity (size, mtime,
     ETag) of every demonstration file, format version, and the loaders' and environments' code."""
-    from pivotrl.code_digest import stage_code_digest
-    from pivotrl.fingerprints import inputs_fingerprint
+    from pivotrl.provenance.code_digest import stage_code_digest
+    from pivotrl.provenance.fingerprints import inputs_fingerprint
 
     # The files behind the URLs count, not just the URLs: a demonstration file replaced in place
     # gives a new key.
@@ -109,7 +110,7 @@ def load_sources(cfg: RunConfig, quarantine: list[dict[str, Any]],
     """Load every configured source; invalid records raise or go to ``quarantine``. ``origins``,
     when given, gets each trajectory id's source (``"data.sources.<i> (<url or categories>)"``)."""
     from pivotrl.data.audit import audit_parser
-    from pivotrl.data.bfcl import load_bfcl
+    from pivotrl.bfcl.data import load_bfcl
     from pivotrl.data.sources import load_trajectories
 
     trajs: list[Trajectory] = []
@@ -159,7 +160,7 @@ def build_demonstrations(cfg: RunConfig, store: ArtifactStore) -> dict[str, Any]
     from pivotrl.data.audit import AUDIT_FLAGS_KEY, is_flagged
     from pivotrl.data.split import split_trajectories
     from pivotrl.data.states import candidates_frame, extract_turn_states
-    from pivotrl.verifiers.text_rules import candidate_kind
+    from pivotrl.data.text_rules import candidate_kind
 
     key = demos_key(cfg)
     if store.exists(f"{key}/candidates.parquet") and store.exists(f"{key}/counts.json"):
@@ -287,7 +288,7 @@ def read_histories(store: ArtifactStore, key: str, ids: Any = None) -> dict[str,
 def _source_uri(src: Any) -> dict[str, Any]:
     """A source as a manifest input: its URI and content hash (the pinned wheel's sha256 for BFCL,
     the sha256 of the file — or of the sorted file hashes of a directory — for anything else)."""
-    from pivotrl.data.bfcl import BFCL_VERSION, BFCL_WHEEL_SHA256
+    from pivotrl.bfcl.data import BFCL_VERSION, BFCL_WHEEL_SHA256
 
     if src.kind == "bfcl":
         return {"uri": f"pypi:bfcl-eval=={BFCL_VERSION}#{','.join(src.categories)}", "sha256": BFCL_WHEEL_SHA256}

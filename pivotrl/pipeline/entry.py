@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from pivotrl.config.sections import local_cache_dir
-from pivotrl.errors import ConfigError, DataError, ModelError, PivotRLError, StorageAccessError, TrainingError
+from pivotrl.core.errors import ConfigError, DataError, ModelError, PivotRLError, StorageAccessError, TrainingError
 from pivotrl.pipeline.console import ConsoleFilter
 from pivotrl.pipeline.evaluate_stage import eval_shard
 from pivotrl.pipeline.probe_stage import probe_shard
@@ -63,15 +63,15 @@ def run_stage(stage: str, config: dict[str, Any], inputs: dict[str, Any], *, att
 
     The store is the run's (``pivotrl.pipeline.common.make_store``: storage faults of
     ``faults.storage_failure_rate`` seeded by ``run.seed`` and ``attempt``, writes retried).
-    ``model.dtype: auto`` is resolved here (pivotrl.precision): the stage computes, keys and
+    ``model.dtype: auto`` is resolved here (pivotrl.runtime.precision): the stage computes, keys and
     records its artifacts in the resolved dtype, and every manifest it writes carries the
     resolution (``extra.precision``: requested, dtype, reason).
     Raises ConfigError for an invalid config (naming the key) or an unknown stage.
     """
     from pivotrl.config import parse_config
-    from pivotrl.errors import ConfigError
+    from pivotrl.core.errors import ConfigError
     from pivotrl.pipeline.common import make_store
-    from pivotrl.precision import run_precision, with_resolved_dtype
+    from pivotrl.runtime.precision import run_precision, with_resolved_dtype
 
     if stage not in STAGES:
         raise ConfigError(f"unknown stage {stage!r}; valid: {', '.join(STAGES)}")
@@ -118,7 +118,7 @@ def _say(line: str) -> None:
 @contextmanager
 def announce(stage: str, log_path: Path | None = None) -> Iterator[None]:
     """Print a stage's start, and its end with the elapsed time (or that it failed)."""
-    from pivotrl.progress import format_duration
+    from pivotrl.core.progress import format_duration
 
     t0 = time.monotonic()
     _say(f"stage {stage}: started" + (f" (log: {log_path})" if log_path else ""))

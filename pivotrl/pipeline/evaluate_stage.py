@@ -36,10 +36,10 @@ from typing import Any, Mapping
 import pandas as pd
 
 from pivotrl.config import RunConfig
-from pivotrl.data.bfcl import ensure_bfcl
-from pivotrl.data.schema import content_hash
-from pivotrl.errors import StorageError
-from pivotrl.models import load_tokenizer
+from pivotrl.bfcl.data import ensure_bfcl
+from pivotrl.core.hashing import content_hash
+from pivotrl.core.errors import StorageError
+from pivotrl.runtime.models import load_tokenizer
 from pivotrl.pipeline.common import close_quietly, make_verifier
 from pivotrl.pipeline.demos import cache_dir
 from pivotrl.pipeline.evaluate import (
@@ -48,7 +48,7 @@ from pivotrl.pipeline.evaluate import (
 )
 from pivotrl.pipeline.results import EvalResult, ProbeResult, ReferenceResult, TrainResult
 from pivotrl.pipeline.warm_engine import close_warm_engines, shard_engine
-from pivotrl.precision import with_resolved_dtype
+from pivotrl.runtime.precision import with_resolved_dtype
 from pivotrl.storage import ArtifactStore
 
 log = logging.getLogger("pivotrl.pipeline")

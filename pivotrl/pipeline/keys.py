@@ -3,7 +3,7 @@
 A stage's key is the content address of what the stage produces, built by the same functions the
 stages use for their artifacts — the config sections the stage reads, the keys of the earlier
 stages' artifacts, the fingerprints of the files it reads and the code that decides its output
-(:func:`pivotrl.code_digest.stage_code_digest`):
+(:func:`pivotrl.provenance.code_digest.stage_code_digest`):
 
 =================  ==========================================================================
 stage              key
@@ -37,9 +37,9 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from pivotrl.config import RunConfig
-from pivotrl.errors import ConfigError
+from pivotrl.core.errors import ConfigError
 from pivotrl.pipeline.registry import STAGES, stage_spec
-from pivotrl.precision import with_resolved_dtype
+from pivotrl.runtime.precision import with_resolved_dtype
 from pivotrl.storage import ArtifactStore
 
 #: The stages, in pipeline order, with the inputs each takes (the results of earlier stages).

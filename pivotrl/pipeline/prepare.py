@@ -10,8 +10,8 @@ from __future__ import annotations
 from typing import Any, Callable, Sequence
 
 from pivotrl.config import RunConfig, load_config
-from pivotrl.sizing import sized_config
-from pivotrl.storage_check import check_cache_dir, check_sources, check_storage
+from pivotrl.runtime.sizing import sized_config
+from pivotrl.storage.check import check_cache_dir, check_sources, check_storage
 
 
 def prepared_config(config_path: str | None, overrides: Sequence[str] | None = None, *,
@@ -19,7 +19,7 @@ def prepared_config(config_path: str | None, overrides: Sequence[str] | None = N
     """The validated config at ``config_path`` with ``--set``-style ``overrides``, after checking its
     storage root and its remote demonstration sources (credentials, endpoint, bucket, read and write
     access; StorageAccessError, never retried) and that the local cache folder takes a write, sized to this
-    machine (``run.sizing``, :func:`pivotrl.sizing.sized_config`; ``echo`` prints the decision).
+    machine (``run.sizing``, :func:`pivotrl.runtime.sizing.sized_config`; ``echo`` prints the decision).
 
     Raises ConfigError naming the key and file line of an invalid value, StorageAccessError for a
     storage root that cannot work.

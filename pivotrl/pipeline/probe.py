@@ -11,7 +11,7 @@ Outputs:
   ``sample_tokens`` (the m action lengths in tokens, JSON) — every sample is kept, so pass rates
   for another m or λ_diff can be re-derived without new rollouts (:func:`rederive_pivots`),
   ``status`` ("ok" | "too_long" | "verifier_error"), ``reason`` (why a state was skipped),
-  ``decision`` (see ``pivotrl.filtering.pivot_decision``; empty unless status is "ok") and
+  ``decision`` (see ``pivotrl.pivots.filter.pivot_decision``; empty unless status is "ok") and
   ``verifier_retries`` (tool requests the verifier had to retry for this state: crashes, timeouts,
   injected faults; retries never change a verdict, a state whose retries run out is "verifier_error").
 - ``pivots/<key>/pivots.parquet``: the kept candidate rows (state + verifier context) with μ̂, σ̂²;
@@ -27,8 +27,9 @@ from typing import TYPE_CHECKING, Any, Mapping, Sequence
 import numpy as np
 import pandas as pd
 
-from pivotrl.data.schema import TurnState, content_hash
-from pivotrl.errors import StateTooLongError
+from pivotrl.data.schema import TurnState
+from pivotrl.core.hashing import content_hash
+from pivotrl.core.errors import StateTooLongError
 from pivotrl.pipeline.results import ReferenceResult
 
 if TYPE_CHECKING:
@@ -100,7 +101,7 @@ def probe_states(
     ``verifier.stats.retries`` (a ``RetryStats``; 0 for verifiers without one).
     Returns the probe table described in the module docstring (one row per state, input order).
     """
-    from pivotrl.prompts import encode_state
+    from pivotrl.format.prompts import encode_state
 
     prompt_kwargs = prompt_kwargs or {}
     rows: list[dict[str, Any]] = []
@@ -113,7 +114,7 @@ def probe_states(
             continue
         encoded.append((s, ids))
 
-    from pivotrl.progress import Progress
+    from pivotrl.core.progress import Progress
 
     with Progress("probing", len(encoded), "states", enabled=progress) as bar:
         for b in range(0, len(encoded), batch_size):
@@ -130,7 +131,7 @@ def probe_states(
 
 def _probe_row(g: ScoredState) -> dict[str, Any]:
     """The probe-table row of one sampled and scored state (see probe_states)."""
-    from pivotrl.filtering import probe_stats
+    from pivotrl.pivots.filter import probe_stats
 
     texts = [x.text for x in g.samples]
     if not g.decided:
@@ -187,7 +188,7 @@ def apply_pivot_filter(probe_df: pd.DataFrame, lambda_diff: float) -> pd.DataFra
 
     Returns a copy; rows whose status is not "ok" get decision "skipped_<status>".
     """
-    from pivotrl.filtering import pivot_decision
+    from pivotrl.pivots.filter import pivot_decision
 
     df = probe_df.copy()
     df["decision"] = [
@@ -256,8 +257,8 @@ def probe_key(candidates_hash: str, ref_hash: str, probing: dict[str, Any], veri
     """Content address of a probe table: candidates, reference weights, probing/verifier/prompt
     settings, the engine settings that change samples (name, max_tokens, dtype, context) and the
     code that decides the rewards (verifiers, parser, renderer, environments, sampling: see
-    :mod:`pivotrl.code_digest`) — λ_diff excluded: changing it re-filters without re-probing."""
-    from pivotrl.code_digest import stage_code_digest
+    :mod:`pivotrl.provenance.code_digest`) — λ_diff excluded: changing it re-filters without re-probing."""
+    from pivotrl.provenance.code_digest import stage_code_digest
 
     probing = {k: v for k, v in probing.items() if k != "lambda_diff"}
     return "probes/" + content_hash(
@@ -276,7 +277,7 @@ def rederive_pivots(probe_df: pd.DataFrame, lambda_diff: float, *, num_probes: i
     Returns a copy of the table (same columns). Raises ValueError if m' < 1 or a state has fewer
     than m' samples.
     """
-    from pivotrl.filtering import probe_stats
+    from pivotrl.pivots.filter import probe_stats
 
     df = probe_df.copy()
     if num_probes is not None:
@@ -305,7 +306,7 @@ def probe_table_key(cfg: RunConfig, candidates_hash: str, ref: ReferenceResult |
     (the whole pivot split, or one shard of it): :func:`probe_key` with the
     run's probing, verifier, prompt and engine settings (the resolved dtype)."""
     from pivotrl.pipeline.reference import prompt_identity
-    from pivotrl.precision import with_resolved_dtype
+    from pivotrl.runtime.precision import with_resolved_dtype
 
     cfg = with_resolved_dtype(cfg)
     return probe_key(candidates_hash, ReferenceResult.of(ref).ref_hash, cfg.probing.model_dump(mode="json"),

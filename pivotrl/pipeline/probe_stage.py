@@ -34,11 +34,11 @@ from typing import Any, Mapping
 import pandas as pd
 
 from pivotrl.config import RunConfig
-from pivotrl.data.bfcl import ensure_bfcl
+from pivotrl.bfcl.data import ensure_bfcl
 from pivotrl.data.states import candidate_kinds_for_pivots, expand_candidates, frame_to_states
-from pivotrl.errors import VerifierError
-from pivotrl.fingerprints import capture_hashes
-from pivotrl.models import load_tokenizer
+from pivotrl.core.errors import VerifierError
+from pivotrl.provenance.fingerprints import capture_hashes
+from pivotrl.runtime.models import load_tokenizer
 from pivotrl.pipeline.common import close_quietly, make_verifier, prompt_kwargs, sampling_for
 from pivotrl.pipeline.demos import cache_dir, read_histories
 from pivotrl.pipeline.probe import (
@@ -48,7 +48,7 @@ from pivotrl.pipeline.probe import (
 from pivotrl.pipeline.reference import reference_dir
 from pivotrl.pipeline.results import ProbeResult, ReferenceResult
 from pivotrl.pipeline.warm_engine import shard_engine
-from pivotrl.precision import with_resolved_dtype
+from pivotrl.runtime.precision import with_resolved_dtype
 from pivotrl.storage import ArtifactStore
 
 log = logging.getLogger("pivotrl.pipeline")

@@ -48,7 +48,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
-from pivotrl.lease import release_held_leases
+from pivotrl.storage.lease import release_held_leases
 
 #: Seconds the processes of a run get between SIGTERM and SIGKILL.
 GRACE_S = 5.0

@@ -12,14 +12,14 @@ import tempfile
 from pathlib import Path
 from typing import Any, Mapping
 
-from pivotrl.code_digest import stage_code_digest
+from pivotrl.provenance.code_digest import stage_code_digest
 from pivotrl.config import RunConfig
-from pivotrl.data.schema import content_hash
-from pivotrl.errors import StateTooLongError
+from pivotrl.core.hashing import content_hash
+from pivotrl.core.errors import StateTooLongError
 from pivotrl.pipeline.common import local_checkpoint, prompt_format, prompt_kwargs, resolve_base_model
 from pivotrl.pipeline.demos import cache_dir, read_trajectories
 from pivotrl.pipeline.results import ReferenceResult
-from pivotrl.precision import with_resolved_dtype
+from pivotrl.runtime.precision import with_resolved_dtype
 from pivotrl.storage import ArtifactStore
 from pivotrl.training.settings import TRAINER_DTYPE  # config dtype names → the trainer's names
 
@@ -34,15 +34,15 @@ def stage_reference(cfg: RunConfig, store: ArtifactStore, demos: Mapping[str, An
     sees the pivot-candidate split it will be probed on.
     """
     cfg = with_resolved_dtype(cfg)  # model.dtype: auto → bf16 | fp32 on this hardware
-    from pivotrl.models import checkpoint_hash, load_tokenizer
-    from pivotrl.prompts import build_sft_examples
+    from pivotrl.runtime.models import checkpoint_hash, load_tokenizer
+    from pivotrl.format.prompts import build_sft_examples
 
     cache = cache_dir(cfg)
     base_dir = resolve_base_model(cfg, cache)
     base_hash = checkpoint_hash(base_dir)
     tok = load_tokenizer(base_dir)
     fmt = prompt_format(cfg, tok).to_dict()  # checked once here: format, parser, template hash, stability
-    from pivotrl.tool_tags import tool_tags_record
+    from pivotrl.format.tool_tags import tool_tags_record
 
     if tool_tags_record(base_dir):  # tags spelled as text (untrained rows): in the manifests and the keys
         fmt["tool_tags"] = tool_tags_record(base_dir)
@@ -60,7 +60,7 @@ def stage_reference(cfg: RunConfig, store: ArtifactStore, demos: Mapping[str, An
         sft = store.read_json(f"{key}.sft.json")
         return ReferenceResult(str(base_dir), base_hash, key, sft["checkpoint_hash"], sft, fmt)
 
-    from pivotrl.training.mfu import calibrated_peak_gflops
+    from pivotrl.runtime.mfu import calibrated_peak_gflops
     from pivotrl.training.sft import run_sft
 
     trajs = read_trajectories(store, demos["key"], split="warm_start")
@@ -103,10 +103,10 @@ def reference_inputs_key(cfg: RunConfig, demos: Mapping[str, Any] | None) -> str
     the base model — the same sections as the warm start's artifact key (demonstrations key,
     ``warm_start``, ``prompt``, resolved dtype, seed, the reference stage's code) with the base
     model and the chat template identified by their file fingerprints
-    (:func:`~pivotrl.fingerprints.path_fingerprint`) instead of their checkpoint/template hash,
+    (:func:`~pivotrl.provenance.fingerprints.path_fingerprint`) instead of their checkpoint/template hash,
     and the local cache directory (the result names the base model's local directory there).
     ``cfg`` with its dtype resolved. Without a warm start the demonstrations do not count."""
-    from pivotrl.fingerprints import inputs_fingerprint
+    from pivotrl.provenance.fingerprints import inputs_fingerprint
 
     files = inputs_fingerprint(cfg)
     ws = cfg.warm_start.model_dump(mode="json") if cfg.warm_start.enabled else {"enabled": False}

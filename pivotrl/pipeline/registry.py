@@ -2,11 +2,11 @@
 
 A :class:`StageSpec` names a stage, the results of earlier stages it takes (``inputs``, in the
 order its run function takes them), its module (whose import closure is its code digest, see
-:mod:`pivotrl.code_digest`), the function that computes its content key, the function that runs
+:mod:`pivotrl.provenance.code_digest`), the function that computes its content key, the function that runs
 it and the type of its result. Everything that dispatches on a stage name reads this table: the
 stage process entry (:mod:`pivotrl.pipeline.entry`), the stage keys and the Prefect tasks' cache
 keys (:mod:`pivotrl.pipeline.keys`), the tasks' list (``pivotrl.tasks.stages``), the code digests
-(a test checks :data:`pivotrl.code_digest.STAGE_MODULES` against it) and the table in
+(a test checks :data:`pivotrl.provenance.code_digest.STAGE_MODULES` against it) and the table in
 ARCHITECTURE.md (a test renders it from here).
 
 Every run function has the shape ``run(cfg, store, *inputs) -> result``; :func:`run_stage_fn`
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 from pivotrl.config import RunConfig
-from pivotrl.errors import ConfigError
+from pivotrl.core.errors import ConfigError
 from pivotrl.pipeline.compare import e2e_baseline_key, sft_baseline_key, stage_e2e_baseline, stage_sft_baseline
 from pivotrl.pipeline.compare_eval import compare_eval_key, stage_compare_evaluate
 from pivotrl.pipeline.demos import build_demonstrations, demos_key
@@ -30,7 +30,7 @@ from pivotrl.pipeline.probe_stage import stage_probe
 from pivotrl.pipeline.reference import reference_inputs_key, stage_reference
 from pivotrl.pipeline.results import EvalResult, ProbeResult, ReferenceResult, StageResult, TrainResult
 from pivotrl.pipeline.train import stage_train, train_key
-from pivotrl.precision import with_resolved_dtype
+from pivotrl.runtime.precision import with_resolved_dtype
 from pivotrl.storage import ArtifactStore
 
 __all__ = ["COMPARE_STAGES", "NIGHTLY_STAGES", "STAGES", "StageSpec", "stage_spec", "typed_inputs"]

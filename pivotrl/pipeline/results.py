@@ -16,7 +16,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Mapping, TypeVar
 
-from pivotrl.errors import ConfigError
+from pivotrl.core.errors import ConfigError
 
 __all__ = ["EvalResult", "ProbeResult", "ReferenceResult", "StageResult", "TrainResult"]
 
@@ -138,7 +138,7 @@ class TrainResult(StageResult):
             (an empty pivot set: the policy is π_ref).
         metrics: URI of ``metrics.parquet`` (one row per step).
         summary: steps, pivots, final_reward_mean, policy, and the trainer's speed over all steps (trainer_s,
-            model_tflop, policy_tokens_per_s, ref_tokens_per_s, mfu: pivotrl.training.mfu.summarize); None on
+            model_tflop, policy_tokens_per_s, ref_tokens_per_s, mfu: pivotrl.runtime.mfu.summarize); None on
             ranks other than 0.
     """
 

@@ -20,15 +20,15 @@ from typing import Any, Mapping, Sequence
 
 import pandas as pd
 
-from pivotrl.code_digest import stage_code_digest
+from pivotrl.provenance.code_digest import stage_code_digest
 from pivotrl.config import RunConfig
-from pivotrl.data.schema import content_hash
-from pivotrl.errors import ConfigError, TrainingError
+from pivotrl.core.hashing import content_hash
+from pivotrl.core.errors import ConfigError, TrainingError
 from pivotrl.pipeline.common import close_quietly, make_rollout_engine, make_verifier, prompt_kwargs
 from pivotrl.pipeline.demos import cache_dir
 from pivotrl.pipeline.reference import prompt_identity, reference_dir
 from pivotrl.pipeline.results import ProbeResult, ReferenceResult, TrainResult
-from pivotrl.precision import with_resolved_dtype
+from pivotrl.runtime.precision import with_resolved_dtype
 from pivotrl.storage import ArtifactStore
 
 log = logging.getLogger("pivotrl.pipeline")
@@ -36,7 +36,7 @@ log = logging.getLogger("pivotrl.pipeline")
 
 def train_key(cfg: RunConfig, store: ArtifactStore, probe: ProbeResult, ref: ReferenceResult) -> str:
     """``train/<16 hex>``: content hash of the pivot set, π_ref, the training, rollout, verifier and
-    prompt settings, the dtype, the seed and the train stage's code (pivotrl.code_digest)."""
+    prompt settings, the dtype, the seed and the train stage's code (pivotrl.provenance.code_digest)."""
     tr = cfg.training
     return "train/" + content_hash({"pivots": store.read_manifest(f"{probe.pivots_key}/pivots.parquet").sha256,
                                     "reference": ref.ref_hash, "training": tr.model_dump(mode="json"),
@@ -86,11 +86,11 @@ def stage_train(cfg: RunConfig, store: ArtifactStore, probe: ProbeResult | Mappi
     configured = cfg
     cfg = with_resolved_dtype(cfg)  # model.dtype: auto → bf16 | fp32 on this hardware
     probe, ref = ProbeResult.of(probe), ReferenceResult.of(ref)
-    from pivotrl.data.bfcl import ensure_bfcl
+    from pivotrl.bfcl.data import ensure_bfcl
     from pivotrl.data.states import frame_to_states
-    from pivotrl.models import load_tokenizer
-    from pivotrl.prompts import encode_state
-    from pivotrl.rollouts import record_train_step
+    from pivotrl.runtime.models import load_tokenizer
+    from pivotrl.format.prompts import encode_state
+    from pivotrl.provenance.rollouts import record_train_step
     from pivotrl.tracking.live import step_logger
     from pivotrl.training.checkpoints import fetch_checkpoint, latest_checkpoint, rank_and_world, save_checkpoint
     from pivotrl.training.loop import LoopHooks, LoopSettings, Refilter, pivot_schedule, refilter_unused, run_rl_loop
@@ -188,7 +188,7 @@ def stage_train(cfg: RunConfig, store: ArtifactStore, probe: ProbeResult | Mappi
     summary = {"steps": len(rows), "pivots": len(pivots), "final_reward_mean": float(metrics_df["reward_mean"].iloc[-1])
                if "reward_mean" in metrics_df and len(metrics_df) else None,
                "policy": store.url(final_key)}
-    from pivotrl.training.mfu import summarize
+    from pivotrl.runtime.mfu import summarize
 
     speed = summarize(rows)  # the stage's trainer time, model FLOPs, tokens/s and MFU over all steps
     if speed:

@@ -17,8 +17,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol, Sequence, runtime_checkable
 
-from pivotrl.errors import ConfigError
-from pivotrl.registry import Registry
+from pivotrl.core.errors import ConfigError
+from pivotrl.core.registry import Registry
 
 FINISH_STOP = "stop"  # eos or a stop string was produced
 FINISH_LENGTH = "length"  # max_tokens (or the context limit) reached
@@ -126,7 +126,7 @@ def make_engine(
 ) -> RolloutEngine:
     """Build the rollout engine registered as ``name`` ("transformers" or "vllm").
 
-    ``model_dir`` is an HF checkpoint directory (see ``pivotrl.models.resolve_model``);
+    ``model_dir`` is an HF checkpoint directory (see ``pivotrl.runtime.models.resolve_model``);
     ``dtype`` is "fp32" or "bf16"; further keyword arguments go to the engine's constructor.
 
     Raises:

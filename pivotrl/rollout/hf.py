@@ -25,7 +25,7 @@ import os
 from pathlib import Path
 from typing import Any, Sequence
 
-from pivotrl.errors import ConfigError, ModelError
+from pivotrl.core.errors import ConfigError, ModelError
 from pivotrl.rollout.base import (
     FINISH_ABORT,
     FINISH_LENGTH,
@@ -82,7 +82,7 @@ class TransformersEngine:
         if isinstance(model, (str, os.PathLike)):
             from transformers import AutoModelForCausalLM
 
-            from pivotrl.models import load_tokenizer
+            from pivotrl.runtime.models import load_tokenizer
 
             torch_dtype = getattr(torch, normalise_dtype(dtype or "fp32"))
             try:

@@ -30,7 +30,7 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Sequence
 
-from pivotrl.errors import ConfigError
+from pivotrl.core.errors import ConfigError
 
 __all__ = ["EnginePool", "engine_cpus", "split_positions"]
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from pivotrl.errors import VerifierError
+from pivotrl.core.errors import VerifierError
 from pivotrl.rollout.base import generate_groups
 
 __all__ = ["ScoredState", "sample_and_score", "sample_and_score_groups", "verifier_retries"]

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Sequence
 from unittest import mock
 
-from pivotrl.errors import ConfigError, ModelError
+from pivotrl.core.errors import ConfigError, ModelError
 from pivotrl.rollout.base import (
     FINISH_ABORT,
     FINISH_LENGTH,
@@ -357,11 +357,11 @@ def engine_cpu_bind(cpu_threads: int | None, environ: Any = None, cpu_ids: Seque
     An explicit ``VLLM_CPU_OMP_THREADS_BIND`` in ``environ`` wins (None, None). Given ``cpu_ids``
     (one of several engines of this process, already disjoint): the first ``cpu_threads`` of them,
     unclaimed. Otherwise ``cpu_threads`` CPUs of this process's affinity are claimed machine-wide
-    (:func:`pivotrl.cpu_claims.claim_cpus`, directory ``claims``), so engines of other processes
+    (:func:`pivotrl.runtime.cpu_claims.claim_cpus`, directory ``claims``), so engines of other processes
     bind to other CPUs while there are free ones; the caller releases the claim when the engine
     ends. Raises ConfigError if ``cpu_threads`` < 1.
     """
-    from pivotrl.cpu_claims import claim_cpus
+    from pivotrl.runtime.cpu_claims import claim_cpus
 
     environ = os.environ if environ is None else environ
     if cpu_ids is not None or environ.get("VLLM_CPU_OMP_THREADS_BIND"):

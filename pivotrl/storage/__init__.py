@@ -3,7 +3,7 @@
 * :mod:`~pivotrl.storage.store` — :class:`ArtifactStore` (keys, atomic writes, reads, listing);
 * :mod:`~pivotrl.storage.dirs` — checkpoint directories behind a ``_COMPLETE`` marker;
 * :mod:`~pivotrl.storage.manifest` — :class:`Manifest` beside every artifact, code and library versions;
-* :mod:`~pivotrl.storage.retry` — the one retry mechanism (tenacity) and the store's policy;
+* :mod:`~pivotrl.core.retry` — the one retry mechanism (tenacity) and the store's policy;
 * :mod:`~pivotrl.storage.files` — the atomic publishing of local files and the file hash;
 * :mod:`~pivotrl.storage.open` — an artifact's store and key from the URI a run printed.
 
@@ -19,7 +19,7 @@ from pivotrl.storage.manifest import (
     code_version,
     package_versions,
 )
-from pivotrl.storage.retry import RetryPolicy, RetryStats, call_with_retries, is_transient
+from pivotrl.core.retry import RetryPolicy, RetryStats, call_with_retries, is_transient
 from pivotrl.storage.store import ArtifactStore
 from pivotrl.storage.open import open_artifact
 

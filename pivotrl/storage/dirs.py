@@ -14,8 +14,8 @@ import os
 from pathlib import Path
 from typing import Any, Mapping
 
-from pivotrl.data.schema import content_hash
-from pivotrl.errors import StorageError
+from pivotrl.core.hashing import content_hash
+from pivotrl.core.errors import StorageError
 from pivotrl.storage.files import atomic_dir, file_sha256, replace_path
 from pivotrl.storage.manifest import utc_now
 

@@ -7,7 +7,7 @@ temporary path, so a reader sees the whole file/directory or the previous state,
 Remote artifacts go through :class:`pivotrl.storage.ArtifactStore` (temporary key, then move), which
 uses the same functions for its local-disk moves.
 
-Pure core: standard library only (and :func:`pivotrl.data.schema.file_sha256`, re-exported).
+Pure core: standard library only (and :func:`pivotrl.core.hashing.file_sha256`, re-exported).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Callable, Iterator
 
-from pivotrl.data.schema import file_sha256
+from pivotrl.core.hashing import file_sha256
 
 __all__ = ["HashingWriter", "atomic_dir", "atomic_file", "file_sha256", "relative_note", "replace_path"]
 

@@ -2,7 +2,7 @@
 
 A manifest ``<key>.manifest.json`` (:meth:`ManifestMixin.write_artifact`) records the artifact's
 content hash, its inputs (URI + content hash), the config and its hash, the code and library
-versions, seeds, Prefect run ids and a timestamp. :func:`pivotrl.lineage.lineage_tree` walks these
+versions, seeds, Prefect run ids and a timestamp. :func:`pivotrl.provenance.lineage.lineage_tree` walks these
 records. Manifests never contain storage options or credentials.
 
 Pure core: never imports prefect (only reads run ids when the process already did), vllm,
@@ -22,9 +22,9 @@ from importlib import metadata
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
-from pivotrl.config import is_credential_key
-from pivotrl.data.schema import content_hash
-from pivotrl.errors import StorageError
+from pivotrl.core.redact import is_credential_key
+from pivotrl.core.hashing import content_hash
+from pivotrl.core.errors import StorageError
 
 if TYPE_CHECKING:
     from pivotrl.config import RunConfig
@@ -264,10 +264,8 @@ class ManifestMixin:
 
         cfg_dict: dict[str, Any] | None = None
         if config is not None:
-            if hasattr(config, "model_dump"):
-                from pivotrl.config import public_config
-
-                cfg_dict = public_config(config)  # type: ignore[arg-type]
+            if hasattr(config, "public_dict"):
+                cfg_dict = config.public_dict()
             else:
                 cfg_dict = dict(config)
             cfg_dict = _scrub(json.loads(json.dumps(cfg_dict, default=str)))

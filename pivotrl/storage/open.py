@@ -11,7 +11,7 @@ import json
 import os
 from typing import Any, Mapping
 
-from pivotrl.errors import StorageError
+from pivotrl.core.errors import StorageError
 from pivotrl.storage.manifest import MANIFEST_SUFFIX
 from pivotrl.storage.store import ArtifactStore
 

@@ -7,7 +7,7 @@ Directories (:mod:`pivotrl.storage.dirs`) and manifests (:mod:`pivotrl.storage.m
 on these writes.
 
 Remote stores retry transient failures (timeouts, refused or reset connections, 5xx answers) with
-exponential backoff (:class:`~pivotrl.storage.retry.RetryPolicy`, through the project's one retry
+exponential backoff (:class:`~pivotrl.core.retry.RetryPolicy`, through the project's one retry
 function); every retried write starts again from a fresh temporary key, and temporary keys a failed
 attempt could not remove are removed once the store answers again, so an outage leaves neither a
 half artifact nor a stray temporary key.
@@ -27,11 +27,11 @@ import uuid
 from contextlib import contextmanager
 from typing import IO, TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping, TypeVar
 
-from pivotrl.errors import PivotRLError, StorageAccessError, StorageError
+from pivotrl.core.errors import PivotRLError, StorageAccessError, StorageError
 from pivotrl.storage.dirs import DirectoryMixin
 from pivotrl.storage.files import HashingWriter, replace_path
 from pivotrl.storage.manifest import ManifestMixin
-from pivotrl.storage.retry import RetryPolicy, call_with_retries, is_transient
+from pivotrl.core.retry import RetryPolicy, call_with_retries, is_transient
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -48,7 +48,7 @@ _TMP = ".tmp"
 def storage_error(action: str, url: str, e: BaseException) -> StorageError:
     """The StorageError for a failed ``action`` on ``url``: StorageAccessError (never retried) when
     the store refuses access (no credentials, permission denied, no such bucket)."""
-    from pivotrl.storage_check import access_problem
+    from pivotrl.storage.check import access_problem
 
     if (reason := access_problem(e)) is not None:
         hint = "; set AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY (and AWS_ENDPOINT_URL_S3)" if url.startswith("s3") else ""

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Mapping, Protocol, Sequence, runtime_checkable
 
-from pivotrl.registry import Registry
+from pivotrl.core.registry import Registry
 
 __all__ = ["Tracker", "TRACKERS", "MetricPoint"]
 
@@ -25,7 +25,7 @@ MetricPoint = tuple[str, float, int]
 class Tracker(Protocol):
     """An experiment tracker backend.
 
-    Errors: a backend raises :class:`~pivotrl.errors.TrackingError` (never its client library's
+    Errors: a backend raises :class:`~pivotrl.core.errors.TrackingError` (never its client library's
     exception) naming the tracker URI and the call that failed.
     """
 

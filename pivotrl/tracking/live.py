@@ -138,7 +138,7 @@ def step_logger(cfg: Any, store: Any, train_key: str) -> Callable[[Mapping[str, 
     run_id = os.environ.get(ENV_RUN_ID, "")
     if cfg.tracking.backend == "none" or not run_id:
         return lambda row: None
-    from pivotrl.errors import TrackingError
+    from pivotrl.core.errors import TrackingError
 
     try:
         tracker = make_tracker(cfg)

@@ -23,7 +23,7 @@ import os
 import time
 from typing import Any, Iterator, Mapping, Sequence
 
-from pivotrl.errors import TrackingError
+from pivotrl.core.errors import TrackingError
 from pivotrl.tracking.base import TRACKERS, MetricPoint
 
 #: Our budget for one MLflow HTTP call (environment variables of MLflow's client; a value already in

@@ -42,8 +42,8 @@ import tempfile
 from pathlib import Path
 from typing import Any, Mapping
 
-from pivotrl.errors import StorageError, TrackingError
-from pivotrl.fingerprints import verifier_code_hash
+from pivotrl.core.errors import StorageError, TrackingError
+from pivotrl.provenance.fingerprints import verifier_code_hash
 from pivotrl.tracking.base import TRACKERS, MetricPoint, Tracker
 
 log = logging.getLogger("pivotrl.tracking")
@@ -81,7 +81,7 @@ def flatten_params(obj: Any, prefix: str = "") -> dict[str, str]:
     return {prefix: "null" if obj is None else str(obj)}
 
 
-#: Keys of the train stage's summary logged as ``train_stage/<key>`` (pivotrl.training.mfu.summarize).
+#: Keys of the train stage's summary logged as ``train_stage/<key>`` (pivotrl.runtime.mfu.summarize).
 STAGE_SPEED = ("trainer_s", "model_tflop", "policy_tokens_per_s", "ref_tokens_per_s", "mfu")
 
 
@@ -261,7 +261,7 @@ def source_sha256(uri: str) -> str | None:
     """sha256 of a demonstration source: the pinned, hash-checked BFCL wheel for ``pypi:bfcl-eval``,
     else the file's bytes as they are now (None if unreadable)."""
     if uri.startswith("pypi:bfcl-eval=="):
-        from pivotrl.data.bfcl import BFCL_WHEEL_SHA256
+        from pivotrl.bfcl.data import BFCL_WHEEL_SHA256
 
         return BFCL_WHEEL_SHA256
     try:

@@ -33,7 +33,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import torch
 
-from pivotrl.errors import ConfigError, ModelError, StorageError
+from pivotrl.core.errors import ConfigError, ModelError, StorageError
 from pivotrl.training.host_memory import retain_freed_memory
 from pivotrl.storage.files import atomic_dir, replace_path
 

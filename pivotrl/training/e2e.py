@@ -48,9 +48,9 @@ from typing import Any, Sequence
 import torch
 
 from pivotrl.data.schema import Trajectory
-from pivotrl.errors import ConfigError, DataError
+from pivotrl.core.errors import ConfigError, DataError
 from pivotrl.evaluation.full_task import evaluate_full_tasks
-from pivotrl.ledger import CostLedger
+from pivotrl.runtime.ledger import CostLedger
 from pivotrl.objective import compute_advantages
 from pivotrl.rollout.base import SamplingConfig
 from pivotrl.training.pivotrl import Group

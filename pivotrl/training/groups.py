@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from pivotrl.errors import DataError
+from pivotrl.core.errors import DataError
 
 __all__ = ["Group", "check_groups", "read_batches"]
 

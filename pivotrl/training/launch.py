@@ -34,7 +34,7 @@ from typing import Any, Mapping, Sequence, TypeVar
 
 from pivotrl.config import TrainingSection
 
-from pivotrl.errors import ConfigError, TrainingError
+from pivotrl.core.errors import ConfigError, TrainingError
 from pivotrl.storage.files import atomic_file
 
 __all__ = [

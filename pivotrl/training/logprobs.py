@@ -38,7 +38,7 @@ from typing import Any, Sequence
 
 import torch
 
-from pivotrl.errors import DataError
+from pivotrl.core.errors import DataError
 from pivotrl.training.packed_attention import PACKED_ATTENTION, PACKED_MODEL_TYPES, SEGMENTS_KWARG
 
 __all__ = [
@@ -66,7 +66,7 @@ class GroupLogprobs:
     tokens_processed: int  # tokens run through the model (see processed_tokens)
     shared_prefix: bool  # whether the shared-prefix path was used
     logit_positions: int = 0  # positions whose logits (vocabulary projection) were computed
-    attention_pairs: int = 0  # causal (query, key) pairs attended (pivotrl.training.mfu)
+    attention_pairs: int = 0  # causal (query, key) pairs attended (pivotrl.runtime.mfu)
 
 
 def processed_tokens(prompt_len: int, action_lens: Sequence[int], *, shared_prefix: bool) -> int:
@@ -83,8 +83,8 @@ def processed_tokens(prompt_len: int, action_lens: Sequence[int], *, shared_pref
 def work_counts(prompt_len: int, action_lens: Sequence[int], *, shared_prefix: bool) -> tuple[int, int]:
     """``(logit_positions, attention_pairs)`` of one group: the positions whose logits are computed
     (shared: the state's last + K·(T_max−1); naive: K·T_max) and the causal (query, key) pairs
-    attended (:mod:`pivotrl.training.mfu`), padding included. Pure arithmetic."""
-    from pivotrl.training.mfu import attention_pairs_causal, attention_pairs_shared
+    attended (:mod:`pivotrl.runtime.mfu`), padding included. Pure arithmetic."""
+    from pivotrl.runtime.mfu import attention_pairs_causal, attention_pairs_shared
 
     k, t_max = len(action_lens), max(action_lens)
     if shared_prefix:

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from pivotrl.errors import TrainingError
+from pivotrl.core.errors import TrainingError
 from pivotrl.training.checkpoints import broadcast
 from pivotrl.training.rank_engines import refresh_delta, refresh_step, rollout_step
 
@@ -99,7 +99,7 @@ class Refilter:
     satisfying the filter). At the first step of every epoch after the first, rank 0 samples
     ``num_probes`` actions at each still-active pivot from the engine (π_old = the current policy),
     scores them, and keeps the pivots whose μ̂, σ̂² still pass the pivot rule at ``lambda_diff``
-    (:func:`pivotrl.filtering.pivot_decision`); the epoch's batches then skip the others (a batch
+    (:func:`pivotrl.pivots.filter.pivot_decision`); the epoch's batches then skip the others (a batch
     left empty trains nothing). A pivot the verifier cannot decide stays active.
 
     Attributes:
@@ -131,7 +131,7 @@ def refilter_unused(refilter: "Refilter | None", steps: int) -> str | None:
 def _refilter(engine: Any, verifier: Any, pivots: Sequence[Any], prompts: Sequence[list[int]], active: list[int],
               rf: Refilter, max_tokens: int, step: int) -> tuple[list[int], dict[str, int]]:
     """The pivots of ``active`` still inside the filter under the engine's policy, and counts."""
-    from pivotrl.filtering import pivot_decision, probe_stats
+    from pivotrl.pivots.filter import pivot_decision, probe_stats
     from pivotrl.rollout.base import SamplingConfig
     from pivotrl.rollout.scoring import sample_and_score
 
@@ -216,7 +216,7 @@ def run_rl_loop(trainer: Any, engine: Any, verifier: Any, pivots: Sequence[Any],
         TrainingError: the engine does not serve the trainer's weights after a refresh
             (:func:`check_refresh`).
     """
-    from pivotrl.progress import Progress
+    from pivotrl.core.progress import Progress
 
     hooks = hooks or LoopHooks()
     rows = list(rows or [])

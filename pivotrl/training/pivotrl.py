@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 import torch
 
 from pivotrl.config import TrainingSection
-from pivotrl.errors import DataError, TrainingError
+from pivotrl.core.errors import DataError, TrainingError
 from pivotrl.objective import compute_advantages, pivotrl_loss, sampler_mismatch, truncated_is_weights
 from pivotrl.training.deepspeed_utils import (
     build_engine,
@@ -60,7 +60,7 @@ from pivotrl.training.deepspeed_utils import (
 from pivotrl.training.groups import Group, check_groups
 from pivotrl.training.logprobs import compute_group_logprobs, compute_groups_logprobs
 from pivotrl.training.packed_attention import use_packed_attention
-from pivotrl.training.mfu import ModelShape, calibrated_peak_gflops, forward_flops, mfu
+from pivotrl.runtime.mfu import ModelShape, calibrated_peak_gflops, forward_flops, mfu
 from pivotrl.training.settings import LOG_RATIO_CLAMP, run_trainer_inputs, training_section
 from pivotrl.training.trainer_state import (
     MetricSums,
@@ -129,7 +129,7 @@ class PivotRLTrainer:
         self.ref_model.to(self.engine.device)
         for model in (self.engine.module, self.ref_model):  # the packed state attended without a mask
             use_packed_attention(model)
-        #: The model's shape for the FLOP count (pivotrl.training.mfu); π_ref has π_θ's architecture.
+        #: The model's shape for the FLOP count (pivotrl.runtime.mfu); π_ref has π_θ's architecture.
         self.shape = ModelShape.of_model(self.ref_model)
         #: Calibrated matmul peak of one thread in the compute dtype (GFLOP/s); None = no MFU column.
         self.peak_gflops_per_thread: float | None = None
@@ -389,7 +389,7 @@ class PivotRLTrainer:
 
     def _speed(self, tokens: float, ref_tokens: float, flop: float, elapsed: float, world: int) -> dict[str, float]:
         """The step's speed: ``policy_tokens_per_s`` (forward+backward), ``ref_tokens_per_s`` (π_ref,
-        forward only), ``model_tflop`` (model FLOPs of both, pivotrl.training.mfu), ``threads`` (torch
+        forward only), ``model_tflop`` (model FLOPs of both, pivotrl.runtime.mfu), ``threads`` (torch
         threads × ranks) and, with a calibrated peak, ``peak_gflops`` (per-thread peak × threads)
         and ``mfu`` (model FLOP/s over that peak)."""
         threads = torch.get_num_threads() * world

@@ -35,7 +35,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
-from pivotrl.errors import ConfigError
+from pivotrl.core.errors import ConfigError
 from pivotrl.rollout.pool import split_positions
 from pivotrl.training.checkpoints import broadcast
 

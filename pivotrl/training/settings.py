@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from pydantic import ValidationError
 
 from pivotrl.config import TrainingSection
-from pivotrl.errors import ConfigError
+from pivotrl.core.errors import ConfigError
 
 if TYPE_CHECKING:
     from pivotrl.config import RunConfig

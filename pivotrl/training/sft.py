@@ -2,7 +2,7 @@
 
 The default reference model cannot produce the action format at all (see the measured notes), so
 pivot filtering needs a policy that can act: this module fine-tunes it on demonstration turns
-first. Examples are ``(input_ids, loss_mask)`` pairs from ``pivotrl.prompts.build_sft_example``:
+first. Examples are ``(input_ids, loss_mask)`` pairs from ``pivotrl.format.prompts.build_sft_example``:
 ``loss_mask[t] = 1`` on assistant action tokens (including their end-of-turn token), 0 on the
 system prompt, tool schemas, user turns and tool outputs.
 
@@ -29,9 +29,9 @@ from typing import Any, Sequence
 
 import torch
 
-from pivotrl.errors import ConfigError, DataError, TrainingError
+from pivotrl.core.errors import ConfigError, DataError, TrainingError
 from pivotrl.storage.files import atomic_file
-from pivotrl.training.mfu import ModelShape, attention_pairs_causal, mfu, train_flops
+from pivotrl.runtime.mfu import ModelShape, attention_pairs_causal, mfu, train_flops
 from pivotrl.training.deepspeed_utils import (
     build_engine,
     data_parallel_loss_scale,
@@ -128,14 +128,14 @@ def run_sft(
             (``"bfloat16"``: bf16 compute, fp32 master weights; or ``"float32"``), zero_stage
             (0–3), seed (shuffle order and torch seed), grad_clip (≥ 0; None = off), weight_decay,
             deepspeed_extra (merged over the generated DeepSpeed config), peak_gflops_per_thread
-            (the calibrated matmul peak of one thread in ``dtype``, :mod:`pivotrl.training.mfu`; None =
+            (the calibrated matmul peak of one thread in ``dtype``, :mod:`pivotrl.runtime.mfu`; None =
             no ``mfu``), retain_host_memory (see :func:`pivotrl.training.deepspeed_utils.build_engine`).
 
     Returns:
         metrics: ``losses`` (per step, mean NLL per loss token, nats), ``first_loss``,
         ``final_loss``, ``steps``, ``loss_tokens`` (per epoch), ``tokens`` (input tokens processed
         in total), ``time_s``, ``tokens_per_s`` (all forward+backward), ``model_tflop`` (model FLOPs,
-        :mod:`pivotrl.training.mfu`: 6·n_body per token, 6·n_head per loss position, attention),
+        :mod:`pivotrl.runtime.mfu`: 6·n_body per token, 6·n_head per loss position, attention),
         ``threads`` (torch threads × ranks), with a peak ``peak_gflops`` and ``mfu``; ``out_dir``.
 
     Raises:
@@ -164,7 +164,7 @@ def run_sft(
     losses: list[float] = []
     t0 = time.perf_counter()
     loss_tokens_epoch = sum(int(sum(m[1:])) for _, m in examples)
-    from pivotrl.progress import Progress
+    from pivotrl.core.progress import Progress
 
     n_micro_total = epochs * sum(math.ceil(math.ceil(len(examples[i:i + batch_size]) / world) / micro_batch_size)
                                  for i in range(0, len(examples), batch_size))
@@ -199,7 +199,7 @@ def _sft_epochs(engine: Any, examples: Sequence[tuple[Sequence[int], Sequence[in
                 micro_batch_size: int, order_rng: random.Random, losses: list[float], bar: Any) -> int:
     """The warm start's optimiser steps (appends each step's mean NLL to ``losses``); returns the
     input tokens this rank processed and their model FLOPs (:func:`sft_flops`). ``bar``: a
-    pivotrl.progress.Progress counting micro-batches."""
+    pivotrl.core.progress.Progress counting micro-batches."""
     rank, world = rank_and_world()
     shape = ModelShape.of_model(engine)
     flop = 0.0
@@ -239,7 +239,7 @@ def _sft_epochs(engine: Any, examples: Sequence[tuple[Sequence[int], Sequence[in
 
 
 def sft_flops(shape: ModelShape, examples: Sequence[Example]) -> float:
-    """Model FLOPs of one forward+backward over ``examples`` (:mod:`pivotrl.training.mfu`): every
+    """Model FLOPs of one forward+backward over ``examples`` (:mod:`pivotrl.runtime.mfu`): every
     input token through the body, the output head at the positions that predict a loss token, causal
     attention over each example's own length (padding excluded)."""
     tokens = sum(len(ids) for ids, _ in examples)

@@ -13,7 +13,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from pivotrl.errors import TrainingError
+from pivotrl.core.errors import TrainingError
 from pivotrl.training.deepspeed_utils import export_hf_checkpoint, rank_and_world, replace_directory
 
 __all__ = [

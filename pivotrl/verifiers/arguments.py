@@ -33,7 +33,7 @@ import re
 from typing import Any, Mapping, Sequence
 
 from pivotrl.data.schema import ToolCall, ToolSpec, TurnState
-from pivotrl.errors import DataError
+from pivotrl.core.errors import DataError
 from pivotrl.verifiers.base import VERIFIERS, VerifierResult, demo_calls, kind_check, parse_actions
 
 __all__ = ["ArgumentsVerifier", "match_calls", "normalise_string"]

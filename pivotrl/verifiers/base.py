@@ -1,13 +1,13 @@
 """Verifier contract, registry and the ``auto`` dispatcher (PivotRL §3.2: ``R(s, a) = 1[a ∈ M(s)]``).
 
 A verifier scores the raw model outputs (actions) sampled at one turn state: it parses them itself
-with :func:`pivotrl.actions.parse_action`; output that does not parse is a reward of 0 with reason
+with :func:`pivotrl.format.actions.parse_action`; output that does not parse is a reward of 0 with reason
 ``"parse_error"`` (not an error). When it cannot decide (a tool crashed or timed out after its
-retries) it raises :class:`~pivotrl.errors.VerifierError`, never a reward of 0.
+retries) it raises :class:`~pivotrl.core.errors.VerifierError`, never a reward of 0.
 
 Acceptance rules are explicit (tool names, argument rules, functional equivalence), never text
 similarity. A text action is rejected when the demonstration calls tools. When the demonstration's
-action is text, every verifier applies the state's text rule (:mod:`pivotrl.verifiers.text_rules`):
+action is text, every verifier applies the state's text rule (:mod:`pivotrl.data.text_rules`):
 a stop decision accepts any action without a tool call, an answer with an explicit rule must satisfy
 it, and a text turn with no rule accepts nothing (no reward for arbitrary text).
 """
@@ -18,11 +18,11 @@ import inspect
 from dataclasses import dataclass
 from typing import Any, Protocol, Sequence, runtime_checkable
 
-from pivotrl.actions import parse_action
+from pivotrl.format.actions import parse_action
 from pivotrl.data.schema import Message, ToolCall, TurnState
-from pivotrl.errors import ActionParseError, ConfigError, DataError
-from pivotrl.registry import Registry
-from pivotrl.tool_parsers import get_tool_parser
+from pivotrl.core.errors import ActionParseError, ConfigError, DataError
+from pivotrl.core.registry import Registry
+from pivotrl.format.tool_parsers import get_tool_parser
 
 __all__ = [
     "SHARED_OPTIONS",
@@ -123,7 +123,7 @@ class ParsedAction:
 
 
 def parse_actions(state: TurnState, actions: Sequence[str], parser: Any = None) -> list[ParsedAction]:
-    """Parse each raw action with the run's tool-call parser (``pivotrl.tool_parsers``; default
+    """Parse each raw action with the run's tool-call parser (``pivotrl.format.tool_parsers``; default
     pythonic) and the state's tools (positional arguments are named from them)."""
     parse = parse_action if parser is None else parser.parse
     out = []
@@ -151,11 +151,11 @@ def kind_check(demo: Sequence[ToolCall], parsed: ParsedAction, state: TurnState 
 
     Unparsable → reject "parse_error"; call demo → reject a text action ("wrong_kind"); text demo →
     reject calls ("wrong_kind") and judge a text action by the state's kind
-    (:func:`pivotrl.verifiers.text_rules.candidate_kind`): "stop" → accept ("stop"); "text_rule" →
+    (:func:`pivotrl.data.text_rules.candidate_kind`): "stop" → accept ("stop"); "text_rule" →
     the rule in ``verifier_context["answer_rule"]`` ("rule" / "rule_failed"); otherwise (or without
     ``state``) → reject ("no_rule").
     """
-    from pivotrl.verifiers.text_rules import candidate_kind, check_answer
+    from pivotrl.data.text_rules import candidate_kind, check_answer
 
     if parsed.message is None:
         return VerifierResult.reject("parse_error")
@@ -215,7 +215,7 @@ class AutoVerifier:
     @property
     def stats(self) -> Any:
         """Retry statistics (``RetryStats``) summed over the underlying verifiers built so far."""
-        from pivotrl.storage.retry import RetryStats
+        from pivotrl.core.retry import RetryStats
 
         total = RetryStats()
         for v in self._verifiers.values():

@@ -17,7 +17,7 @@ replaying ``verifier_context["prior_calls"]`` on a fresh environment (``replay``
 demonstration and each distinct candidate on its own deep copy. A failed request (timeout, crash,
 memory) is retried (``retries``, exponential ``backoff_s``); if it still fails the verifier raises
 VerifierError, never a reward of 0. A text demonstration is judged by its text rule, as everywhere
-(:mod:`pivotrl.verifiers.text_rules`).
+(:mod:`pivotrl.data.text_rules`).
 """
 
 from __future__ import annotations
@@ -26,11 +26,12 @@ import os
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from pivotrl.data.schema import ToolCall, TurnState, canonical_json
+from pivotrl.data.schema import ToolCall, TurnState
+from pivotrl.core.hashing import canonical_json
 from pivotrl.envs.sandbox import SandboxError, SandboxPool
-from pivotrl.errors import DataError, ToolExecutionError, VerifierError
-from pivotrl.faults import FaultInjector
-from pivotrl.storage.retry import RetryStats, call_with_retries
+from pivotrl.core.errors import DataError, ToolExecutionError, VerifierError
+from pivotrl.runtime.faults import FaultInjector
+from pivotrl.core.retry import RetryStats, call_with_retries
 from pivotrl.verifiers.base import VERIFIERS, VerifierResult, demo_calls, kind_check, parse_actions
 
 __all__ = ["ExecutionVerifier", "execute_candidates"]
@@ -57,7 +58,7 @@ class ExecutionVerifier:
             ``ensure_bfcl(cache_dir)`` (cache_dir default: ``$PIVOTRL_CACHE_DIR`` or ``~/.cache/pivotrl``).
         retries, backoff_s, max_backoff_s: retry policy of a failed sandbox request
             (``call_with_retries``: waits backoff_s · 2^k, at most max_backoff_s, before retry k).
-        faults: a :class:`~pivotrl.faults.FaultInjector` for an own pool (fault injection; None = off).
+        faults: a :class:`~pivotrl.runtime.faults.FaultInjector` for an own pool (fault injection; None = off).
 
     ``stats`` (RetryStats) counts sandbox requests, retries and final failures.
     Reasons: "match", "text", "parse_error", "wrong_kind", "unknown_tool", "different_state",
@@ -93,7 +94,7 @@ class ExecutionVerifier:
         if self._pool is None:
             root = self._bfcl_root
             if root is None:
-                from pivotrl.data.bfcl import ensure_bfcl
+                from pivotrl.bfcl.data import ensure_bfcl
 
                 root = ensure_bfcl(self._cache_dir if self._cache_dir is not None else _default_cache_dir())
             self._pool = SandboxPool(bfcl_root=root, **self._pool_opts)
@@ -185,7 +186,7 @@ def execute_candidates(payload: Mapping[str, Any], settings: Mapping[str, Any]) 
     Replays the prior calls once, then runs the demo and every candidate on separate deep copies.
     Returns one ``{"accepted": bool, "reason": str}`` per candidate.
     """
-    from pivotrl.envs.bfcl import replay
+    from pivotrl.bfcl.envs import replay
 
     bfcl_root = settings.get("bfcl_root")
     if not bfcl_root:

@@ -2,7 +2,7 @@
 
 Accept iff the list of called tool names, in order, equals the demonstration's (arguments are not
 looked at). A text demonstration action is judged by its text rule (stop decision, explicit answer
-rule, or nothing accepted: :mod:`pivotrl.verifiers.text_rules`). Known limit: a correct tool with
+rule, or nothing accepted: :mod:`pivotrl.data.text_rules`). Known limit: a correct tool with
 wrong arguments is accepted; the full task decides.
 """
 

@@ -15,11 +15,11 @@ from typing import Any, Callable
 
 import pytest
 
-from pivotrl.actions import format_call, format_value
+from pivotrl.format.actions import format_call, format_value
 from pivotrl.config import EvaluationSection
-from pivotrl.data.bfcl import CLOSING_TEXT, ensure_bfcl, load_bfcl
+from pivotrl.bfcl.data import CLOSING_TEXT, ensure_bfcl, load_bfcl
 from pivotrl.data.schema import ToolCall, Trajectory
-from pivotrl.evaluation.bfcl_judge import (
+from pivotrl.bfcl.judge import (
     BFCL_STEP_LIMIT,
     UNKNOWN_TOOL,
     bfcl_check,

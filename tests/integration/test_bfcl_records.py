@@ -13,7 +13,7 @@ import pytest
 
 from pivotrl.config import load_config
 from pivotrl.data.audit import is_flagged
-from pivotrl.data.bfcl import load_bfcl
+from pivotrl.bfcl.data import load_bfcl
 from pivotrl.data.states import candidate_kinds_for_pivots, extract_turn_states, states_to_frame
 from pivotrl.pipeline.demos import build_demonstrations
 from pivotrl.pipeline.probe import candidate_kind_column, select_candidates
@@ -113,7 +113,7 @@ def test_bfcl_closing_turns_are_stop_decisions_kept_out_of_pivots_by_default():
 
 
 def test_out_of_domain_categories_must_be_unseen_and_load_as_states():
-    from pivotrl.errors import ConfigError
+    from pivotrl.core.errors import ConfigError
     from pivotrl.evaluation.trust import out_of_domain_states
 
     cfg = load_config(None, ["quality.out_of_domain_limit=3"])
@@ -175,8 +175,8 @@ def hand_made_cache(tmp_path) -> Path:
     multi_turn_base records and answers."""
     import importlib
 
-    from pivotrl.data.bfcl import ensure_bfcl
-    from pivotrl.envs.bfcl import BFCL_CLASSES, bfcl_class
+    from pivotrl.bfcl.data import ensure_bfcl
+    from pivotrl.bfcl.envs import BFCL_CLASSES, bfcl_class
 
     real = ensure_bfcl(os.environ["PIVOTRL_CACHE_DIR"])
     for c in BFCL_CLASSES:  # imported from the real copy, which outlives this test's

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from pivotrl.config import load_config
-from pivotrl.models import load_tokenizer
+from pivotrl.runtime.models import load_tokenizer
 from pivotrl.pipeline import stages
 from pivotrl.pipeline.demos import build_demonstrations
 from pivotrl.storage import ArtifactStore

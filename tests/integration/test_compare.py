@@ -13,8 +13,8 @@ import sys
 
 import pytest
 
-from pivotrl.ledger import COUNTERS, CostLedger
-from pivotrl.models import checkpoint_hash
+from pivotrl.runtime.ledger import COUNTERS, CostLedger
+from pivotrl.runtime.models import checkpoint_hash
 from pivotrl.pipeline import stages
 from pivotrl.pipeline.compare import pivotrl_ledger, stage_e2e_baseline, stage_sft_baseline
 from pivotrl.pipeline.compare_eval import METHODS, stage_compare_evaluate
@@ -118,7 +118,7 @@ def test_the_comparison_report_traces_every_policy_back_to_the_reference(compare
     """``pivotrl lineage`` of the comparison report: the SFT and E2E policies are described by their
     summaries (not bare sources), and each leads to π_ref and the PivotRL run; the PivotRL policy
     is named too."""
-    from pivotrl.lineage import lineage_tree
+    from pivotrl.provenance.lineage import lineage_tree
 
     cfg, store, demos, ref, probe, train, sft, e2e, ev = compared
     tree = lineage_tree(store, ev["report_json"][len(store.root_url) + 1:])

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from pivotrl import lease as lease_module
-from pivotrl.lease import lease_path, stage_lease
+from pivotrl.storage import lease as lease_module
+from pivotrl.storage.lease import lease_path, stage_lease
 from pivotrl.storage import ArtifactStore
 
 REPO = Path(__file__).resolve().parents[2]
@@ -58,7 +58,7 @@ def test_lease_serialises_holders_and_breaks_an_expired_one(tmp_path, monkeypatc
 
 
 class _CountingTime:
-    """Stands in for ``time`` inside ``pivotrl.lease``: records each ``sleep`` (a poll of the lease) and
+    """Stands in for ``time`` inside ``pivotrl.storage.lease``: records each ``sleep`` (a poll of the lease) and
     passes everything else to the real module."""
 
     def __init__(self) -> None:

@@ -12,8 +12,8 @@ from typing import Any, Mapping, Sequence
 import pytest
 
 from pivotrl.data.schema import Message, ToolCall, ToolSpec, Trajectory
-from pivotrl.errors import ConfigError
-from pivotrl.prompts import build_sft_example
+from pivotrl.core.errors import ConfigError
+from pivotrl.format.prompts import build_sft_example
 from pivotrl.rollout.hf import TransformersEngine
 from pivotrl.testing import save_tiny_checkpoint, tiny_tokenizer
 from pivotrl.training.e2e import E2ESettings, run_e2e

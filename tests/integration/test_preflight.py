@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from pivotrl.errors import StorageAccessError
+from pivotrl.core.errors import StorageAccessError
 from pivotrl.pipeline.entry import is_permanent
 from pivotrl.storage import ArtifactStore
-from pivotrl.storage_check import check_storage
+from pivotrl.storage.check import check_storage
 
 pytestmark = pytest.mark.integration
 
@@ -106,7 +106,7 @@ def test_an_endpoint_that_does_not_answer_gets_one_request_per_check(monkeypatch
     import threading
 
     pytest.importorskip("s3fs")
-    from pivotrl.errors import StorageError
+    from pivotrl.core.errors import StorageError
 
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
@@ -135,7 +135,7 @@ def test_an_endpoint_that_does_not_answer_gets_one_request_per_check(monkeypatch
     monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
-    from pivotrl.storage_check import check_source
+    from pivotrl.storage.check import check_source
 
     try:
         with pytest.raises(StorageError, match=rf"does not answer at {endpoint} .*ReadTimeoutError"):
@@ -169,7 +169,7 @@ def test_stage_lease_is_exclusive_on_s3(s3_endpoint, monkeypatch):
 
     import s3fs
 
-    from pivotrl.lease import stage_lease
+    from pivotrl.storage.lease import stage_lease
 
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
@@ -271,8 +271,8 @@ def test_a_remote_source_at_a_closed_endpoint_fails_with_one_line(tiny, tmp_path
 
 
 def test_remote_sources_are_checked_for_reading(read_only_s3, monkeypatch):
-    from pivotrl.errors import SourceNotFoundError
-    from pivotrl.storage_check import check_sources
+    from pivotrl.core.errors import SourceNotFoundError
+    from pivotrl.storage.check import check_sources
 
     endpoint, key, secret, bucket = read_only_s3
     for k in [k for k in os.environ if k.startswith("AWS_")]:
@@ -309,7 +309,7 @@ def test_denied_writes_are_permanent_and_never_retried(read_only_s3, monkeypatch
     """Past the pre-run check (a deployment whose rights changed mid-run): the store's writes, its
     pipeline retries and the stage lease all give a StorageAccessError at once."""
     from pivotrl.config import load_config
-    from pivotrl.lease import stage_lease
+    from pivotrl.storage.lease import stage_lease
     from pivotrl.pipeline.common import make_store
 
     endpoint, key, secret, bucket = read_only_s3

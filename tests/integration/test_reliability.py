@@ -14,11 +14,11 @@ import time
 
 import pytest
 
-from pivotrl.actions import format_action
+from pivotrl.format.actions import format_action
 from pivotrl.config import load_config
 from pivotrl.envs.sandbox import SandboxPool
-from pivotrl.errors import ConfigError
-from pivotrl.faults import FaultInjector, fault_seed
+from pivotrl.core.errors import ConfigError
+from pivotrl.runtime.faults import FaultInjector, fault_seed
 from pivotrl.pipeline.common import make_verifier
 from pivotrl.pipeline.probe import apply_pivot_filter, pivot_stats, probe_states, stats_markdown
 from pivotrl.rollout.base import SamplingConfig
@@ -37,7 +37,7 @@ NO_EXECUTION = {"parse_error", "wrong_kind", "unknown_tool"}
 
 @pytest.fixture(scope="module")
 def bfcl():
-    from pivotrl.data.bfcl import ensure_bfcl, load_bfcl
+    from pivotrl.bfcl.data import ensure_bfcl, load_bfcl
     from pivotrl.data.states import extract_turn_states
 
     cache = os.environ["PIVOTRL_CACHE_DIR"]
@@ -56,7 +56,7 @@ def engine(bfcl):
     """The tiny model after 12 full-batch AdamW steps on the six demonstration actions."""
     import torch
 
-    from pivotrl.prompts import encode_state
+    from pivotrl.format.prompts import encode_state
     from pivotrl.rollout.hf import TransformersEngine
     from pivotrl.testing import tiny_llama
 

@@ -81,7 +81,7 @@ def result_of(proc: subprocess.CompletedProcess) -> dict:
 
 
 def test_a_killed_training_stage_resumes_to_the_uninterrupted_result(setup):
-    from pivotrl.models import checkpoint_hash
+    from pivotrl.runtime.models import checkpoint_hash
 
     base = setup[0]
     kill = "faults.kill_trainer_at_step=1"

@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from pivotrl.errors import ConfigError, ModelError
+from pivotrl.core.errors import ConfigError, ModelError
 from pivotrl.rollout import ROLLOUT_ENGINES, Generation, SamplingConfig, make_engine
 from pivotrl.rollout.hf import TransformersEngine
 from pivotrl.testing import save_tiny_checkpoint, tiny_llama, tiny_tokenizer

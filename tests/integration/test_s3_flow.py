@@ -30,7 +30,7 @@ import pytest
 from servers import free_port
 
 from pivotrl.config import RunConfig, load_config
-from pivotrl.errors import StorageError
+from pivotrl.core.errors import StorageError
 from pivotrl.storage import COMPLETE_MARKER, MANIFEST_SUFFIX, ArtifactStore, RetryPolicy, is_transient
 
 pytestmark = pytest.mark.integration

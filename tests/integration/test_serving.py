@@ -15,7 +15,7 @@ import pytest
 from servers import free_port, server
 
 from pivotrl.config import load_config
-from pivotrl.serving import serve_command, serve_command_for
+from pivotrl.interop.serving import serve_command, serve_command_for
 
 REPO = Path(__file__).resolve().parents[2]
 TEMPLATES = Path(__file__).resolve().parents[1] / "fixtures" / "chat_templates"
@@ -60,10 +60,10 @@ def _post(url: str, body: dict, timeout: float = 60.0) -> tuple[int, dict]:
 @pytest.mark.integration
 def test_exported_checkpoint_serves_chat_with_tools_through_vllm(tmp_path):
     pytest.importorskip("vllm")
-    from pivotrl.chat_format import resolve_format
+    from pivotrl.format.chat_format import resolve_format
     from pivotrl.data.schema import Message, ToolCall, ToolSpec, Trajectory
-    from pivotrl.models import load_tokenizer
-    from pivotrl.prompts import build_sft_examples
+    from pivotrl.runtime.models import load_tokenizer
+    from pivotrl.format.prompts import build_sft_examples
     from pivotrl.testing import save_tiny_checkpoint, tiny_chat_tokenizer
     from pivotrl.training.sft import run_sft
 

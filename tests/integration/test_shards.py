@@ -93,11 +93,11 @@ TEMPLATES = Path(__file__).resolve().parents[1] / "fixtures" / "chat_templates"
 def _memorised_model(tmp: Path, *overrides: str, family: str | None = None) -> Path:
     """A tiny model that has memorised the pivot split's demonstrations under the run's prompt
     format, so its probes are real tool calls (in that format) that the verifier must parse."""
-    from pivotrl.errors import StateTooLongError
-    from pivotrl.models import load_tokenizer
+    from pivotrl.core.errors import StateTooLongError
+    from pivotrl.runtime.models import load_tokenizer
     from pivotrl.pipeline.common import prompt_kwargs
     from pivotrl.pipeline.demos import read_trajectories
-    from pivotrl.prompts import build_sft_examples
+    from pivotrl.format.prompts import build_sft_examples
     from pivotrl.testing import save_tiny_checkpoint, tiny_chat_tokenizer
     from pivotrl.training.sft import run_sft
 

@@ -18,7 +18,7 @@ from pivotrl.config import load_config
 from pivotrl.pipeline import stages
 from pivotrl.pipeline.results import ProbeResult
 from pivotrl.pipeline.demos import build_demonstrations, read_trajectories
-from pivotrl.ray_local import RayCluster
+from pivotrl.runtime.ray_local import RayCluster
 from pivotrl.storage import ArtifactStore
 from pivotrl.testing import save_tiny_checkpoint
 
@@ -38,9 +38,9 @@ def _overrides(root: Path, model: Path, *extra: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def expert_model(tmp_path_factory) -> Path:
-    from pivotrl.models import load_tokenizer
+    from pivotrl.runtime.models import load_tokenizer
     from pivotrl.pipeline.common import prompt_kwargs
-    from pivotrl.prompts import build_sft_examples
+    from pivotrl.format.prompts import build_sft_examples
     from pivotrl.training.sft import run_sft
 
     tmp = tmp_path_factory.mktemp("expert")
@@ -279,7 +279,7 @@ def test_engines_of_two_ray_workers_bind_to_different_cpus(ray_cluster, tmp_path
     """Ray does not restrict a worker process's CPU affinity (a Ray CPU is a count), so each engine
     used to bind its one OpenMP thread (``rollout.num_threads=1``) to the first CPU it may run on:
     both on CPU 0 (benchmarks/RESULTS.md §7b). Engines claim their CPUs machine-wide
-    (``pivotrl.cpu_claims``) through ``pivotrl.rollout.vllm.engine_cpu_bind``, called here in two
+    (``pivotrl.runtime.cpu_claims``) through ``pivotrl.rollout.vllm.engine_cpu_bind``, called here in two
     concurrent tasks on the cluster's two worker nodes as ``VLLMEngine`` calls it before its engine
     starts (test_rollout.py checks that a vLLM model worker runs on its bind list's CPUs)."""
     import os

@@ -7,11 +7,11 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from pivotrl.data.bfcl import CLOSING_TEXT, load_bfcl
+from pivotrl.bfcl.data import CLOSING_TEXT, load_bfcl
 from pivotrl.data.schema import Message, ToolCall, Trajectory
 from pivotrl.data.split import SPLIT_NAMES, split_trajectories
 from pivotrl.data.states import extract_turn_states, frame_to_states, states_to_frame
-from pivotrl.errors import ConfigError, DataError
+from pivotrl.core.errors import ConfigError, DataError
 
 # Needs the pinned BFCL data (downloaded once into the cache): not in `make test-fast`.
 pytestmark = pytest.mark.data

@@ -11,8 +11,8 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from pivotrl.data.schema import Message, ToolCall, ToolSpec
-from pivotrl.errors import ActionParseError, ConfigError
-from pivotrl.tool_parsers import TOOL_PARSERS, get_tool_parser
+from pivotrl.core.errors import ActionParseError, ConfigError
+from pivotrl.format.tool_parsers import TOOL_PARSERS, get_tool_parser
 
 PARSERS = ["hermes", "llama3_json", "pythonic"]
 
@@ -192,7 +192,7 @@ def test_calls_agree_with_vllms_parser_of_the_same_name(name):
 def test_config_choices_are_the_registered_parsers():
     import typing
 
-    from pivotrl.chat_format import PROMPT_FORMATS
+    from pivotrl.format.chat_format import PROMPT_FORMATS
     from pivotrl.config import PromptSection
 
     fields = PromptSection.model_fields

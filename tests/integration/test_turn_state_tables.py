@@ -16,8 +16,8 @@ from pivotrl.data.states import (
     CANDIDATE_COLUMNS, STATE_COLUMNS, candidates_frame, expand_candidates, extract_turn_states, frame_to_states,
     states_to_frame,
 )
-from pivotrl.errors import DataError
-from pivotrl.prompts import encode_state, render_prompt
+from pivotrl.core.errors import DataError
+from pivotrl.format.prompts import encode_state, render_prompt
 from pivotrl.testing import tiny_chat_tokenizer, tiny_tokenizer
 
 TOOLS = (ToolSpec("lookup", "Look a key up.", {"type": "object", "properties": {"key": {"type": "string"}, "b": {}},
@@ -115,7 +115,7 @@ def test_a_candidate_row_without_its_trajectory_names_the_row():
 def test_real_bfcl_states_are_the_same_from_either_form():
     import os
 
-    from pivotrl.data.bfcl import load_bfcl
+    from pivotrl.bfcl.data import load_bfcl
 
     cache = Path(os.environ.get("PIVOTRL_CACHE_DIR") or Path.home() / ".cache" / "pivotrl")
     trajs = load_bfcl(["simple_python", "multi_turn_base"], cache, limit_per_category=4)

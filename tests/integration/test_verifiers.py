@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from pivotrl.actions import format_action
+from pivotrl.format.actions import format_action
 from pivotrl.data.schema import Message, ToolCall, ToolSpec, TurnState
 from pivotrl.envs.sandbox import SandboxPool
-from pivotrl.errors import ConfigError, DataError, VerifierError
+from pivotrl.core.errors import ConfigError, DataError, VerifierError
 from pivotrl.verifiers import VERIFIERS, VerifierResult, get_verifier
 from pivotrl.verifiers.arguments import normalise_string
 
@@ -202,7 +202,7 @@ def _cache_dir() -> Path:
 
 @pytest.fixture(scope="module")
 def bfcl():
-    from pivotrl.data import bfcl as mod
+    from pivotrl.bfcl import data as mod
 
     # Fetches the pinned, hash-checked bfcl-eval wheel on first use (no skip on a fresh machine).
     root = mod.ensure_bfcl(_cache_dir())

@@ -4,16 +4,16 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pivotrl.actions import (
+from pivotrl.format.actions import (
     format_action,
     format_value,
     is_action_name,
     parse_action,
     parse_call,
 )
-from pivotrl.action_prefix import is_viable_prefix
+from pivotrl.format.action_prefix import is_viable_prefix
 from pivotrl.data.schema import Message, ToolCall, ToolSpec
-from pivotrl.errors import ActionParseError, DataError
+from pivotrl.core.errors import ActionParseError, DataError
 
 TOOLS = [
     ToolSpec("sort", parameters={"type": "object", "properties": {"file_name": {"type": "string"}}}),
@@ -222,7 +222,7 @@ def test_parsing_model_text_prints_no_compiler_warnings():
     import subprocess
     import sys
 
-    code = ("from pivotrl.actions import parse_action\n"
+    code = ("from pivotrl.format.actions import parse_action\n"
             "for t in ['[f(x=1st)]', '[f(x=1if 2 else 3)]', '[f(x=0x)]']:\n"
             "    try:\n        parse_action(t)\n    except Exception:\n        pass\n")
     proc = subprocess.run([sys.executable, "-W", "always", "-c", code], capture_output=True, text=True, timeout=60)

@@ -11,7 +11,7 @@ from pivotrl.config import load_config
 from pivotrl.data.audit import (audit_bfcl_replay, audit_bfcl_turn, failure_status, not_in_history_flags,
                                  underivable_values)
 from pivotrl.data.sources import load_trajectories
-from pivotrl.errors import DataError
+from pivotrl.core.errors import DataError
 from pivotrl.pipeline.demos import build_demonstrations, flag_kind
 from pivotrl.storage import ArtifactStore
 

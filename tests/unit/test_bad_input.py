@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from pivotrl.config import load_config
 from pivotrl.data.sources import load_trajectories
 from pivotrl.data.states import extract_turn_states
-from pivotrl.errors import ConfigError, DataError, ModelError, StorageError
+from pivotrl.core.errors import ConfigError, DataError, ModelError, StorageError
 from pivotrl.pipeline.common import local_checkpoint, make_store, verify_checkpoint
 from pivotrl.pipeline.demos import build_demonstrations, demos_key
 from pivotrl.pipeline.probe import pivot_stats, probe_states

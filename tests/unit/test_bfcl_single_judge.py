@@ -18,11 +18,11 @@ from typing import Any
 import pandas as pd
 import pytest
 
-from pivotrl.actions import format_action, format_call
-from pivotrl.data.bfcl import SINGLE_TURN_CATEGORIES, ensure_bfcl, load_bfcl
+from pivotrl.format.actions import format_action, format_call
+from pivotrl.bfcl.data import SINGLE_TURN_CATEGORIES, ensure_bfcl, load_bfcl
 from pivotrl.data.schema import ToolCall
 from pivotrl.data.states import extract_turn_states
-from pivotrl.evaluation.bfcl_single import (
+from pivotrl.bfcl.single import (
     AGREEMENT_KEYS,
     DECODER_DIFFERENCES,
     DIFFERENCE_KEYS,

@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from pivotrl.chat_format import resolve_format, template_hash
+from pivotrl.format.chat_format import resolve_format, template_hash
 from pivotrl.data.schema import Message, ToolCall, ToolSpec, Trajectory
 from pivotrl.data.states import extract_turn_states
-from pivotrl.errors import ConfigError
-from pivotrl.models import load_tokenizer
-from pivotrl.prompts import build_sft_examples, encode_state
+from pivotrl.core.errors import ConfigError
+from pivotrl.runtime.models import load_tokenizer
+from pivotrl.format.prompts import build_sft_examples, encode_state
 from pivotrl.testing import save_tiny_checkpoint, tiny_chat_tokenizer, tiny_tokenizer
 
 TEMPLATES = Path(__file__).resolve().parents[1] / "fixtures" / "chat_templates"
@@ -131,7 +131,7 @@ def test_every_state_is_a_token_prefix_of_the_supervised_example(toks, name):
     runs.append(cur) if cur else None
     assert len(runs) == 4 and all(r[-1] in fmt.stop_ids for r in runs)
     parser_texts = [tok.decode(r[:-1]) for r in runs]
-    from pivotrl.tool_parsers import get_tool_parser
+    from pivotrl.format.tool_parsers import get_tool_parser
 
     parsed = [get_tool_parser(fmt.tool_parser).parse(t, TOOLS) for t in parser_texts]
     demo = [m for m in TRAJ.messages if m.role == "assistant"]

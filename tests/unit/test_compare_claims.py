@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pivotrl.ledger import CostLedger
+from pivotrl.runtime.ledger import CostLedger
 from pivotrl.pipeline.compare_eval import _e2e_budget, claims
 
 

@@ -24,7 +24,7 @@ from pivotrl.config import (
     public_config,
     section_hash,
 )
-from pivotrl.errors import ConfigError
+from pivotrl.core.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIGS = ["default", "smoke", "multinode-gpu"]
@@ -359,7 +359,7 @@ def test_config_choices_match_the_registries():
 
     assert choices("advantage_estimator") == objective.ADVANTAGE_ESTIMATORS.names()
     from pivotrl.config.sections import BFCLCategory
-    from pivotrl.data.bfcl import MULTI_TURN_CATEGORIES, SINGLE_TURN_CATEGORIES
+    from pivotrl.bfcl.data import MULTI_TURN_CATEGORIES, SINGLE_TURN_CATEGORIES
 
     assert sorted(typing.get_args(BFCLCategory)) == sorted(SINGLE_TURN_CATEGORIES + MULTI_TURN_CATEGORIES)
     assert choices("kl_estimator") == KL_ESTIMATORS.names()

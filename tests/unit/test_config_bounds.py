@@ -9,7 +9,7 @@ from pydantic import BaseModel, ValidationError
 
 from pivotrl.config import RunConfig, load_config
 from pivotrl.config.validate import _type_members
-from pivotrl.errors import ConfigError
+from pivotrl.core.errors import ConfigError
 from test_config import _all_models  # the config's models, walked as the config tests walk them
 
 

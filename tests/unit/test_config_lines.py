@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pivotrl.config import load_config
-from pivotrl.errors import ConfigError
+from pivotrl.core.errors import ConfigError
 
 
 def test_a_key_written_twice_is_an_error_naming_both_lines(tmp_path):

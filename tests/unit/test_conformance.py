@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from pivotrl.filtering import is_pivot, pivot_decision, probe_stats
+from pivotrl.pivots.filter import is_pivot, pivot_decision, probe_stats
 from pivotrl.objective import (
     KL_ESTIMATORS,
     action_ratios,

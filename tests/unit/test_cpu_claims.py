@@ -1,4 +1,4 @@
-"""Machine-wide CPU claims (pivotrl.cpu_claims): engines of separate processes on one machine (Ray
+"""Machine-wide CPU claims (pivotrl.runtime.cpu_claims): engines of separate processes on one machine (Ray
 worker processes of a local cluster) bind to different CPUs while free ones remain."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import textwrap
 
 import pytest
 
-from pivotrl.cpu_claims import CLAIMS_DIR_ENV, claim_cpus
-from pivotrl.errors import ConfigError
+from pivotrl.runtime.cpu_claims import CLAIMS_DIR_ENV, claim_cpus
+from pivotrl.core.errors import ConfigError
 from pivotrl.rollout.vllm import engine_cpu_bind
 
 HOLDER = textwrap.dedent("""

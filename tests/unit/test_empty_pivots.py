@@ -8,7 +8,7 @@ import pandas as pd
 import pytest
 
 from pivotrl.config import load_config
-from pivotrl.errors import TrainingError
+from pivotrl.core.errors import TrainingError
 from pivotrl.pipeline.entry import is_permanent
 from pivotrl.pipeline.probe import apply_pivot_filter, pivot_stats, stats_markdown
 from pivotrl.pipeline.results import ProbeResult, ReferenceResult
@@ -20,7 +20,7 @@ def _empty_pivot_set(store: ArtifactStore) -> ProbeResult:
     """A probe table in which no state passes the filter: 2 all fail, 1 all pass (a float-noise
     variance), 1 above λ_diff = 0.5, 1 too long."""
     rewards = [[0, 0, 0, 0], [0, 0, 0, 0], [0.6, 0.2 + 0.4, 0.6, 0.6], [1, 1, 1, 0], []]
-    from pivotrl.filtering import probe_stats
+    from pivotrl.pivots.filter import probe_stats
 
     stats = [probe_stats(r) if r else (float("nan"), float("nan")) for r in rewards]
     probes = pd.DataFrame({

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from pivotrl.errors import TrainingError
+from pivotrl.core.errors import TrainingError
 from pivotrl.rollout import SamplingConfig
 from pivotrl.rollout.hf import TransformersEngine
 from pivotrl.rollout.pool import EnginePool, engine_cpus, split_positions
@@ -239,7 +239,7 @@ def test_the_train_stage_builds_one_engine_or_a_pool_from_the_config(ckpt: Path)
 
 
 def test_engine_host_ranks_follow_the_placement() -> None:
-    from pivotrl.errors import ConfigError
+    from pivotrl.core.errors import ConfigError
     from pivotrl.training.rank_engines import engine_host_ranks, local_world_size
 
     assert engine_host_ranks("rank0", 16, 8) == [0]
@@ -258,7 +258,7 @@ def test_engine_host_ranks_follow_the_placement() -> None:
 
 def test_the_engine_layout_is_checked_against_the_trainer_ranks() -> None:
     from pivotrl.config import load_config
-    from pivotrl.errors import ConfigError
+    from pivotrl.core.errors import ConfigError
 
     multi = str(Path(__file__).resolve().parents[2] / "configs" / "multinode-gpu.yaml")
     cfg = load_config(multi, ["rollout.engine_placement=node"])  # 2 nodes × 8 GPUs: 2 engines
@@ -276,7 +276,7 @@ def test_the_engine_layout_is_checked_against_the_trainer_ranks() -> None:
 
 
 def test_an_engine_on_a_rank_sees_only_its_own_gpus() -> None:
-    from pivotrl.errors import ConfigError
+    from pivotrl.core.errors import ConfigError
     from pivotrl.rollout.vllm import visible_devices
 
     assert visible_devices([3], {}) == "3" and visible_devices([2, 3], {}) == "2,3"
@@ -298,7 +298,7 @@ def test_a_train_stage_over_several_nodes_is_not_run_as_one_machines_ranks(tmp_p
     ranks as if they were all (it ran one process for any launcher before); it names the per-node
     launch."""
     from pivotrl.config import load_config
-    from pivotrl.errors import ConfigError
+    from pivotrl.core.errors import ConfigError
     from pivotrl.pipeline.results import ProbeResult, ReferenceResult
     from pivotrl.pipeline.train import _launch_ranks
 

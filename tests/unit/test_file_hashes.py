@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from pivotrl.data.schema import content_hash, file_sha256
+from pivotrl.core.hashing import content_hash, file_sha256
 
 
 def _chunked(path: Path, digest: "hashlib._Hash | None" = None) -> "hashlib._Hash":
@@ -44,7 +44,7 @@ def test_source_hash_of_a_file_and_a_directory_is_unchanged(tmp_path: Path) -> N
 
 
 def test_checkpoint_hash_is_unchanged(tmp_path: Path) -> None:
-    from pivotrl.models import checkpoint_hash
+    from pivotrl.runtime.models import checkpoint_hash
 
     (tmp_path / "model.safetensors").write_bytes(os.urandom((1 << 20) + 5))
     (tmp_path / "config.json").write_text('{"a": 1}')

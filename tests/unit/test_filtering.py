@@ -1,4 +1,4 @@
-"""Unit tests of pivotrl.filtering (Stage 1: pivot selection from reference probes)."""
+"""Unit tests of pivotrl.pivots.filter (Stage 1: pivot selection from reference probes)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import itertools
 import pytest
 import torch
 
-from pivotrl.errors import ConfigError
-from pivotrl.filtering import (
+from pivotrl.core.errors import ConfigError
+from pivotrl.pivots.filter import (
     DEFAULT_LAMBDA_DIFF,
     PIVOT_DECISIONS,
     check_lambda_diff,

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from pivotrl.errors import StorageError
-from pivotrl.lease import lease_path, stage_lease
+from pivotrl.core.errors import StorageError
+from pivotrl.storage.lease import lease_path, stage_lease
 from pivotrl.storage import ArtifactStore
 
 REPO = Path(__file__).resolve().parents[2]
@@ -23,8 +23,8 @@ HOLDER = """
 import sys, time
 import pytest
 
-from pivotrl.errors import StorageError
-from pivotrl.lease import stage_lease
+from pivotrl.core.errors import StorageError
+from pivotrl.storage.lease import stage_lease
 from pivotrl.storage import ArtifactStore
 with stage_lease(ArtifactStore(sys.argv[1]), "probes/abc", ttl=120.0):
     print("held", flush=True)
@@ -45,7 +45,7 @@ def test_a_lease_held_by_a_killed_process_on_this_host_is_taken_over_at_once(tmp
         child.wait(timeout=30)
     assert Path(lease_path(store, "probes/abc")).exists()
 
-    with caplog.at_level(logging.WARNING, logger="pivotrl.lease"):
+    with caplog.at_level(logging.WARNING, logger="pivotrl.storage.lease"):
         # timeout=10 s: waiting for the dead holder's 120-s expiry would fail here
         with stage_lease(store, "probes/abc", ttl=120.0, timeout=10.0) as info:
             mine = json.loads(Path(lease_path(store, "probes/abc")).read_text())
@@ -72,7 +72,7 @@ def test_a_lease_of_a_live_process_is_waited_for(tmp_path):
 
 
 def test_a_process_stopped_by_a_signal_releases_the_leases_it_holds(tmp_path):
-    from pivotrl.lease import release_held_leases
+    from pivotrl.storage.lease import release_held_leases
 
     store = ArtifactStore(str(tmp_path / "root"))
     path = Path(lease_path(store, "train/abc"))

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from pivotrl.errors import DataError
-from pivotrl.ledger import COUNTERS, CostLedger
+from pivotrl.core.errors import DataError
+from pivotrl.runtime.ledger import COUNTERS, CostLedger
 from pivotrl.rollout.base import Generation
 from pivotrl.training.e2e import E2ESettings, Episode, episode_groups
 

@@ -9,10 +9,10 @@ import pandas as pd
 import pytest
 from typer.testing import CliRunner
 
-from pivotrl.data.schema import content_hash
-from pivotrl.errors import StorageError
+from pivotrl.core.hashing import content_hash
+from pivotrl.core.errors import StorageError
 from pivotrl.flows.cli import app
-from pivotrl.lineage import asset_key, diff_pivots, lineage_tree, open_artifact, render_diff, render_tree
+from pivotrl.provenance.lineage import asset_key, diff_pivots, lineage_tree, open_artifact, render_diff, render_tree
 from pivotrl.storage import ArtifactStore
 
 M = 4  # probes per state
@@ -240,7 +240,7 @@ def test_cli_lineage_accepts_the_report_and_policy_paths_a_run_prints(store, tmp
 
 def test_bfcl_source_records_the_pinned_wheel_hash(tmp_path):
     from pivotrl.config import BFCLSource, ChatSource
-    from pivotrl.data.bfcl import BFCL_WHEEL_SHA256
+    from pivotrl.bfcl.data import BFCL_WHEEL_SHA256
     from pivotrl.pipeline.demos import _source_uri
 
     rec = _source_uri(BFCLSource(kind="bfcl", categories=["simple_python"]))

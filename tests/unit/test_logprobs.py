@@ -5,7 +5,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from pivotrl.errors import DataError
+from pivotrl.core.errors import DataError
 from pivotrl.testing import tiny_llama, tiny_tokenizer
 from pivotrl.training.logprobs import compute_group_logprobs, group_logprobs, processed_tokens
 

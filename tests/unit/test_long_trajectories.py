@@ -16,7 +16,7 @@ import pytest
 from pivotrl.config import load_config
 from pivotrl.data import sources
 from pivotrl.data.states import frame_to_states
-from pivotrl.errors import DataError
+from pivotrl.core.errors import DataError
 from pivotrl.pipeline.demos import build_demonstrations, read_histories
 from pivotrl.storage import ArtifactStore
 

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from pivotrl.errors import TrainingError, VerifierError
+from pivotrl.core.errors import TrainingError, VerifierError
 from pivotrl.rollout import SamplingConfig, make_engine
 from pivotrl.rollout.scoring import sample_and_score
 from pivotrl.testing import save_tiny_checkpoint

@@ -10,7 +10,7 @@ import torch
 
 from pivotrl.testing import save_tiny_checkpoint
 from pivotrl.training.logprobs import compute_group_logprobs, work_counts
-from pivotrl.training.mfu import (
+from pivotrl.runtime.mfu import (
     ModelShape,
     attention_pairs_causal,
     attention_pairs_shared,
@@ -146,7 +146,7 @@ def test_warm_start_reports_flops_and_mfu(ckpt: Path, tmp_path: Path) -> None:
     examples = [([5, 6, 7, 8, 9], [0, 0, 1, 1, 1]), ([5, 6, 7], [0, 1, 1])]
     m = run_sft(ckpt, examples, tmp_path / "sft", epochs=1, batch_size=2, micro_batch_size=1, dtype="float32",
                 peak_gflops_per_thread=40.0)
-    from pivotrl.training.mfu import ModelShape
+    from pivotrl.runtime.mfu import ModelShape
 
     from transformers import AutoModelForCausalLM
 

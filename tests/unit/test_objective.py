@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from pivotrl.errors import ConfigError, TrainingError
+from pivotrl.core.errors import ConfigError, TrainingError
 from pivotrl.objective import (
     ADVANTAGE_ESTIMATORS,
     KL_ESTIMATORS,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pivotrl.precision import Hardware, parse_cpuinfo, resolve_precision, with_resolved_dtype
+from pivotrl.runtime.precision import Hardware, parse_cpuinfo, resolve_precision, with_resolved_dtype
 
 AVX512_BF16 = frozenset("fpu sse2 avx avx2 fma avx512f avx512bw avx512vl avx512_bf16".split())
 AVX2_ONLY = frozenset("fpu sse2 avx avx2 fma".split())
@@ -55,7 +55,7 @@ def test_parse_cpuinfo_reads_the_first_flags_line_and_model():
 
 
 def test_config_default_is_auto_and_resolves_with_its_refresh_tolerance(monkeypatch):
-    from pivotrl import precision
+    from pivotrl.runtime import precision
     from pivotrl.config import load_config
 
     cfg = load_config("configs/default.yaml", [])
@@ -69,9 +69,9 @@ def test_config_default_is_auto_and_resolves_with_its_refresh_tolerance(monkeypa
 
 
 def test_the_resolved_dtype_enters_the_stage_cache_keys(monkeypatch):
-    from pivotrl import precision
+    from pivotrl.runtime import precision
     from pivotrl.config import load_config
-    from pivotrl.fingerprints import inputs_fingerprint
+    from pivotrl.provenance.fingerprints import inputs_fingerprint
 
     cfg = load_config("configs/smoke.yaml", ["model.dtype=auto"])
     keys = {}
@@ -84,7 +84,7 @@ def test_the_resolved_dtype_enters_the_stage_cache_keys(monkeypatch):
 
 def test_this_machine_resolves_consistently_with_torch():
     torch = pytest.importorskip("torch")
-    from pivotrl.precision import detect_hardware
+    from pivotrl.runtime.precision import detect_hardware
 
     hw = detect_hardware()
     p = resolve_precision("auto", hw)

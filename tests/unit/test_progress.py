@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from pivotrl.progress import Progress, format_duration, progress_line
+from pivotrl.core.progress import Progress, format_duration, progress_line
 
 
 def test_format_duration():
@@ -56,7 +56,7 @@ def test_the_console_shows_the_stage_and_keeps_library_chatter_in_the_log():
         "2026-12-02 15:54:52,288 aiobotocore.credentials INFO Found credentials in environment variables.\n": False,
         "/x/torch/distributed/c10d.py:85: FutureWarning: `torch.distributed.reduce_op` is deprecated\n": False,
         "  warnings.warn(\n": False,
-        "2026-12-02 15:55:07,597 pivotrl.progress INFO probing: 8/16 states (50%), ETA 20s\n": True,
+        "2026-12-02 15:55:07,597 pivotrl.core.progress INFO probing: 8/16 states (50%), ETA 20s\n": True,
         "[pivotrl] stage probe: started\n": True,
         "ERROR 12-02 15:58:41 [core.py:700] EngineCore failed to start.\n": True,
         "Traceback (most recent call last):\n": True,

@@ -10,13 +10,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pivotrl.actions import parse_action
-from pivotrl.chat_format import resolve_format
+from pivotrl.format.actions import parse_action
+from pivotrl.format.chat_format import resolve_format
 from pivotrl.data.schema import Message, ToolSpec, TurnState
-from pivotrl.errors import ActionParseError
-from pivotrl.prompts import render_prompt, state_token_length
+from pivotrl.core.errors import ActionParseError
+from pivotrl.format.prompts import render_prompt, state_token_length
 from pivotrl.testing import tiny_chat_tokenizer
-from pivotrl.tool_render import compact_schema, template_tools
+from pivotrl.format.tool_render import compact_schema, template_tools
 
 TEMPLATES = Path(__file__).resolve().parents[1] / "fixtures" / "chat_templates"
 _EXAMPLE = re.compile(r"e\.g\. (\[.*?\]) \(with the names")
@@ -97,7 +97,7 @@ def test_on_real_bfcl_states_the_example_is_never_an_action_of_the_state():
     """Every state of 20 records of each of BFCL's simple_python, multiple and multi_turn_base."""
     import os
 
-    from pivotrl.data.bfcl import load_bfcl
+    from pivotrl.bfcl.data import load_bfcl
     from pivotrl.data.states import extract_turn_states
 
     cache = Path(os.environ.get("PIVOTRL_CACHE_DIR") or Path.home() / ".cache" / "pivotrl")

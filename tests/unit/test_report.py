@@ -7,7 +7,7 @@ import json
 import pandas as pd
 import pytest
 
-from pivotrl.errors import ConfigError
+from pivotrl.core.errors import ConfigError
 from pivotrl.evaluation.report import BARS_PLOT, MU_PLOT, POLICIES, REWARD_PLOT, build_report
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

@@ -1,5 +1,5 @@
 """``pivotrl rollouts`` reads every record once, from the run root or any folder under it
-(pivotrl.rollouts.read_rollouts), on a real local artifact store."""
+(pivotrl.provenance.rollouts.read_rollouts), on a real local artifact store."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import json
 import pandas as pd
 import pytest
 
-from pivotrl.errors import StorageError
-from pivotrl.rollouts import ROLLOUT_COLUMNS, read_rollouts
+from pivotrl.core.errors import StorageError
+from pivotrl.provenance.rollouts import ROLLOUT_COLUMNS, read_rollouts
 from pivotrl.storage import ArtifactStore
 
 

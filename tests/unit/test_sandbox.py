@@ -7,7 +7,7 @@ import os
 import pytest
 
 from pivotrl.envs.sandbox import RetryStats, SandboxError, SandboxPool, call_with_retries
-from pivotrl.errors import ConfigError, ToolExecutionError
+from pivotrl.core.errors import ConfigError, ToolExecutionError
 
 
 @pytest.fixture(scope="module")
@@ -115,7 +115,7 @@ def test_call_with_retries_counts_retries_and_reraises():
 
 
 def test_a_refusal_of_the_store_is_never_retried():
-    from pivotrl.errors import StorageAccessError, StorageError
+    from pivotrl.core.errors import StorageAccessError, StorageError
 
     calls = []
 

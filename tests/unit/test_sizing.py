@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from pivotrl.config import config_hash, load_config
-from pivotrl.sizing import REFERENCE, apply_sizing, choose_tier, predict_minutes, sized_config
+from pivotrl.runtime.sizing import REFERENCE, apply_sizing, choose_tier, predict_minutes, sized_config
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -85,7 +85,7 @@ def test_smoke_config_is_fixed():
 def test_pivotrl_config_prints_the_sized_values_and_why(tmp_path, monkeypatch):
     from typer.testing import CliRunner
 
-    import pivotrl.sizing as sizing
+    import pivotrl.runtime.sizing as sizing
     from pivotrl.flows.cli import app
 
     apply_sizing(_cfg(tmp_path), measure=lambda *a: AVX2_FP32)  # this machine's calibration, kept in the cache
@@ -155,7 +155,7 @@ def test_pivotrl_config_stops_on_a_missing_model_or_demonstration_file(tmp_path)
 
 
 def test_the_cache_dir_environment_variable_holds_the_calibration_the_trainer_reads(tmp_path, monkeypatch):
-    from pivotrl.training.mfu import calibrated_peak_gflops
+    from pivotrl.runtime.mfu import calibrated_peak_gflops
 
     env_cache = tmp_path / "env-cache"
     monkeypatch.setenv("PIVOTRL_CACHE_DIR", str(env_cache))
@@ -176,7 +176,7 @@ def test_the_cache_dir_environment_variable_holds_the_calibration_the_trainer_re
 def test_pivotrl_config_names_a_cache_folder_it_cannot_write_in_one_line(tmp_path, monkeypatch):
     from typer.testing import CliRunner
 
-    import pivotrl.sizing as sizing
+    import pivotrl.runtime.sizing as sizing
     from pivotrl.flows.cli import app
 
     blocker = tmp_path / "not-a-folder"

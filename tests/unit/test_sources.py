@@ -10,7 +10,7 @@ import pytest
 
 from pivotrl.data.schema import Message, ToolCall, ToolSpec, Trajectory
 from pivotrl.data.sources import load_trajectories, save_trajectories_jsonl
-from pivotrl.errors import ConfigError, DataError, StorageError
+from pivotrl.core.errors import ConfigError, DataError, StorageError
 
 TOOL = {
     "type": "function",

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from pivotrl.code_digest import STAGE_MODULES, code_digest, stage_code_digest, stage_code_modules
-from pivotrl.errors import ConfigError, StorageError
+from pivotrl.provenance.code_digest import STAGE_MODULES, code_digest, stage_code_digest, stage_code_modules
+from pivotrl.core.errors import ConfigError, StorageError
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -64,8 +64,8 @@ def test_editing_a_verifier_changes_the_probe_key_and_nothing_else_does(tree):
 
 
 #: Modules whose code decides probe rewards: parsers, renderers, environments, retry, sampling.
-PROBE_CODE = ["actions.py", "tool_parsers.py", "prompts.py", "chat_format.py", "chat_render.py", "tool_render.py",
-              "envs/bfcl.py", "envs/sandbox_worker.py", "storage/retry.py", "rollout/base.py"]
+PROBE_CODE = ["format/actions.py", "format/tool_parsers.py", "format/prompts.py", "format/chat_format.py", "format/chat_render.py", "format/tool_render.py",
+              "bfcl/envs.py", "envs/sandbox_worker.py", "core/retry.py", "rollout/base.py"]
 
 
 @pytest.mark.parametrize("module", PROBE_CODE)
@@ -137,12 +137,12 @@ DIGEST_CASES = {
     "pipeline/probe.py": {"probe", "train", "evaluate"},
     # the tool-call parsers: how every sampled action is read, and the load-time audit that every
     # demonstrated action reads back with the run's parser
-    "tool_parsers.py": {"demonstrations", "reference", "probe", "train", "evaluate"},
+    "format/tool_parsers.py": {"demonstrations", "reference", "probe", "train", "evaluate"},
     # the template renderer: what every model sees
-    "chat_render.py": {"reference", "probe", "train", "evaluate"},
-    "chat_format.py": {"reference", "probe", "train", "evaluate"},
+    "format/chat_render.py": {"reference", "probe", "train", "evaluate"},
+    "format/chat_format.py": {"reference", "probe", "train", "evaluate"},
     # what prints, tracks or reports never re-runs a stage before it
-    "progress.py": set(),
+    "core/progress.py": set(),
     "tracking/record.py": set(),
     "evaluation/report.py": {"evaluate"},
 }
@@ -154,7 +154,7 @@ DIGEST_CASES = {
 EDITS = """
 import json, sys
 from pathlib import Path
-from pivotrl.code_digest import STAGE_MODULES, code_digest, stage_code_digest, stage_code_modules
+from pivotrl.provenance.code_digest import STAGE_MODULES, code_digest, stage_code_digest, stage_code_modules
 from pivotrl.config import RunConfig
 from pivotrl.pipeline.demos import demos_key
 from pivotrl.pipeline.probe import probe_key

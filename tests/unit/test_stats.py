@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from pivotrl.errors import ConfigError
+from pivotrl.core.errors import ConfigError
 from pivotrl.evaluation.stats import (
     PAIRED_TEST,
     bootstrap_mean_interval,

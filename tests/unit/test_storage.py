@@ -12,8 +12,8 @@ import pandas as pd
 import pytest
 
 from pivotrl.config import config_hash, load_config
-from pivotrl.errors import StorageError
-from pivotrl.lineage import lineage_tree
+from pivotrl.core.errors import StorageError
+from pivotrl.provenance.lineage import lineage_tree
 from pivotrl.storage import COMPLETE_MARKER, ArtifactStore, Manifest
 
 HELLO_SHA256 = "2cf24dba5fb0a30e26e83b2ac5b9e29e1b161e5c1fa7425e73043362938b9824"  # sha256(b"hello")
@@ -299,7 +299,7 @@ def test_bad_root_and_local_dir():
 
 
 def test_a_local_storage_root_under_a_file_is_named_as_a_file(tmp_path):
-    from pivotrl.storage_check import check_storage
+    from pivotrl.storage.check import check_storage
 
     blocker = tmp_path / "runs"
     blocker.write_text("a file where a folder belongs\n", encoding="utf-8")
@@ -312,7 +312,7 @@ def test_a_local_storage_root_under_a_file_is_named_as_a_file(tmp_path):
 
 
 def test_a_cache_folder_under_a_file_is_named_with_what_to_set(tmp_path):
-    from pivotrl.storage_check import check_cache_dir
+    from pivotrl.storage.check import check_cache_dir
 
     blocker = tmp_path / "cache"
     blocker.write_text("a file where a folder belongs\n", encoding="utf-8")

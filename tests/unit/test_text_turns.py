@@ -10,8 +10,8 @@ import pytest
 
 from pivotrl.data.schema import Message, ToolCall, ToolSpec, Trajectory
 from pivotrl.data.states import candidate_kinds_for_pivots, extract_turn_states, states_to_frame
-from pivotrl.errors import DataError
-from pivotrl.filtering import probe_stats
+from pivotrl.core.errors import DataError
+from pivotrl.pivots.filter import probe_stats
 from pivotrl.pipeline.probe import candidate_kind_column, select_candidates
 from pivotrl.verifiers import get_verifier
 

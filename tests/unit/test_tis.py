@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pivotrl.errors import ConfigError, DataError
+from pivotrl.core.errors import ConfigError, DataError
 from pivotrl.objective import pivotrl_loss, sampler_mismatch, truncated_is_weights
 from pivotrl.testing import save_tiny_checkpoint
 from pivotrl.training.groups import Group, check_groups

