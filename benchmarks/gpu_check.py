@@ -8,7 +8,9 @@ environment that has CUDA torch, transformers and deepspeed.
 Every part runs on its own (a failing part records its error and the others still run) and the
 whole run stops starting new parts after ``--budget-s`` seconds. Models are HF checkpoint
 directories (e.g. SmolLM2-135M converted by ``pivotrl.runtime.models.resolve_model`` on a CPU machine and
-carried along, or a ``.gguf`` file: converted here, no download).
+carried along), a ``.gguf`` file (converted here, no download), or ``shape:smollm2-135m`` /
+``shape:qwen2.5-coder-0.5b``: the architecture built with random weights on the spot, which is what
+a machine without a package index and without room to carry a checkpoint measures.
 
 Peak: a timed bf16 matmul on the GPU (8192², best of 20) — the "calibration" of this machine;
 MFU = model FLOPs (``pivotrl.runtime.mfu``) / trainer seconds / that peak.
@@ -153,7 +155,41 @@ def zero2_step(model_dir: str) -> dict[str, Any]:
             "finite": math.isfinite(m["loss"]) and math.isfinite(m["grad_norm"])}
 
 
+#: Architectures a check can build with random weights on the spot (``--model shape:NAME``): the
+#: FLOPs, memory traffic and kernels of a step do not depend on the weights' values, so MFU, the
+#: generation rate and the refresh check's agreement are measured without carrying a checkpoint.
+SHAPES: dict[str, dict[str, Any]] = {
+    "smollm2-135m": dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=576,
+                         intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                         num_key_value_heads=3, vocab_size=49152, max_position_embeddings=8192,
+                         rms_norm_eps=1e-5, rope_theta=100000.0, tie_word_embeddings=True),
+    "qwen2.5-coder-0.5b": dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", hidden_size=896,
+                               intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                               num_key_value_heads=2, vocab_size=151936, max_position_embeddings=32768,
+                               rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=True),
+}
+
+
+def shape_checkpoint(name: str, directory: str, **overrides: Any) -> str:
+    """A checkpoint directory of architecture ``name`` (:data:`SHAPES`) with random weights (seed 0,
+    fp32 safetensors) and the offline test tokenizer of :mod:`pivotrl.testing`; no download."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from pivotrl.testing import tiny_tokenizer
+
+    fields = {**SHAPES[name], **overrides}
+    config = AutoConfig.for_model(fields.pop("model_type"), **fields)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(directory)
+    tiny_tokenizer().save_pretrained(directory)
+    return directory
+
+
 def _model_dir(spec: str) -> str:
+    if spec.startswith("shape:"):
+        name = spec.removeprefix("shape:")
+        return shape_checkpoint(name, tempfile.mkdtemp(prefix=f"{name}-"))
     if spec.endswith(".gguf"):  # convert here (no download)
         from pivotrl.runtime.models import resolve_model
 
@@ -165,7 +201,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--model", action="append", required=True, help="HF checkpoint dir or .gguf (repeatable)")
+    ap.add_argument("--model", action="append", required=True,
+                    help=f"HF checkpoint dir, .gguf, or shape:NAME (random weights; NAME in {sorted(SHAPES)}); repeatable")
     ap.add_argument("--out", default="gpu_check.json")
     ap.add_argument("--budget-s", type=float, default=540.0)
     args = ap.parse_args(argv)
@@ -195,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     peak = result.get("peak_bf16_gflops")
     for i, spec in enumerate(args.model):
         entry: dict[str, Any] = {"source": spec}
-        result["models"][Path(spec).name] = entry
+        result["models"][spec.removeprefix("shape:") if spec.startswith("shape:") else Path(spec).name] = entry
         try:
             mdir = _model_dir(spec)
         except Exception as err:  # noqa: BLE001
