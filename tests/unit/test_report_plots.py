@@ -11,7 +11,8 @@ import pandas as pd
 import pytest
 
 from pivotrl.evaluation import plots as P
-from pivotrl.evaluation.report import BARS_PLOT, MU_PLOT, REWARD_PLOT, build_report, pivot_stats_markdown
+from pivotrl.evaluation.report import BARS_PLOT, MU_PLOT, REWARD_PLOT, build_report
+from pivotrl.evaluation.report_markdown import pivot_stats_markdown
 from pivotrl.evaluation.stats import wilson_interval
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
