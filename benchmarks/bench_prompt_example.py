@@ -172,7 +172,7 @@ def score(engine: Any, tok: Any, states: list[Any], verifier: Any, cfg: Any, var
 def run_format(model: str, fmt: str, states: dict[str, list[Any]], args: argparse.Namespace, store_root: str,
                engines: dict[str, Any]) -> dict[str, Any]:
     from pivotrl.config import load_config
-    from pivotrl.bfcl.data import ensure_bfcl
+    from pivotrl.bfcl.wheel import ensure_bfcl
     from pivotrl.evaluation.stats import paired_binary, wilson_interval
     from pivotrl.runtime.models import load_tokenizer
     from pivotrl.pipeline.common import (

@@ -13,7 +13,8 @@ import os
 import time
 
 from pivotrl.format.actions import format_action, format_call, format_value
-from pivotrl.bfcl.data import SINGLE_TURN_CATEGORIES, ensure_bfcl, load_bfcl
+from pivotrl.bfcl.data import SINGLE_TURN_CATEGORIES, load_bfcl
+from pivotrl.bfcl.wheel import ensure_bfcl
 from pivotrl.data.states import extract_turn_states
 from pivotrl.bfcl.single import BFCLSingleTurnJudge, decoder_difference
 from pivotrl.verifiers import get_verifier

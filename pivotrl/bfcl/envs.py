@@ -2,7 +2,7 @@
 trading, travel, vehicle), driven by :class:`~pivotrl.data.schema.ToolCall` objects.
 
 The environment classes come from the extracted ``bfcl-eval`` wheel (see
-:func:`pivotrl.bfcl.data.ensure_bfcl`); ``bfcl_root`` is the directory that contains ``bfcl_eval/``.
+:func:`pivotrl.bfcl.wheel.ensure_bfcl`); ``bfcl_root`` is the directory that contains ``bfcl_eval/``.
 It is put on ``sys.path`` so the simulators can import their own helper modules.
 
 Execution follows BFCL's rules: a call is dispatched by method name to the involved instance that

@@ -248,7 +248,7 @@ def decoder_difference(text: str, tools: Sequence[Any] | None, bfcl_root: str | 
 class BFCLSingleTurnJudge:
     """BFCL's ``ast_checker`` on BFCL single-turn records (module docstring).
 
-    ``bfcl_root``: directory containing ``bfcl_eval/`` (:func:`pivotrl.bfcl.data.ensure_bfcl`);
+    ``bfcl_root``: directory containing ``bfcl_eval/`` (:func:`pivotrl.bfcl.wheel.ensure_bfcl`);
     ``tool_parser``: the run's tool-call parser name (``pivotrl.format.tool_parsers``); with "pythonic"
     BFCL's decoder reads the raw text, otherwise pivotrl's parser does.
     """

@@ -1,11 +1,11 @@
 """Data audit at load time: gold calls that fail, replays that do not reproduce, malformed chat records.
 
 BFCL multi-turn gold (:func:`failure_status`, :func:`audit_bfcl_replay`)
-    Every ground-truth call is executed while the task is converted (``pivotrl.bfcl.data``). A call
+    Every ground-truth call is executed while the task is converted (``pivotrl.bfcl.multi_turn``). A call
     whose output is an execution error (``"Error during execution: ..."``) or a failure status
     (a JSON object with an ``"error"`` key, or a ``*status``/``success`` key that is ``false``) is a
     *flag*; so is a second replay from the same ``initial_config`` that does not give the same
-    outputs and final state, and so is a *no-op* gold call (``pivotrl.bfcl.data``): a call of a
+    outputs and final state, and so is a *no-op* gold call (``pivotrl.bfcl.multi_turn``): a call of a
     method that changes the environment's state in some other gold replay of the category but
     leaves it unchanged here (e.g. ``{"retweet_status": "Already retweeted"}``).
 

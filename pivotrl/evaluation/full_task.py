@@ -173,7 +173,7 @@ def evaluate_full_tasks(
         tokenizer: the policy's tokenizer (for the prompt renderer).
         trajectories: held-out demonstrations with ``env`` set (e.g. BFCL ``multi_turn_base``); the
             user messages drive the episode, the demo's calls per user turn are the ground truth.
-        bfcl_root: directory containing ``bfcl_eval/`` (``pivotrl.bfcl.data.ensure_bfcl``); needed
+        bfcl_root: directory containing ``bfcl_eval/`` (``pivotrl.bfcl.wheel.ensure_bfcl``); needed
             for the default in-process environments.
         max_steps_per_turn: executing model calls allowed per user turn (≥ 1; BFCL's 20 by
             default); one more quits the task (see the module docstring).

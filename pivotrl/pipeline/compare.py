@@ -211,7 +211,7 @@ def stage_e2e_baseline(cfg: RunConfig, store: ArtifactStore, demos: dict[str, An
     Returns {"key", "policy_key", "summary" (budget, budget_tokens, budget_wall_s, steps,
     generated_tokens, wall_s, budget_reached, reward per step, start_hash, ...), "ledger"}. No task with an environment: the policy is π_ref (noted).
     """
-    from pivotrl.bfcl.data import ensure_bfcl
+    from pivotrl.bfcl.wheel import ensure_bfcl
     from pivotrl.runtime.models import checkpoint_hash, load_tokenizer
     from pivotrl.training.e2e import E2ESettings, run_e2e
     from pivotrl.training.pivotrl import PivotRLTrainer

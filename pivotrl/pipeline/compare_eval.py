@@ -26,7 +26,7 @@ from pivotrl.config import RunConfig
 from pivotrl.core.hashing import content_hash
 from pivotrl.evaluation.comparison import difference_ci, oriented_pair, signed
 from pivotrl.runtime.ledger import CostLedger
-from pivotrl.bfcl.data import ensure_bfcl
+from pivotrl.bfcl.wheel import ensure_bfcl
 from pivotrl.evaluation.comparison import compare_policies
 from pivotrl.runtime.models import load_tokenizer
 from pivotrl.pipeline.common import close_quietly, local_checkpoint, make_rollout_engine, make_verifier

@@ -288,7 +288,7 @@ def read_histories(store: ArtifactStore, key: str, ids: Any = None) -> dict[str,
 def _source_uri(src: Any) -> dict[str, Any]:
     """A source as a manifest input: its URI and content hash (the pinned wheel's sha256 for BFCL,
     the sha256 of the file — or of the sorted file hashes of a directory — for anything else)."""
-    from pivotrl.bfcl.data import BFCL_VERSION, BFCL_WHEEL_SHA256
+    from pivotrl.bfcl.wheel import BFCL_VERSION, BFCL_WHEEL_SHA256
 
     if src.kind == "bfcl":
         return {"uri": f"pypi:bfcl-eval=={BFCL_VERSION}#{','.join(src.categories)}", "sha256": BFCL_WHEEL_SHA256}

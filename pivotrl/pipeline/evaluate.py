@@ -217,7 +217,8 @@ def _bfcl_rejudge(cfg: RunConfig, tok: Any, frame: pd.DataFrame, summary: dict[s
     single-turn states (:func:`pivotrl.bfcl.single.rejudge_local`); ``judge`` caches
     the judge across calls (a one-element list once made). Without a state of a BFCL single-turn
     category nothing changes (and the wheel is not needed)."""
-    from pivotrl.bfcl.data import SINGLE_TURN_CATEGORIES, ensure_bfcl
+    from pivotrl.bfcl.data import SINGLE_TURN_CATEGORIES
+    from pivotrl.bfcl.wheel import ensure_bfcl
     from pivotrl.bfcl.single import BFCLSingleTurnJudge, rejudge_local
     from pivotrl.pipeline.common import prompt_format
 

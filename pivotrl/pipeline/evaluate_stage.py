@@ -36,7 +36,7 @@ from typing import Any, Mapping
 import pandas as pd
 
 from pivotrl.config import RunConfig
-from pivotrl.bfcl.data import ensure_bfcl
+from pivotrl.bfcl.wheel import ensure_bfcl
 from pivotrl.core.hashing import content_hash
 from pivotrl.core.errors import StorageError
 from pivotrl.runtime.models import load_tokenizer

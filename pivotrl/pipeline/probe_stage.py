@@ -34,7 +34,7 @@ from typing import Any, Mapping
 import pandas as pd
 
 from pivotrl.config import RunConfig
-from pivotrl.bfcl.data import ensure_bfcl
+from pivotrl.bfcl.wheel import ensure_bfcl
 from pivotrl.data.states import candidate_kinds_for_pivots, expand_candidates, frame_to_states
 from pivotrl.core.errors import VerifierError
 from pivotrl.provenance.fingerprints import capture_hashes

@@ -86,7 +86,7 @@ def stage_train(cfg: RunConfig, store: ArtifactStore, probe: ProbeResult | Mappi
     configured = cfg
     cfg = with_resolved_dtype(cfg)  # model.dtype: auto → bf16 | fp32 on this hardware
     probe, ref = ProbeResult.of(probe), ReferenceResult.of(ref)
-    from pivotrl.bfcl.data import ensure_bfcl
+    from pivotrl.bfcl.wheel import ensure_bfcl
     from pivotrl.data.states import frame_to_states
     from pivotrl.runtime.models import load_tokenizer
     from pivotrl.format.prompts import encode_state

@@ -261,7 +261,7 @@ def source_sha256(uri: str) -> str | None:
     """sha256 of a demonstration source: the pinned, hash-checked BFCL wheel for ``pypi:bfcl-eval``,
     else the file's bytes as they are now (None if unreadable)."""
     if uri.startswith("pypi:bfcl-eval=="):
-        from pivotrl.bfcl.data import BFCL_WHEEL_SHA256
+        from pivotrl.bfcl.wheel import BFCL_WHEEL_SHA256
 
         return BFCL_WHEEL_SHA256
     try:

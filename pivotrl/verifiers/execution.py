@@ -94,7 +94,7 @@ class ExecutionVerifier:
         if self._pool is None:
             root = self._bfcl_root
             if root is None:
-                from pivotrl.bfcl.data import ensure_bfcl
+                from pivotrl.bfcl.wheel import ensure_bfcl
 
                 root = ensure_bfcl(self._cache_dir if self._cache_dir is not None else _default_cache_dir())
             self._pool = SandboxPool(bfcl_root=root, **self._pool_opts)

@@ -13,7 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from pivotrl.bfcl.data import CLOSING_TEXT, ensure_bfcl, load_bfcl
+from pivotrl.bfcl.data import load_bfcl
+from pivotrl.bfcl.multi_turn import CLOSING_TEXT
+from pivotrl.bfcl.wheel import ensure_bfcl
 from pivotrl.data.schema import ToolCall
 from pivotrl.bfcl.envs import BFCLEnvironment, replay
 from pivotrl.core.errors import ConfigError, DataError
@@ -49,11 +51,11 @@ def calls_of(traj):
 
 
 def test_ensure_bfcl_layout_and_reuse(bfcl_root, cache_dir, monkeypatch):
-    import pivotrl.bfcl.data
+    import pivotrl.bfcl.wheel
 
     assert (bfcl_root / "bfcl_eval" / "data" / "BFCL_v4_multi_turn_base.json").is_file()
     assert (bfcl_root / ".sha256").read_text().strip().startswith("3bb6dfa5")
-    monkeypatch.setattr(pivotrl.bfcl.data.subprocess, "run", lambda *a, **k: pytest.fail(f"downloaded again: {a}"))
+    monkeypatch.setattr(pivotrl.bfcl.wheel.subprocess, "run", lambda *a, **k: pytest.fail(f"downloaded again: {a}"))
     assert ensure_bfcl(cache_dir) == bfcl_root  # reused, no download
 
 

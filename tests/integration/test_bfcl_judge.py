@@ -17,7 +17,9 @@ import pytest
 
 from pivotrl.format.actions import format_call, format_value
 from pivotrl.config import EvaluationSection
-from pivotrl.bfcl.data import CLOSING_TEXT, ensure_bfcl, load_bfcl
+from pivotrl.bfcl.data import load_bfcl
+from pivotrl.bfcl.multi_turn import CLOSING_TEXT
+from pivotrl.bfcl.wheel import ensure_bfcl
 from pivotrl.data.schema import ToolCall, Trajectory
 from pivotrl.bfcl.judge import (
     BFCL_STEP_LIMIT,

@@ -175,7 +175,7 @@ def hand_made_cache(tmp_path) -> Path:
     multi_turn_base records and answers."""
     import importlib
 
-    from pivotrl.bfcl.data import ensure_bfcl
+    from pivotrl.bfcl.wheel import ensure_bfcl
     from pivotrl.bfcl.envs import BFCL_CLASSES, bfcl_class
 
     real = ensure_bfcl(os.environ["PIVOTRL_CACHE_DIR"])

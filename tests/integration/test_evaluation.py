@@ -15,7 +15,9 @@ import pandas as pd
 import pytest
 
 from pivotrl.format.actions import format_action, format_call
-from pivotrl.bfcl.data import CLOSING_TEXT, ensure_bfcl, load_bfcl
+from pivotrl.bfcl.data import load_bfcl
+from pivotrl.bfcl.multi_turn import CLOSING_TEXT
+from pivotrl.bfcl.wheel import ensure_bfcl
 from pivotrl.data.schema import Trajectory, TurnState
 from pivotrl.data.states import extract_turn_states
 from pivotrl.core.errors import ConfigError

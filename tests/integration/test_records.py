@@ -79,7 +79,7 @@ def smoke_flow(mlflow_server, tiny_model, tmp_path_factory):
 def test_smoke_flow_is_recorded_in_a_real_mlflow_server(smoke_flow, mlflow_server, tiny_model, tmp_path):
     from mlflow.tracking import MlflowClient
 
-    from pivotrl.bfcl.data import BFCL_WHEEL_SHA256
+    from pivotrl.bfcl.wheel import BFCL_WHEEL_SHA256
 
     result, flow_run_id, store, overrides = smoke_flow
     client = MlflowClient(tracking_uri=mlflow_server)

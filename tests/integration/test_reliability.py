@@ -37,7 +37,8 @@ NO_EXECUTION = {"parse_error", "wrong_kind", "unknown_tool"}
 
 @pytest.fixture(scope="module")
 def bfcl():
-    from pivotrl.bfcl.data import ensure_bfcl, load_bfcl
+    from pivotrl.bfcl.data import load_bfcl
+    from pivotrl.bfcl.wheel import ensure_bfcl
     from pivotrl.data.states import extract_turn_states
 
     cache = os.environ["PIVOTRL_CACHE_DIR"]

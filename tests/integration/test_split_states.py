@@ -7,7 +7,8 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from pivotrl.bfcl.data import CLOSING_TEXT, load_bfcl
+from pivotrl.bfcl.data import load_bfcl
+from pivotrl.bfcl.multi_turn import CLOSING_TEXT
 from pivotrl.data.schema import Message, ToolCall, Trajectory
 from pivotrl.data.split import SPLIT_NAMES, split_trajectories
 from pivotrl.data.states import extract_turn_states, frame_to_states, states_to_frame

@@ -113,7 +113,7 @@ class Run:
 
 
 def _run_cache(tmp: Path) -> Path:
-    from pivotrl.bfcl.data import ensure_bfcl
+    from pivotrl.bfcl.wheel import ensure_bfcl
 
     cache = tmp / "cache"
     if not cache.exists():

@@ -203,9 +203,10 @@ def _cache_dir() -> Path:
 @pytest.fixture(scope="module")
 def bfcl():
     from pivotrl.bfcl import data as mod
+    from pivotrl.bfcl.wheel import ensure_bfcl
 
     # Fetches the pinned, hash-checked bfcl-eval wheel on first use (no skip on a fresh machine).
-    root = mod.ensure_bfcl(_cache_dir())
+    root = ensure_bfcl(_cache_dir())
     trajs = mod.load_bfcl(["multi_turn_base", "simple_python"], _cache_dir(), limit_per_category=4)
     from pivotrl.data.states import extract_turn_states
 

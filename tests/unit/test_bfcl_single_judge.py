@@ -19,7 +19,8 @@ import pandas as pd
 import pytest
 
 from pivotrl.format.actions import format_action, format_call
-from pivotrl.bfcl.data import SINGLE_TURN_CATEGORIES, ensure_bfcl, load_bfcl
+from pivotrl.bfcl.data import SINGLE_TURN_CATEGORIES, load_bfcl
+from pivotrl.bfcl.wheel import ensure_bfcl
 from pivotrl.data.schema import ToolCall
 from pivotrl.data.states import extract_turn_states
 from pivotrl.bfcl.single import (

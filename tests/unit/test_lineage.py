@@ -240,7 +240,7 @@ def test_cli_lineage_accepts_the_report_and_policy_paths_a_run_prints(store, tmp
 
 def test_bfcl_source_records_the_pinned_wheel_hash(tmp_path):
     from pivotrl.config import BFCLSource, ChatSource
-    from pivotrl.bfcl.data import BFCL_WHEEL_SHA256
+    from pivotrl.bfcl.wheel import BFCL_WHEEL_SHA256
     from pivotrl.pipeline.demos import _source_uri
 
     rec = _source_uri(BFCLSource(kind="bfcl", categories=["simple_python"]))
