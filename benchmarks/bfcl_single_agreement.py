@@ -16,7 +16,8 @@ from pivotrl.format.actions import format_action, format_call, format_value
 from pivotrl.bfcl.data import SINGLE_TURN_CATEGORIES, load_bfcl
 from pivotrl.bfcl.wheel import ensure_bfcl
 from pivotrl.data.states import extract_turn_states
-from pivotrl.bfcl.single import BFCLSingleTurnJudge, decoder_difference
+from pivotrl.bfcl.ast_decoder import decoder_difference
+from pivotrl.bfcl.single import BFCLSingleTurnJudge
 from pivotrl.verifiers import get_verifier
 
 cache = os.path.expanduser("~/.cache/pivotrl")

@@ -5,7 +5,8 @@ The judge of record for BFCL multi-turn tasks is ``multi_turn_checker`` of
 ``multi_turn_utils`` and ``bfcl_eval.constants.executable_backend_config``, neither of which pulls an
 LLM SDK, so no stub is needed for it. (``ast_checker`` and ``eval_runner`` import every SDK through
 ``bfcl_eval.constants.model_config``; they are not used here: BFCL's single-turn judge,
-:mod:`pivotrl.bfcl.single`, imports ``ast_checker`` with that module replaced.)
+:mod:`pivotrl.bfcl.single`, imports ``ast_checker`` with that module replaced in
+:mod:`pivotrl.bfcl.ast_decoder`.)
 
 What this module adds is glue, each piece mirroring a named BFCL file:
 

@@ -155,7 +155,7 @@ def policy_state_results(cfg: RunConfig, engine: Any, tok: Any, states: EvalStat
     (``evaluation.local_pivots``); ``pivotrl compare`` asks for the greedy held-out and
     out-of-domain measures only. With ``quality.judge: bfcl`` the greedy held-out and out-of-domain
     measures (:data:`BFCL_JUDGED`) take BFCL's ``ast_checker`` verdict on BFCL single-turn states,
-    pivotrl's verifier's kept beside (:func:`pivotrl.bfcl.single.rejudge_local`)."""
+    pivotrl's verifier's kept beside (:func:`pivotrl.bfcl.single_tables.rejudge_local`)."""
     from pivotrl.evaluation.aggregate import accuracy_by_category
     from pivotrl.evaluation.local import evaluate_local_groups
 
@@ -214,12 +214,13 @@ BFCL_JUDGED = ("heldout_greedy", "out_of_domain_greedy")
 def _bfcl_rejudge(cfg: RunConfig, tok: Any, frame: pd.DataFrame, summary: dict[str, Any], states: Sequence[Any],
                   judge: list[Any]) -> tuple[pd.DataFrame, dict[str, Any]]:
     """``frame``/``summary`` with BFCL's AST checker as the judge of record on their BFCL
-    single-turn states (:func:`pivotrl.bfcl.single.rejudge_local`); ``judge`` caches
+    single-turn states (:func:`pivotrl.bfcl.single_tables.rejudge_local`); ``judge`` caches
     the judge across calls (a one-element list once made). Without a state of a BFCL single-turn
     category nothing changes (and the wheel is not needed)."""
     from pivotrl.bfcl.data import SINGLE_TURN_CATEGORIES
     from pivotrl.bfcl.wheel import ensure_bfcl
-    from pivotrl.bfcl.single import BFCLSingleTurnJudge, rejudge_local
+    from pivotrl.bfcl.single import BFCLSingleTurnJudge
+    from pivotrl.bfcl.single_tables import rejudge_local
     from pivotrl.pipeline.common import prompt_format
 
     if not any(s.category in SINGLE_TURN_CATEGORIES for s in states):
@@ -251,7 +252,7 @@ def write_report(cfg: RunConfig, store: ArtifactStore, ekey: str, demos: Mapping
     ``local.parquet``, ``rollouts.parquet``) from the per-policy task tables (policy order = the
     report's) and the state-level parts. ``report.json`` is written last."""
     from pivotrl.evaluation.aggregate import summarize_runs
-    from pivotrl.bfcl.single import single_turn_judge_markdown
+    from pivotrl.bfcl.single_tables import single_turn_judge_markdown
     from pivotrl.evaluation.comparison import compare_policies
     from pivotrl.evaluation.drift import drift_markdown, drift_table, zero_variance_summary
     from pivotrl.evaluation.report import build_report

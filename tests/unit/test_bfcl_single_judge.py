@@ -23,15 +23,9 @@ from pivotrl.bfcl.data import SINGLE_TURN_CATEGORIES, load_bfcl
 from pivotrl.bfcl.wheel import ensure_bfcl
 from pivotrl.data.schema import ToolCall
 from pivotrl.data.states import extract_turn_states
-from pivotrl.bfcl.single import (
-    AGREEMENT_KEYS,
-    DECODER_DIFFERENCES,
-    DIFFERENCE_KEYS,
-    BFCLSingleTurnJudge,
-    decoder_difference,
-    rejudge_local,
-    single_turn_judge_markdown,
-)
+from pivotrl.bfcl.ast_decoder import DECODER_DIFFERENCES, decoder_difference
+from pivotrl.bfcl.single import BFCLSingleTurnJudge
+from pivotrl.bfcl.single_tables import AGREEMENT_KEYS, DIFFERENCE_KEYS, rejudge_local, single_turn_judge_markdown
 
 # Every test here reads the pinned BFCL records (downloaded once into the cache).
 pytestmark = pytest.mark.data
