@@ -14,7 +14,7 @@ export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
 export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS ?= 120
 export DO_NOT_TRACK ?= 1
 
-.PHONY: install test test-fast run smoke serve tracking bench clean
+.PHONY: install test test-fast run smoke serve tracking bench docs clean
 
 $(STAMP): pyproject.toml setup.py infra/install.sh infra/constraints-cpu.txt
 	PYTHON=$(PYTHON) ./infra/install.sh $(VENV) $(EXTRA)
@@ -67,6 +67,11 @@ tracking: $(TRACKING_VENV)/.installed
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/run_all.py
+
+# The manual (docs/, mkdocs.yml) and the API reference from the docstrings, built strictly into site/:
+# a broken link, a missing reference or a docstring warning fails the build.
+docs: $(STAMP)
+	$(BIN)/mkdocs build --strict --site-dir site
 
 clean:
 	rm -rf $(VENV) $(TRACKING_VENV) .pytest_cache

@@ -56,8 +56,9 @@ class ExecutionVerifier:
             (``num_workers``, ``timeout_s``, ``memory_mb``) on first use and closes it in :meth:`close`.
         bfcl_root: directory containing ``bfcl_eval/`` for an own pool; default
             ``ensure_bfcl(cache_dir)`` (cache_dir default: ``$PIVOTRL_CACHE_DIR`` or ``~/.cache/pivotrl``).
-        retries, backoff_s, max_backoff_s: retry policy of a failed sandbox request
-            (``call_with_retries``: waits backoff_s · 2^k, at most max_backoff_s, before retry k).
+        retries: retries of a failed sandbox request (``call_with_retries``).
+        backoff_s: the wait before retry k is backoff_s · 2^k ...
+        max_backoff_s: ... and at most max_backoff_s.
         faults: a :class:`~pivotrl.runtime.faults.FaultInjector` for an own pool (fault injection; None = off).
 
     ``stats`` (RetryStats) counts sandbox requests, retries and final failures.

@@ -1,5 +1,5 @@
-"""Docs that match the code: every repository path that the READMEs, ARCHITECTURE.md and the shipped
-configs name exists in the repository.
+"""Docs that match the code: every repository path that the READMEs, ARCHITECTURE.md, the manual's
+pages (``docs/*.md``) and the shipped configs name exists in the repository.
 
 A path is a backticked token (in markdown) or a word (in a config's comments and values) whose first
 component is a top-level entry of the repository (``pivotrl/…``, ``configs/…``, ``Makefile``) or,
@@ -19,6 +19,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 DOCS = ["README.md", "infra/README.md", "ARCHITECTURE.md"] + sorted(
+    str(p.relative_to(REPO)) for p in (REPO / "docs").glob("*.md")) + sorted(
     str(p.relative_to(REPO)) for p in (REPO / "configs").glob("*.yaml"))
 
 #: Named on purpose although not in the repository, each with its reason.
@@ -105,9 +106,16 @@ def test_every_path_a_doc_names_exists(doc):
 def test_the_path_check_finds_paths_and_missing_ones(tmp_path):
     """The extraction sees the kinds of paths the docs use (so the test above cannot pass empty)."""
     readme = {path for _, path in _candidates("README.md")}
-    assert {"configs/default.yaml", "infra/README.md", "pivotrl/evaluation/stats.py"} <= readme
+    assert {"configs/showcase.yaml", "pivotrl/core", ".ci/run"} <= readme
+    results = {path for _, path in _candidates("docs/results.md")}
+    assert {"pivotrl/evaluation/stats.py", "benchmarks/RESULTS.md"} <= results
+    assert {"configs/default.yaml", "infra/README.md"} <= {path for _, path in _candidates("docs/scale-out.md")} | {
+        path for _, path in _candidates("docs/nightly.md")}
     infra = {path for _, path in _candidates("infra/README.md")}
     assert {"infra/serve.sh", "infra/multinode/launch_train.py", "flows/nightly.py"} <= infra
     assert any(path.startswith("pivotrl/") for _, path in _candidates("configs/default.yaml"))
+    assert "docs/method.md" in DOCS and len([d for d in DOCS if d.startswith("docs/")]) >= 8
+    method = {path for _, path in _candidates("docs/method.md")}
+    assert {"pivotrl/pivots/filter.py", "pivotrl/objective/tis.py"} <= method
     assert not _exists("pivotrl/config.py") and _exists("pivotrl/config") and _exists("*/report.py")
     assert not _exists("*/no_such_module.py")
