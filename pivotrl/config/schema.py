@@ -12,7 +12,7 @@ from pivotrl.config.sections import (
     WarmStartSection,
 )
 from pivotrl.config.train_eval import (
-    CompareSection, EvaluationSection, FaultsSection, QualitySection, ScaleOutSection, TrackingSection,
+    DEFAULT_REFRESH_TOLERANCE, CompareSection, EvaluationSection, FaultsSection, QualitySection, ScaleOutSection, TrackingSection,
     TrainingSection,
 )
 
@@ -51,7 +51,7 @@ class RunConfig(Section):
                 model = data.get("model")
                 dtype = model.get("dtype", "auto") if isinstance(model, Mapping) else getattr(model, "dtype", "auto")
                 if dtype != "auto":  # auto: filled in once resolved (pivotrl.runtime.precision.with_resolved_dtype)
-                    training["refresh_tolerance"] = 1e-4 if dtype == "fp32" else 0.3
+                    training["refresh_tolerance"] = DEFAULT_REFRESH_TOLERANCE.get(dtype, 0.3)
             data = {**data, "training": training}
         return data
 

@@ -11,6 +11,10 @@ from pydantic import Field, model_validator
 from pivotrl.config.base import Float, Int, Section, bound_error
 
 
+#: ``training.refresh_tolerance`` when null: the max per-token |Δ| a refresh may leave, by compute dtype.
+DEFAULT_REFRESH_TOLERANCE = {"fp32": 1e-4, "bf16": 0.3}
+
+
 class DeepSpeedSection(Section):
     zero_stage: Int = Field(0, ge=0, le=3, description="ZeRO stage (0 = plain data parallel, 3 = shard parameters).")
     extra: dict[str, Any] = Field(

@@ -93,7 +93,7 @@ def stage_train(cfg: RunConfig, store: ArtifactStore, probe: ProbeResult | Mappi
     from pivotrl.provenance.rollouts import record_train_step
     from pivotrl.tracking.live import step_logger
     from pivotrl.training.checkpoints import fetch_checkpoint, latest_checkpoint, rank_and_world, save_checkpoint
-    from pivotrl.training.loop import LoopHooks, LoopSettings, Refilter, pivot_schedule, refilter_unused, run_rl_loop
+    from pivotrl.training.loop import LoopHooks, pivot_schedule, refilter_unused, run_rl_loop
     from pivotrl.training.rank_engines import engine_host_ranks, local_world_size
     from pivotrl.training.pivotrl import PivotRLTrainer
 
@@ -129,9 +129,6 @@ def stage_train(cfg: RunConfig, store: ArtifactStore, probe: ProbeResult | Mappi
     hosts = engine_host_ranks(cfg.rollout.engine_placement, world, local_world_size(default=tr.nproc_per_node),
                               cfg.rollout.ranks_per_engine)
     host = rank in hosts
-    if cfg.rollout.engine_placement != "rank0" and cfg.rollout.num_engines not in (1, len(hosts)):
-        raise ConfigError(f"rollout.num_engines={cfg.rollout.num_engines}, but engine_placement "
-                          f"{cfg.rollout.engine_placement} on these {world} ranks gives {len(hosts)} engine(s)")
     start, rows = 0, []
     latest = latest_checkpoint(store, f"{tkey}/checkpoints")
     policy_dir = rdir
@@ -144,17 +141,6 @@ def stage_train(cfg: RunConfig, store: ArtifactStore, probe: ProbeResult | Mappi
         log.info("resuming PivotRL training from %s (step %d)", latest, start)
     verifier = make_verifier(cfg, ensure_bfcl(cache), tokenizer=tok) if host else None
     engine = make_training_engines(cfg, policy_dir, hosts=hosts, rank=rank) if host else None
-    settings = LoopSettings(
-        group_size=tr.group_size, max_tokens=cfg.rollout.max_tokens, seed=cfg.run.seed,
-        checkpoint_every=tr.checkpoint_every, dtype=cfg.model.dtype,
-        refresh_tolerance=tr.refresh_tolerance if tr.refresh_tolerance is not None
-        else (1e-4 if cfg.model.dtype == "fp32" else 0.3),
-        pivots_per_batch=tr.pivots_per_batch, updates_per_batch=tr.updates_per_batch, eval_every=tr.eval_every,
-        weight_sync=cfg.rollout.weight_sync,
-        refilter=None if not tr.refilter_between_epochs else Refilter(
-            num_probes=cfg.probing.num_probes, temperature=cfg.probing.temperature, top_p=cfg.probing.top_p,
-            top_k=cfg.probing.top_k, seed=cfg.probing.seed, lambda_diff=cfg.probing.lambda_diff,
-            steps_per_epoch=-(-len(pivots) // tr.pivots_per_batch)))
     from pivotrl.pipeline.curve import heldout_curve_hook
 
     curve = heldout_curve_hook(cfg, store, probe, tok, engine, verifier) if lead else None  # the learning curve
@@ -167,7 +153,7 @@ def stage_train(cfg: RunConfig, store: ArtifactStore, probe: ProbeResult | Mappi
         save_checkpoint=lambda step, rows_so_far: save_checkpoint(
             store, trainer, f"{tkey}/checkpoints/step-{step:06d}", rows_so_far, work, rank, world))
     try:
-        rows = run_rl_loop(trainer, engine, verifier, pivots, prompts, schedule, settings, work,
+        rows = run_rl_loop(trainer, engine, verifier, pivots, prompts, schedule, cfg, work,
                            start=start, rows=rows, hooks=hooks, rank=rank, world=world, hosts=hosts)
     finally:
         if engine is not None:
@@ -193,7 +179,7 @@ def stage_train(cfg: RunConfig, store: ArtifactStore, probe: ProbeResult | Mappi
     speed = summarize(rows)  # the stage's trainer time, model FLOPs, tokens/s and MFU over all steps
     if speed:
         summary.update(speed)
-    note = refilter_unused(settings.refilter, len(schedule))
+    note = refilter_unused(cfg, len(pivots), len(schedule))
     if note:  # also logged by the loop; here it reaches the summary, the Prefect UI and the console line
         summary["warnings"] = [note]
     store.write_artifact(f"{tkey}/summary.json", summary, kind="policy_checkpoint", inputs=inputs,

@@ -33,17 +33,20 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from pivotrl.core.errors import TrainingError
 from pivotrl.training.checkpoints import broadcast
 from pivotrl.training.rank_engines import refresh_delta, refresh_step, rollout_step
 
+if TYPE_CHECKING:
+    from pivotrl.config import RunConfig
+
 log = logging.getLogger("pivotrl.training")
 
 __all__ = [
-    "LoopHooks", "LoopSettings", "REFRESH_MEAN_TOLERANCE", "Refilter", "check_refresh", "pivot_schedule",
-    "refilter_unused", "refresh_delta", "refresh_ok", "run_rl_loop",
+    "LoopHooks", "REFRESH_MEAN_TOLERANCE", "check_refresh", "pivot_schedule", "refilter_unused", "refresh_delta",
+    "refresh_ok", "run_rl_loop", "steps_per_epoch",
 ]
 
 #: Mean |Δ| per token allowed between engine and trainer log-probs after a refresh (spec tolerances).
@@ -64,79 +67,38 @@ def pivot_schedule(num_pivots: int, batch: int, epochs: int, seed: int, max_step
     return steps[:max_steps] if max_steps else steps
 
 
-@dataclass(frozen=True)
-class LoopSettings:
-    """What the loop itself decides (the trainer holds the objective's settings).
-
-    Attributes:
-        group_size: K, actions sampled per pivot per step (temperature 1).
-        max_tokens: maximum tokens per sampled action.
-        seed: run seed; step ``t``'s rollouts are seeded ``seed * 100_003 + t``.
-        checkpoint_every: a checkpoint every this many steps, and after the last step.
-        dtype: "fp32" | "bf16", the compute dtype (selects the refresh tolerances).
-        refresh_tolerance: max per-token |Δ| allowed after a refresh (fatal in fp32 only).
-        pivots_per_batch, updates_per_batch: for the progress count (group updates).
-    """
-
-    group_size: int
-    max_tokens: int
-    seed: int
-    checkpoint_every: int
-    dtype: str
-    refresh_tolerance: float
-    pivots_per_batch: int
-    updates_per_batch: int
-    refilter: "Refilter | None" = None
-    eval_every: int = 0  # held-out accuracy every N steps (LoopHooks.evaluate); 0 = never
-    #: How π_old reaches the engines after a step: "memory" (shared memory) or "disk" (an HF export);
-    #: ``rollout.weight_sync``, pivotrl.rollout.weight_sync.
-    weight_sync: str = "disk"
+def steps_per_epoch(cfg: "RunConfig", num_pivots: int) -> int:
+    """Batches per epoch: ``ceil(num_pivots / training.pivots_per_batch)``."""
+    return -(-num_pivots // cfg.training.pivots_per_batch)
 
 
-@dataclass(frozen=True)
-class Refilter:
-    """Re-probe and re-filter the pivot set between epochs (seed §5: after updates a pivot may stop
-    satisfying the filter). At the first step of every epoch after the first, rank 0 samples
-    ``num_probes`` actions at each still-active pivot from the engine (π_old = the current policy),
-    scores them, and keeps the pivots whose μ̂, σ̂² still pass the pivot rule at ``lambda_diff``
-    (:func:`pivotrl.pivots.filter.pivot_decision`); the epoch's batches then skip the others (a batch
-    left empty trains nothing). A pivot the verifier cannot decide stays active.
-
-    Attributes:
-        num_probes, temperature, top_p, top_k, seed: the probing settings (m and sampling).
-        lambda_diff: λ_diff of the pivot rule.
-        steps_per_epoch: batches per epoch (``ceil(pivots / pivots_per_batch)``).
-    """
-
-    num_probes: int
-    temperature: float
-    top_p: float
-    top_k: int
-    seed: int
-    lambda_diff: float
-    steps_per_epoch: int
-
-
-def refilter_unused(refilter: "Refilter | None", steps: int) -> str | None:
+def refilter_unused(cfg: "RunConfig", num_pivots: int, steps: int) -> str | None:
     """Why ``training.refilter_between_epochs`` will do nothing in a run of ``steps`` steps (the
     run ends within its first epoch: ``training.max_steps`` or a single epoch), or None when a
     re-filter will run (or none was asked for)."""
-    if refilter is None or steps > refilter.steps_per_epoch:
+    per_epoch = steps_per_epoch(cfg, num_pivots)
+    if not cfg.training.refilter_between_epochs or steps > per_epoch:
         return None
     return (f"training.refilter_between_epochs is on but will not run: the run has {steps} step(s) and its first "
-            f"epoch has {refilter.steps_per_epoch} (training.max_steps or training.epochs ends it within the first "
+            f"epoch has {per_epoch} (training.max_steps or training.epochs ends it within the first "
             "epoch), and the pivot set is re-filtered only between epochs")
 
 
 def _refilter(engine: Any, verifier: Any, pivots: Sequence[Any], prompts: Sequence[list[int]], active: list[int],
-              rf: Refilter, max_tokens: int, step: int) -> tuple[list[int], dict[str, int]]:
-    """The pivots of ``active`` still inside the filter under the engine's policy, and counts."""
+              cfg: "RunConfig", step: int) -> tuple[list[int], dict[str, int]]:
+    """Re-probe and re-filter the pivot set between epochs (seed §5: after updates a pivot may stop
+    satisfying the filter): rank 0 samples ``probing.num_probes`` actions at each still-active pivot
+    from the engine (π_old = the current policy) with the probing settings, scores them, and keeps the
+    pivots whose μ̂, σ̂² still pass the pivot rule at ``probing.lambda_diff``
+    (:func:`pivotrl.pivots.filter.pivot_decision`). A pivot the verifier cannot decide stays active.
+    Returns the pivots of ``active`` still inside the filter, and counts."""
     from pivotrl.pivots.filter import pivot_decision, probe_stats
     from pivotrl.rollout.base import SamplingConfig
     from pivotrl.rollout.scoring import sample_and_score
 
-    sampling = SamplingConfig(n=rf.num_probes, temperature=rf.temperature, top_p=rf.top_p, top_k=rf.top_k,
-                              max_tokens=max_tokens, seed=rf.seed * 100_019 + step)
+    pr = cfg.probing
+    sampling = SamplingConfig(n=pr.num_probes, temperature=pr.temperature, top_p=pr.top_p, top_k=pr.top_k,
+                              max_tokens=cfg.rollout.max_tokens, seed=pr.seed * 100_019 + step)
     keep: list[int] = []
     counts = {"kept": 0, "all_pass": 0, "all_fail": 0, "above_threshold": 0, "undecided": 0}
     for i, g in zip(active, sample_and_score(engine, verifier, [pivots[i] for i in active],
@@ -146,7 +108,7 @@ def _refilter(engine: Any, verifier: Any, pivots: Sequence[Any], prompts: Sequen
             keep.append(i)
             continue
         mu, var = probe_stats(g.rewards)
-        decision = pivot_decision(mu, var, rf.lambda_diff)
+        decision = pivot_decision(mu, var, pr.lambda_diff)
         counts[decision if decision in counts else "kept"] += 1
         if decision == "kept":
             keep.append(i)
@@ -169,7 +131,7 @@ class LoopHooks:
         save_checkpoint: ``(key_step, rows)`` on every rank when a checkpoint is due (1-based step,
             the metrics rows so far).
         evaluate: ``(step) -> {column: value}`` on rank 0 with the engine serving the policy after
-            ``step`` steps (0: before the first), when ``LoopSettings.eval_every`` asks (every N
+            ``step`` steps (0: before the first), when ``training.eval_every`` asks (every N
             steps and after the last); its columns join that step's row (step 0's, prefixed
             ``heldout_before_`` in place of ``heldout_``, join the first row).
     """
@@ -182,7 +144,7 @@ class LoopHooks:
 
 
 def run_rl_loop(trainer: Any, engine: Any, verifier: Any, pivots: Sequence[Any], prompts: Sequence[list[int]],
-                schedule: Sequence[Sequence[int]], settings: LoopSettings, work: Path, *, start: int = 0,
+                schedule: Sequence[Sequence[int]], cfg: "RunConfig", work: Path, *, start: int = 0,
                 rows: list[dict] | None = None, hooks: LoopHooks | None = None, rank: int = 0, world: int = 1,
                 progress: bool = True, hosts: Sequence[int] = (0,)) -> list[dict]:
     """Run steps ``start .. len(schedule) - 1`` of PivotRL training and return every step's metrics row.
@@ -196,7 +158,11 @@ def run_rl_loop(trainer: Any, engine: Any, verifier: Any, pivots: Sequence[Any],
         pivots: the pivot set (``TurnState``-like: a ``state_id``, whatever the verifier reads).
         prompts: each pivot's encoded prompt (token ids).
         schedule: pivot indices per step (:func:`pivot_schedule`).
-        settings: :class:`LoopSettings`.
+        cfg: the run's validated config (model.dtype resolved); the loop reads ``training``
+            (group_size, checkpoint_every, refresh_tolerance, pivots_per_batch, updates_per_batch,
+            eval_every, refilter_between_epochs), ``rollout`` (max_tokens, weight_sync), ``run.seed``,
+            ``model.dtype`` and, to re-filter, ``probing``. Step ``t``'s rollouts are seeded
+            ``run.seed * 100_003 + t``.
         work: a scratch directory for the per-step HF exports (deleted as the loop goes).
         start, rows: resume at step ``start`` with the metrics rows of the steps before it.
         hooks: :class:`LoopHooks`.
@@ -210,7 +176,7 @@ def run_rl_loop(trainer: Any, engine: Any, verifier: Any, pivots: Sequence[Any],
     refresh_mean_abs_delta (engine vs trainer log-probs of a fixed action, nats per token; the
     largest over the engines of a pool, whose per-engine columns the module docstring lists),
     rollout_tokens (tokens generated for the step's trained groups), and the columns of
-    ``hooks.evaluate`` at the steps ``settings.eval_every`` names (see :class:`LoopHooks`).
+    ``hooks.evaluate`` at the steps ``training.eval_every`` names (see :class:`LoopHooks`).
 
     Raises:
         TrainingError: the engine does not serve the trainer's weights after a refresh
@@ -223,12 +189,13 @@ def run_rl_loop(trainer: Any, engine: Any, verifier: Any, pivots: Sequence[Any],
     lead = rank == 0
     work = Path(work)
     # Progress by group updates (pivots × updates per batch), counted inside each step.
-    per_step = settings.pivots_per_batch * settings.updates_per_batch
+    tr = cfg.training
+    per_step = tr.pivots_per_batch * tr.updates_per_batch
     bar = Progress("training", (len(schedule) - start) * per_step, "group updates",
                    enabled=lead and progress).__enter__()
     trainer.on_groups = lambda n: bar.update(n * world)
-    rf = settings.refilter
-    note = refilter_unused(rf, len(schedule))
+    per_epoch = steps_per_epoch(cfg, len(pivots)) if tr.refilter_between_epochs else 0
+    note = refilter_unused(cfg, len(pivots), len(schedule))
     if note and lead:
         log.warning(note)
     # Pivots still inside the filter (all of them unless re-filtered; a resumed run takes the last
@@ -236,7 +203,7 @@ def run_rl_loop(trainer: Any, engine: Any, verifier: Any, pivots: Sequence[Any],
     active = next((json.loads(r["refilter_active"]) for r in reversed(rows)
                    if isinstance(r.get("refilter_active"), str)), list(range(len(pivots))))
     before: dict[str, Any] = {}  # held-out accuracy of the starting policy (the learning curve's step 0)
-    if lead and settings.eval_every and start == 0:
+    if lead and tr.eval_every and start == 0:
         before = {k.replace("heldout_", "heldout_before_", 1): v for k, v in hooks.evaluate(0).items()}
     try:
         for step in range(start, len(schedule)):
@@ -244,18 +211,18 @@ def run_rl_loop(trainer: Any, engine: Any, verifier: Any, pivots: Sequence[Any],
             if lead:
                 hooks.before_step(step)
             refiltered: dict[str, Any] = {}
-            if rf is not None and step > 0 and step % rf.steps_per_epoch == 0:
+            if per_epoch and step > 0 and step % per_epoch == 0:
                 counts: dict[str, int] = {}
                 if lead:
-                    active, counts = _refilter(engine, verifier, pivots, prompts, active, rf, settings.max_tokens, step)
+                    active, counts = _refilter(engine, verifier, pivots, prompts, active, cfg, step)
                     log.info("re-filter before epoch %d: %d of the pivots stay inside the filter (%s)",
-                             step // rf.steps_per_epoch + 1, len(active), counts)
+                             step // per_epoch + 1, len(active), counts)
                 active, counts = broadcast((active, counts), world)
                 refiltered = {"refilter_active": json.dumps(sorted(active)),
                               **{f"refilter_{k}": v for k, v in counts.items()}}
             keep = set(active)
             idx = [i for i in schedule[step] if i in keep]
-            batch, served = rollout_step(engine, verifier, pivots, prompts, idx, settings, step, rank=rank,
+            batch, served = rollout_step(engine, verifier, pivots, prompts, idx, cfg, step, rank=rank,
                                          world=world, hosts=hosts)
             groups, dropped, retries = batch.groups, batch.dropped, batch.retries
             t_roll = time.time() - t0
@@ -268,7 +235,7 @@ def run_rl_loop(trainer: Any, engine: Any, verifier: Any, pivots: Sequence[Any],
             # (every host rank reads its own: its node's disk).
             t_sync = time.perf_counter()
             export: Any = work / f"policy-{step}"
-            if settings.weight_sync == "memory":
+            if cfg.rollout.weight_sync == "memory":
                 export = trainer.shared_weights(writers=list(hosts))
             else:
                 if list(hosts) == [0]:
@@ -283,7 +250,7 @@ def run_rl_loop(trainer: Any, engine: Any, verifier: Any, pivots: Sequence[Any],
             timing: dict[str, float] = {}
             d_max, d_mean, per_engine = refresh_step(engine, export, probe_prompt, action, trainer_lp,
                                                      rank=rank, world=world, hosts=hosts, timing=timing)
-            engines_row = _engines_row(per_engine, served, settings) if per_engine else {}
+            engines_row = _engines_row(per_engine, served, cfg) if per_engine else {}
             shutil.rmtree(work / f"policy-{step - 1}", ignore_errors=True)
             row = {"step": step + 1, "pivots": len(idx), "groups": len(groups), "dropped_groups": dropped,
                    "verifier_retries": retries,
@@ -294,7 +261,7 @@ def run_rl_loop(trainer: Any, engine: Any, verifier: Any, pivots: Sequence[Any],
                    "rollout_tokens": sum(len(a) for g in groups for a in g.actions)}  # generated, trained groups
             if step == 0:
                 row.update(before)
-            if lead and settings.eval_every and ((step + 1) % settings.eval_every == 0 or step + 1 == len(schedule)):
+            if lead and tr.eval_every and ((step + 1) % tr.eval_every == 0 or step + 1 == len(schedule)):
                 row.update(hooks.evaluate(step + 1))  # the engine serves the policy after this step
             rows.append(row)
             if lead:
@@ -303,9 +270,9 @@ def run_rl_loop(trainer: Any, engine: Any, verifier: Any, pivots: Sequence[Any],
             bar.update((step + 1 - start) * per_step - bar.done, steps=1)
             for j, d in enumerate(per_engine or [(d_max, d_mean)]):
                 if d is not None:
-                    check_refresh(step + 1, d[0], d[1], settings.refresh_tolerance, settings.dtype,
+                    check_refresh(step + 1, d[0], d[1], tr.refresh_tolerance, cfg.model.dtype,
                                   engine=j if per_engine else None)
-            if (step + 1) % settings.checkpoint_every == 0 or step + 1 == len(schedule):
+            if (step + 1) % tr.checkpoint_every == 0 or step + 1 == len(schedule):
                 hooks.save_checkpoint(step + 1, rows)
         bar.__exit__(None, None, None)
     finally:
@@ -314,11 +281,11 @@ def run_rl_loop(trainer: Any, engine: Any, verifier: Any, pivots: Sequence[Any],
 
 
 def _engines_row(per_engine: Sequence[tuple[float, float] | None], served: Sequence[int],
-                 settings: LoopSettings) -> dict[str, Any]:
+                 cfg: "RunConfig") -> dict[str, Any]:
     """The per-engine columns of a metrics row (several engines only; see the module docstring)."""
     row: dict[str, Any] = {"engines": len(per_engine), "refresh_verified_engines": sum(
         1 for d in per_engine if d is not None
-        and refresh_ok(d[0], d[1], settings.refresh_tolerance, settings.dtype))}
+        and refresh_ok(d[0], d[1], cfg.training.refresh_tolerance, cfg.model.dtype))}
     for j, d in enumerate(per_engine):
         row[f"refresh_max_abs_delta_e{j}"] = d[0] if d is not None else 0.0
     for j, n in enumerate(served):

@@ -101,17 +101,17 @@ class Batch:
 
 
 def rollout_batch(engine: Any, verifier: Any, pivots: Sequence[Any], prompts: Sequence[list[int]], idx: list[int],
-                  settings: Any, step: int, positions: list[int] | None = None) -> Batch:
-    """Sample K actions at each pivot of ``idx`` (temperature 1, seed ``settings.seed * 100_003 +
-    step``), score them, and build the trainer's groups. ``positions``: the pivots' positions in the
+                  cfg: Any, step: int, positions: list[int] | None = None) -> Batch:
+    """Sample K = ``training.group_size`` actions of at most ``rollout.max_tokens`` at each pivot of
+    ``idx`` (temperature 1, seed ``run.seed * 100_003 + step``; ``cfg`` the run's RunConfig), score them, and build the trainer's groups. ``positions``: the pivots' positions in the
     whole batch, when this engine samples a block of it. A pivot the verifier cannot decide is
     dropped and counted (pivotrl.rollout.scoring)."""
     from pivotrl.rollout.base import SamplingConfig
     from pivotrl.rollout.scoring import sample_and_score, verifier_retries
     from pivotrl.training.pivotrl import Group
 
-    sampling = SamplingConfig(n=settings.group_size, temperature=1.0, top_p=1.0, top_k=0,
-                              max_tokens=settings.max_tokens, seed=settings.seed * 100_003 + step)
+    sampling = SamplingConfig(n=cfg.training.group_size, temperature=1.0, top_p=1.0, top_k=0,
+                              max_tokens=cfg.rollout.max_tokens, seed=cfg.run.seed * 100_003 + step)
     batch = Batch()
     retries0 = verifier_retries(verifier)
     for g in sample_and_score(engine, verifier, [pivots[i] for i in idx], [prompts[i] for i in idx], sampling,
@@ -135,7 +135,7 @@ def _sampler_logprobs(samples: Sequence[Any]) -> list[list[float]] | None:
 
 
 def rollout_step(engine: Any, verifier: Any, pivots: Sequence[Any], prompts: Sequence[list[int]], idx: list[int],
-                 settings: Any, step: int, *, rank: int, world: int, hosts: Sequence[int] = (0,)
+                 cfg: Any, step: int, *, rank: int, world: int, hosts: Sequence[int] = (0,)
                  ) -> tuple[Batch, list[int]]:
     """The batch ``idx`` rolled out on the host ranks' engines → (the merged :class:`Batch` on every
     rank, ``scored`` filled on rank 0 only; states each engine sampled at, engine order).
@@ -146,7 +146,7 @@ def rollout_step(engine: Any, verifier: Any, pivots: Sequence[Any], prompts: Seq
     """
     hosts = list(hosts)
     if hosts == [0]:
-        batch = rollout_batch(engine, verifier, pivots, prompts, idx, settings, step) if rank == 0 else Batch()
+        batch = rollout_batch(engine, verifier, pivots, prompts, idx, cfg, step) if rank == 0 else Batch()
         served = [len(b) if idx else 0 for b in getattr(engine, "served", [])] if rank == 0 else []
         groups, dropped, retries, served = broadcast((batch.groups, batch.dropped, batch.retries, served), world)
         return Batch(groups, dropped, retries, batch.scored), served
@@ -155,7 +155,7 @@ def rollout_step(engine: Any, verifier: Any, pivots: Sequence[Any], prompts: Seq
     if rank in hosts:
         block = list(blocks[hosts.index(rank)])
         if block:
-            part = rollout_batch(engine, verifier, pivots, prompts, [idx[i] for i in block], settings, step,
+            part = rollout_batch(engine, verifier, pivots, prompts, [idx[i] for i in block], cfg, step,
                                  positions=block)
     parts = all_gather(part, world)
     mine = [parts[h] for h in hosts]

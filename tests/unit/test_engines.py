@@ -16,7 +16,7 @@ from pivotrl.rollout import SamplingConfig
 from pivotrl.rollout.hf import TransformersEngine
 from pivotrl.rollout.pool import EnginePool, engine_cpus, split_positions
 from pivotrl.testing import save_tiny_checkpoint
-from pivotrl.training.loop import LoopSettings, pivot_schedule, run_rl_loop
+from pivotrl.training.loop import pivot_schedule, run_rl_loop
 from pivotrl.verifiers import VerifierResult
 
 PROMPTS = [[5, 17, 42, 9, 11], [7, 8, 9], [100, 3, 64, 2], [12, 13, 14, 15, 16, 17], [21, 22, 23]]
@@ -64,10 +64,14 @@ def _engines(ckpt: Path, n: int, **kw) -> list[CountingEngine]:
     return [CountingEngine(str(ckpt), dtype="fp32", max_model_len=256, **kw) for _ in range(n)]
 
 
-def _settings(**kw) -> LoopSettings:
-    base = dict(group_size=4, max_tokens=6, seed=0, checkpoint_every=10, dtype="fp32", refresh_tolerance=1e-4,
-                pivots_per_batch=5, updates_per_batch=1)
-    return LoopSettings(**{**base, **kw})
+def _settings(*overrides: str):
+    """The run config the loop reads (the loop takes the validated RunConfig as it is)."""
+    from pivotrl.config import load_config
+
+    base = ["model.dtype=fp32", "run.seed=0", "rollout.max_tokens=6", "rollout.weight_sync=disk",
+            "training.group_size=4", "training.checkpoint_every=10", "training.pivots_per_batch=5",
+            "training.updates_per_batch=1", "training.eval_every=0"]
+    return load_config(None, [*base, *overrides])
 
 
 def test_split_and_cpus_are_fixed_blocks() -> None:
@@ -277,7 +281,7 @@ def test_the_engine_layout_is_checked_against_the_trainer_ranks() -> None:
 
 def test_an_engine_on_a_rank_sees_only_its_own_gpus() -> None:
     from pivotrl.core.errors import ConfigError
-    from pivotrl.rollout.vllm import visible_devices
+    from pivotrl.rollout.vllm_placement import visible_devices
 
     assert visible_devices([3], {}) == "3" and visible_devices([2, 3], {}) == "2,3"
     assert visible_devices([1], {"CUDA_VISIBLE_DEVICES": "4,5,6"}) == "5"

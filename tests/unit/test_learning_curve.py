@@ -16,7 +16,8 @@ from pivotrl.evaluation.report import build_report
 from pivotrl.evaluation.stats import wilson_interval
 from pivotrl.rollout import SamplingConfig, make_engine
 from pivotrl.testing import save_tiny_checkpoint
-from pivotrl.training.loop import LoopHooks, LoopSettings, pivot_schedule, run_rl_loop
+from pivotrl.config import load_config
+from pivotrl.training.loop import LoopHooks, pivot_schedule, run_rl_loop
 from pivotrl.verifiers import VerifierResult
 
 PROMPTS = [[5, 17, 42, 9, 11], [7, 8, 9], [100, 3, 64, 2], [12, 13, 14, 15, 16, 17]]
@@ -51,8 +52,9 @@ def test_the_loop_measures_heldout_accuracy_before_every_n_steps_and_after_the_l
         k = sum(len(g[0].token_ids) % 2 == 0 for g in gens)
         return {"heldout_n": 2.0, "heldout_accepted": float(k), "heldout_accuracy": k / 2}
 
-    settings = LoopSettings(group_size=4, max_tokens=6, seed=0, checkpoint_every=10, dtype="fp32",
-                            refresh_tolerance=1e-4, pivots_per_batch=1, updates_per_batch=1, eval_every=2)
+    settings = load_config(None, ["model.dtype=fp32", "run.seed=0", "rollout.max_tokens=6", "rollout.weight_sync=disk",
+                                  "training.group_size=4", "training.checkpoint_every=10", "training.pivots_per_batch=1",
+                                  "training.updates_per_batch=1", "training.eval_every=2"])
     try:
         rows = run_rl_loop(trainer, engine, EvenVerifier(), pivots, PROMPTS, schedule, settings, tmp_path / "w",
                            hooks=LoopHooks(evaluate=evaluate), progress=False)

@@ -13,7 +13,7 @@ from pivotrl.core.errors import TrainingError, VerifierError
 from pivotrl.rollout import SamplingConfig, make_engine
 from pivotrl.rollout.scoring import sample_and_score
 from pivotrl.testing import save_tiny_checkpoint
-from pivotrl.training.loop import LoopHooks, LoopSettings, check_refresh, pivot_schedule, run_rl_loop
+from pivotrl.training.loop import LoopHooks, check_refresh, pivot_schedule, run_rl_loop
 from pivotrl.verifiers import VerifierResult
 
 
@@ -82,10 +82,14 @@ def test_local_evaluation_counts_an_undecided_state_instead_of_failing(engine, c
     assert summ["n_states"] == 1 and summ["n_verifier_error"] == 1 and summ["n_samples"] == 2
 
 
-def _settings(**kw) -> LoopSettings:
-    base = dict(group_size=4, max_tokens=6, seed=0, checkpoint_every=2, dtype="fp32", refresh_tolerance=1e-4,
-                pivots_per_batch=2, updates_per_batch=1)
-    return LoopSettings(**{**base, **kw})
+def _settings(*overrides: str):
+    """The run config the loop reads (the loop takes the validated RunConfig as it is)."""
+    from pivotrl.config import load_config
+
+    base = ["model.dtype=fp32", "run.seed=0", "rollout.max_tokens=6", "rollout.weight_sync=disk",
+            "training.group_size=4", "training.checkpoint_every=2", "training.pivots_per_batch=2",
+            "training.updates_per_batch=1", "training.eval_every=0"]
+    return load_config(None, [*base, *overrides])
 
 
 def test_the_loop_trains_refreshes_drops_undecided_pivots_and_checkpoints(engine, ckpt: Path, tmp_path: Path) -> None:
@@ -115,7 +119,7 @@ def test_the_loop_trains_refreshes_drops_undecided_pivots_and_checkpoints(engine
     assert {e[1] for e in events if e[0] == "record"} == {1, 2}
 
     # Resuming at step 1 with step 1's row runs step 2 only (the same pivot order).
-    more = run_rl_loop(trainer, engine, ToyVerifier(), pivots, PROMPTS, schedule, _settings(checkpoint_every=1),
+    more = run_rl_loop(trainer, engine, ToyVerifier(), pivots, PROMPTS, schedule, _settings("training.checkpoint_every=1"),
                        tmp_path / "work2", start=1, rows=rows[:1], progress=False)
     # (a row's "step" is the trainer's own step counter: this trainer has already taken two)
     assert len(more) == 2 and more[0] == rows[0] and more[1]["step"] == 3.0
@@ -155,15 +159,15 @@ class PassVerifier(ToyVerifier):
 
 
 def test_refilter_between_epochs_drops_pivots_that_left_the_filter(engine, ckpt: Path, tmp_path: Path) -> None:
-    from pivotrl.training.loop import Refilter
     from pivotrl.training.pivotrl import PivotRLTrainer
 
     trainer = PivotRLTrainer.build(ckpt, group_size=4, dtype="float32", lr=1e-3, beta=0.0, updates_per_batch=1, seed=0)
     pivots = _states("p0", "easy-1", "p2", "undecided-3")
     schedule = pivot_schedule(len(pivots), 2, 2, seed=0, max_steps=None)  # 2 epochs of 2 batches
-    rf = Refilter(num_probes=8, temperature=1.0, top_p=1.0, top_k=0, seed=0, lambda_diff=0.5, steps_per_epoch=2)
+    rf = ("training.refilter_between_epochs=true", "probing.num_probes=8", "probing.temperature=1.0",
+          "probing.top_p=1.0", "probing.top_k=0", "probing.seed=0", "probing.lambda_diff=0.5")
     verifier = PassVerifier()
-    rows = run_rl_loop(trainer, engine, verifier, pivots, PROMPTS, schedule, _settings(refilter=rf),
+    rows = run_rl_loop(trainer, engine, verifier, pivots, PROMPTS, schedule, _settings(*rf),
                        tmp_path / "work", progress=False)
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     assert all("refilter_active" not in r for r in rows[:2]) and all("refilter_active" not in r for r in rows[3:])
@@ -182,7 +186,7 @@ def test_refilter_between_epochs_drops_pivots_that_left_the_filter(engine, ckpt:
 
     # a resumed run takes the re-filter decision from its rows (no new re-probe before step 4)
     v2 = PassVerifier()
-    more = run_rl_loop(trainer, engine, v2, pivots, PROMPTS, schedule, _settings(refilter=rf), tmp_path / "work2",
+    more = run_rl_loop(trainer, engine, v2, pivots, PROMPTS, schedule, _settings(*rf), tmp_path / "work2",
                        start=3, rows=rows[:3], progress=False)
     assert len(more) == 4 and more[3]["pivots"] == rows[3]["pivots"] and "easy-1" not in v2.calls
 
@@ -191,17 +195,18 @@ def test_refilter_that_cannot_run_within_the_first_epoch_is_warned_once(engine, 
                                                                         caplog) -> None:
     import logging
 
-    from pivotrl.training.loop import Refilter, refilter_unused
+    from pivotrl.training.loop import refilter_unused
     from pivotrl.training.pivotrl import PivotRLTrainer
 
-    rf = Refilter(num_probes=4, temperature=1.0, top_p=1.0, top_k=0, seed=0, lambda_diff=0.5, steps_per_epoch=2)
-    assert refilter_unused(None, 1) is None and refilter_unused(rf, 3) is None  # off, or an epoch boundary is reached
-    assert "the run has 2 step(s) and its first epoch has 2" in refilter_unused(rf, 2)
+    rf = ("training.refilter_between_epochs=true", "probing.num_probes=4", "probing.lambda_diff=0.5")
+    # off, or an epoch boundary is reached (4 pivots, 2 per batch: epochs of 2 steps)
+    assert refilter_unused(_settings(), 4, 1) is None and refilter_unused(_settings(*rf), 4, 3) is None
+    assert "the run has 2 step(s) and its first epoch has 2" in refilter_unused(_settings(*rf), 4, 2)
     trainer = PivotRLTrainer.build(ckpt, group_size=4, dtype="float32", lr=1e-3, beta=0.0, updates_per_batch=1, seed=0)
     pivots = _states("p0", "p1", "p2", "p3")
     schedule = pivot_schedule(len(pivots), 2, 2, seed=0, max_steps=1)  # training.max_steps = 1 of 2 epochs × 2
     with caplog.at_level(logging.WARNING, logger="pivotrl.training"):
-        rows = run_rl_loop(trainer, engine, ToyVerifier(), pivots, PROMPTS, schedule, _settings(refilter=rf),
+        rows = run_rl_loop(trainer, engine, ToyVerifier(), pivots, PROMPTS, schedule, _settings(*rf),
                            tmp_path / "work", progress=False)
     assert len(rows) == 1 and "refilter_active" not in rows[0]
     warned = [r.getMessage() for r in caplog.records if "refilter_between_epochs" in r.getMessage()]

@@ -77,7 +77,8 @@ def test_transformers_engine_reads_the_block_like_a_checkpoint(ckpts: tuple[Path
 def test_the_loop_refreshes_the_engine_in_memory_or_from_disk(ckpts: tuple[Path, Path], tmp_path: Path,
                                                              mode: str) -> None:
     from pivotrl.verifiers.base import VerifierResult
-    from pivotrl.training.loop import LoopSettings, pivot_schedule, run_rl_loop
+    from pivotrl.config import load_config
+    from pivotrl.training.loop import pivot_schedule, run_rl_loop
     from pivotrl.training.pivotrl import PivotRLTrainer
 
     class Even:
@@ -92,8 +93,9 @@ def test_the_loop_refreshes_the_engine_in_memory_or_from_disk(ckpts: tuple[Path,
     trainer = PivotRLTrainer.build(ckpts[0], group_size=4, dtype="float32", lr=1e-2, beta=0.0, seed=0)
     pivots = [SimpleNamespace(state_id=f"p{i}") for i in range(4)]
     prompts = [[5, 17, 42, 9, 11], [7, 8, 9], [100, 3, 64, 2], [12, 13, 14, 15, 16, 17]]
-    settings = LoopSettings(group_size=4, max_tokens=6, seed=0, checkpoint_every=5, dtype="fp32",
-                            refresh_tolerance=1e-4, pivots_per_batch=2, updates_per_batch=1, weight_sync=mode)
+    settings = load_config(None, ["model.dtype=fp32", "run.seed=0", "rollout.max_tokens=6", f"rollout.weight_sync={mode}",
+                                  "training.group_size=4", "training.checkpoint_every=5", "training.pivots_per_batch=2",
+                                  "training.updates_per_batch=1", "training.eval_every=0"])
     rows = run_rl_loop(trainer, engine, Even(), pivots, prompts, pivot_schedule(4, 2, 1, 0, None), settings,
                        tmp_path / "work", progress=False)
     assert len(rows) == 2
@@ -148,10 +150,11 @@ def test_engines_implement_the_in_memory_refresh() -> None:
         assert callable(getattr(cls, "update_weights", None)), cls
     if os.environ.get("PIVOTRL_SKIP_VLLM_IMPORT") != "1":
         try:
-            from pivotrl.rollout.vllm import VLLMEngine, _reload_shared
+            from pivotrl.rollout.vllm import VLLMEngine
+            from pivotrl.rollout.vllm_worker import reload_shared
         except ImportError:  # no vLLM in this environment
             return
-        assert callable(VLLMEngine.update_weights) and callable(_reload_shared)
+        assert callable(VLLMEngine.update_weights) and callable(reload_shared)
 
 
 def test_module_weights_of_parameters_sharing_one_flat_buffer(ckpts: tuple[Path, Path]) -> None:
