@@ -34,8 +34,6 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from pivotrl.core.errors import ConfigError
-
 PIVOT_DECISIONS: tuple[str, ...] = ("kept", "all_fail", "all_pass", "above_threshold")
 DEFAULT_LAMBDA_DIFF = 0.5
 #: Rewards of one state whose range (max − min) is at most this count as equal (σ̂² = 0): float noise
@@ -44,20 +42,6 @@ REWARD_TOLERANCE = 1e-9
 #: The largest σ̂² that rewards equal within REWARD_TOLERANCE can have (range r gives σ̂² ≤ r²/4):
 #: :func:`pivot_decision` reads a σ̂² at or below it as 0.
 VARIANCE_TOLERANCE = REWARD_TOLERANCE**2 / 4
-
-
-def check_lambda_diff(lambda_diff: float) -> float:
-    """Validate the difficulty threshold: ``0 < lambda_diff ≤ 1``. Raises ConfigError."""
-    try:
-        value = float(lambda_diff)
-    except (TypeError, ValueError):
-        raise ConfigError(f"lambda_diff must be a number in (0, 1], got {lambda_diff!r}") from None
-    if not (0.0 < value <= 1.0):  # also rejects NaN
-        raise ConfigError(
-            f"lambda_diff must satisfy 0 < lambda_diff <= 1 (success-rate threshold), got {lambda_diff!r}; "
-            f"the default is {DEFAULT_LAMBDA_DIFF}"
-        )
-    return value
 
 
 def _as_reward_tensor(rewards: Sequence[float] | Tensor) -> Tensor:
@@ -70,11 +54,6 @@ def _as_reward_tensor(rewards: Sequence[float] | Tensor) -> Tensor:
             raise ValueError(f"rewards must be numbers of shape (m,) or (N, m): {exc}") from None
     if t.dim() not in (1, 2):
         raise ValueError(f"rewards must have shape (m,) or (N, m), got shape {tuple(t.shape)}")
-    m = t.shape[-1]
-    if m < 2:
-        raise ConfigError(
-            f"num_probes must be at least 2 (a single probe has no variance), got rewards with m={m}"
-        )
     if not bool(torch.isfinite(t).all()):
         raise ValueError("rewards contain NaN or infinite values")
     return t
@@ -93,8 +72,11 @@ def probe_stats(rewards: Sequence[float] | Tensor) -> tuple[float, float] | tupl
         ``var`` is exactly 0.0 when all rewards of a state are equal within ``REWARD_TOLERANCE``
         (max − min ≤ 1e-9: no rounding residue), so ``var > 0`` is a safe test for "mixed outcomes".
 
+    ``m`` ≥ 2 (``probing.num_probes``) and ``0 < λ_diff ≤ 1`` are the config schema's bounds
+    (:class:`pivotrl.config.sections.ProbingSection`), checked once when the config is validated;
+    a single probe here simply has σ̂² = 0.
+
     Raises:
-        ConfigError: m < 2 (names ``num_probes``).
         ValueError: wrong rank, or NaN/infinite rewards.
     """
     t = _as_reward_tensor(rewards)
@@ -113,7 +95,8 @@ def pivot_decision(mu: float | Tensor, var: float | Tensor, lambda_diff: float =
     Args:
         mu: μ̂, the mean probe reward (float or 0-d tensor).
         var: σ̂², the population variance of the probe rewards (float or 0-d tensor, ≥ 0).
-        lambda_diff: success-rate threshold, ``0 < lambda_diff ≤ 1`` (default 0.5, see module doc).
+        lambda_diff: success-rate threshold, ``0 < lambda_diff ≤ 1`` (default 0.5, see module doc;
+            the bound is ``probing.lambda_diff``'s in the config schema, not checked again here).
 
     Returns:
         ``"kept"`` if σ̂² > 0 and μ̂ < λ_diff; otherwise the reason it is dropped:
@@ -123,10 +106,9 @@ def pivot_decision(mu: float | Tensor, var: float | Tensor, lambda_diff: float =
         ``"above_threshold"`` when σ̂² > 0 but μ̂ ≥ λ_diff.
 
     Raises:
-        ConfigError: ``lambda_diff`` outside (0, 1].
         ValueError: ``mu`` or ``var`` not finite, ``var < 0``, or a tensor with more than one element.
     """
-    lam = check_lambda_diff(lambda_diff)
+    lam = float(lambda_diff)
     mu_f = _scalar(mu, "mu")
     var_f = _scalar(var, "var")
     if var_f < 0.0:

@@ -36,7 +36,6 @@ the loop's wall time (seconds since ``run_e2e`` started) at or past it.
 from __future__ import annotations
 
 import dataclasses
-import math
 import random
 import shutil
 import tempfile
@@ -64,7 +63,9 @@ _SEP = "#e2e"
 
 @dataclass(frozen=True)
 class E2ESettings:
-    """Settings of the end-to-end RL loop (the trainer's own settings are passed to it apart).
+    """Settings of the end-to-end RL loop (the trainer's own settings are passed to it apart). Built
+    from the validated config (``compare.e2e_*``, ``rollout``, ``training``), whose schema holds the
+    bounds; nothing here checks them again.
 
     ``group_size`` K ≥ 2 episodes per task; ``tasks_per_batch`` ≥ 1; ``max_steps`` ≥ 1 steps;
     ``max_generated_tokens`` / ``max_wall_s`` optional budgets (see the module docstring); ``reward`` one of
@@ -93,23 +94,6 @@ class E2ESettings:
     weight_sync: str = "disk"
     dtype: str = "fp32"
     refresh_tolerance: float = 1e-4
-
-    def __post_init__(self) -> None:
-        for name, lo in (("group_size", 2), ("tasks_per_batch", 1), ("max_steps", 1), ("max_tokens", 1),
-                         ("max_steps_per_turn", 1), ("max_context", 2)):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-                raise ConfigError(f"e2e {name} must be an integer >= {lo}, got {v!r}")
-        if self.weight_sync not in ("memory", "disk"):
-            raise ConfigError(f"e2e weight_sync={self.weight_sync!r}: must be memory or disk")
-        if self.reward not in E2E_REWARDS:
-            raise ConfigError(f"e2e reward={self.reward!r}: must be one of {', '.join(E2E_REWARDS)}")
-        if not (self.temperature > 0 and math.isfinite(self.temperature)):
-            raise ConfigError(f"e2e temperature must be > 0 (GRPO samples), got {self.temperature!r}")
-        if self.max_generated_tokens is not None and self.max_generated_tokens < 1:
-            raise ConfigError(f"e2e max_generated_tokens must be >= 1 or null, got {self.max_generated_tokens!r}")
-        if self.max_wall_s is not None and not (self.max_wall_s > 0 and math.isfinite(self.max_wall_s)):
-            raise ConfigError(f"e2e max_wall_s must be > 0 seconds or null, got {self.max_wall_s!r}")
 
 
 @dataclass

@@ -11,7 +11,6 @@ from pivotrl.core.errors import ConfigError
 from pivotrl.pivots.filter import (
     DEFAULT_LAMBDA_DIFF,
     PIVOT_DECISIONS,
-    check_lambda_diff,
     is_pivot,
     pivot_decision,
     pivot_decisions,
@@ -71,19 +70,24 @@ def test_defaults_and_tensor_inputs():
     assert probe_stats(torch.tensor([True, False, False, False])) == (0.25, 0.1875)
 
 
-@pytest.mark.parametrize("bad", [0.0, -0.1, 1.5, float("nan"), "half"])
-def test_lambda_diff_validation(bad):
-    with pytest.raises(ConfigError, match="lambda_diff"):
-        check_lambda_diff(bad)
-    with pytest.raises(ConfigError, match="lambda_diff"):
-        pivot_decision(0.25, 0.1875, bad)
+@pytest.mark.parametrize("bad", ["0.0", "-0.1", "1.5", ".nan", "half"])
+def test_lambda_diff_is_bounded_by_the_config_schema(bad):
+    """0 < λ_diff ≤ 1 is checked once, where the config is validated (the filter does not check it again)."""
+    from pivotrl.config import load_config
+
+    with pytest.raises(ConfigError, match=r"probing\.lambda_diff"):
+        load_config(None, [f"probing.lambda_diff={bad}"])
 
 
-def test_num_probes_validation():
-    with pytest.raises(ConfigError, match="num_probes"):
-        probe_stats([1.0])
-    with pytest.raises(ConfigError, match="num_probes"):
-        probe_stats(torch.ones(3, 1))
+def test_num_probes_is_bounded_by_the_config_schema():
+    from pivotrl.config import load_config
+
+    with pytest.raises(ConfigError, match=r"probing\.num_probes = 1: must be ≥ 2"):
+        load_config(None, ["probing.num_probes=1"])
+    # the filter itself: a single probe has no variance, so it is never a pivot
+    assert probe_stats([1.0]) == (1.0, 0.0) and pivot_decision(1.0, 0.0, 0.5) == "all_pass"
+    mu, var = probe_stats(torch.ones(3, 1))
+    assert var.tolist() == [0.0, 0.0, 0.0]
 
 
 def test_bad_rewards_and_stats():
