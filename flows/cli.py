@@ -92,6 +92,16 @@ def _load(config: str, overrides: Optional[list[str]]):
         raise typer.Exit(2)
 
 
+def _prepared(config: str, overrides: Optional[list[str]], cfg) -> dict[str, Any]:
+    """The config ``_load`` returned, already checked by ``_preflight``, prepared for a flow (sized to
+    this machine: pivotrl.pipeline.prepare) as the JSON the flow's tasks take: the flow neither reads
+    nor validates the file again."""
+    from pivotrl.pipeline.prepare import prepared_config
+
+    return prepared_config(config, overrides or [], loaded=cfg, checked=True,
+                           echo=typer.echo).model_dump(mode="json")
+
+
 def _preflight(cfg, storage: bool = True) -> None:
     """Checks that need no stage to run: the model source, the local demonstration files and every
     other local file the config names (chat template, hostfile: pivotrl.config.files) exist, the local
@@ -144,8 +154,9 @@ def run(config: str = ConfigOpt, overrides: Optional[list[str]] = SetOpt) -> Non
     cfg = _load(config, overrides)
     _preflight(cfg)  # fail fast on a bad config, before Prefect starts
     _console(cfg)
+    prepared = _prepared(config, overrides, cfg)
     t0 = time.time()
-    result = _nightly()(config_path=config, overrides=overrides or [])
+    result = _nightly()(config_path=config, overrides=overrides or [], config=prepared)
     typer.echo(f"\nPivotRL run finished in {time.time() - t0:.0f} s")
     typer.echo(f"report: {result['report_md']}")
     typer.echo(f"report data: {result['report_json']}")
@@ -167,11 +178,13 @@ def _nightly():
 @app.command()
 def compare(config: str = ConfigOpt, overrides: Optional[list[str]] = SetOpt) -> None:
     """PivotRL beside SFT and end-to-end RL baselines (shared stages cached); print the report."""
-    _preflight(_load(config, overrides))
+    cfg = _load(config, overrides)
+    _preflight(cfg)
+    prepared = _prepared(config, overrides, cfg)
     from pivotrl.flows.compare import compare as compare_flow
 
     t0 = time.time()
-    result = compare_flow(config_path=config, overrides=overrides or [])
+    result = compare_flow(config_path=config, overrides=overrides or [], config=prepared)
     typer.echo("\n".join(result["report"]["claims"]))
     typer.echo(f"\ncomparison finished in {time.time() - t0:.0f} s\nreport: {result['report_md']}")
 
@@ -182,10 +195,11 @@ def probe(config: str = ConfigOpt, overrides: Optional[list[str]] = SetOpt) -> N
     cfg = _load(config, overrides)
     _preflight(cfg)
     _console(cfg)
+    prepared = _prepared(config, overrides, cfg)
     from pivotrl.flows.nightly import probe_only
 
     t0 = time.time()
-    out = probe_only(config_path=config, overrides=overrides or [])
+    out = probe_only(config_path=config, overrides=overrides or [], config=prepared)
     typer.echo(out["summary_md"])
     typer.echo(f"pivots: {out['pivots']}\nprobes: {out['probes']}\nwall time: {time.time() - t0:.1f} s")
 

@@ -12,17 +12,19 @@ from prefect import flow, get_run_logger
 
 
 @flow(name="pivotrl-compare", log_prints=True)
-def compare(config_path: str = "configs/default.yaml", overrides: list[str] | None = None) -> dict[str, Any]:
-    """PivotRL vs SFT vs end-to-end RL for the config at ``config_path`` (``--set`` overrides).
+def compare(config_path: str = "configs/default.yaml", overrides: list[str] | None = None,
+            config: dict[str, Any] | None = None) -> dict[str, Any]:
+    """PivotRL vs SFT vs end-to-end RL for the config at ``config_path`` (``--set`` overrides), or for
+    ``config``, that config already prepared (as in ``flows/nightly.py``).
 
     Returns the comparison result: ``report_md``/``report_json`` URIs and the report dict.
     """
-    from pivotrl.pipeline.prepare import prepared_config
+    from pivotrl.flows.nightly import _checked_config
     from pivotrl.tasks.compare import compare_tasks
     from pivotrl.tasks.stages import pipeline_tasks
 
     # checked and sized like the nightly run (run.sizing), so the shared stages are the nightly run's
-    config = prepared_config(config_path, overrides).model_dump(mode="json")
+    config = _checked_config(config_path, overrides, config)
     t = pipeline_tasks(config)
     c = compare_tasks(config)
     demos = t.demonstrations(config)

@@ -11,17 +11,23 @@ from typing import Any
 from prefect import flow, get_run_logger
 
 
-def _checked_config(config_path: str, overrides: list[str] | None) -> dict[str, Any]:
+def _checked_config(config_path: str, overrides: list[str] | None,
+                    config: dict[str, Any] | None = None) -> dict[str, Any]:
     """The prepared config (:func:`pivotrl.pipeline.prepare.prepared_config`) as JSON, the form
-    the tasks take."""
+    the tasks take: ``config`` when the caller prepared it already (the command line), else the
+    config at ``config_path`` with ``overrides``, prepared here."""
+    if config is not None:
+        return config
     from pivotrl.pipeline.prepare import prepared_config
 
     return prepared_config(config_path, overrides).model_dump(mode="json")
 
 
 @flow(name="pivotrl-nightly", log_prints=True)
-def nightly(config_path: str = "configs/default.yaml", overrides: list[str] | None = None) -> dict[str, Any]:
-    """Run the whole pipeline for the config at ``config_path`` (with ``--set``-style overrides).
+def nightly(config_path: str = "configs/default.yaml", overrides: list[str] | None = None,
+            config: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Run the whole pipeline for the config at ``config_path`` (with ``--set``-style overrides), or
+    for ``config``, that config already prepared (``prepared_config(...).model_dump(mode="json")``).
 
     Returns the evaluation result: ``report_md``/``report_json`` URIs and the report dict.
     """
@@ -30,7 +36,7 @@ def nightly(config_path: str = "configs/default.yaml", overrides: list[str] | No
 
     from pivotrl.tasks.tracking import tracking_hooks
 
-    config = _checked_config(config_path, overrides)
+    config = _checked_config(config_path, overrides, config)
     t = pipeline_tasks(config)
     track = tracking_hooks(config)  # no-ops unless tracking.backend is set
     track.start()
@@ -56,12 +62,14 @@ def nightly(config_path: str = "configs/default.yaml", overrides: list[str] | No
 
 
 @flow(name="pivotrl-probe", log_prints=True)
-def probe_only(config_path: str = "configs/default.yaml", overrides: list[str] | None = None) -> dict[str, Any]:
-    """Demonstrations → warm start → probing → pivot set, without training (for inspecting pivots)."""
+def probe_only(config_path: str = "configs/default.yaml", overrides: list[str] | None = None,
+               config: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Demonstrations → warm start → probing → pivot set, without training (for inspecting pivots);
+    ``config`` as in :func:`nightly`."""
     from pivotrl.flows.shards import probe_stage
     from pivotrl.tasks.stages import pipeline_tasks
 
-    config = _checked_config(config_path, overrides)
+    config = _checked_config(config_path, overrides, config)
     t = pipeline_tasks(config)
     demos = t.demonstrations(config)
     ref = t.reference(config, {"demos": demos})
