@@ -70,11 +70,14 @@ class ShardIncomplete(VerifierError):
         return (type(self), (str(self), self.state_ids))
 
 
-def probe_candidates(cfg: RunConfig, store: ArtifactStore, demos: Mapping[str, Any]) -> pd.DataFrame:
+def probe_candidates(cfg: RunConfig, store: ArtifactStore, demos: Mapping[str, Any],
+                     table: pd.DataFrame | None = None) -> pd.DataFrame:
     """The candidate rows this run probes: the pivot split, of the candidate kinds
     ``quality.include_stop_decisions`` admits, a seeded sample of ``probing.max_states`` (sorted by
-    state id). Every shard and the merge select with this one function."""
-    return select_candidates(store.read_parquet(f"{demos['key']}/candidates.parquet"), "pivot",
+    state id). Every shard and the merge select with this one function. ``table``: the demonstrations'
+    ``candidates.parquet`` already read (:func:`stage_probe` reads it once), else it is read here."""
+    table = table if table is not None else store.read_parquet(f"{demos['key']}/candidates.parquet")
+    return select_candidates(table, "pivot",
                              cfg.probing.max_states, cfg.probing.seed,
                              kinds=candidate_kinds_for_pivots(cfg.quality.include_stop_decisions))
 
@@ -85,7 +88,8 @@ def merged_probe_key(cfg: RunConfig, store: ArtifactStore, demos: Mapping[str, A
     return probe_table_key(cfg, store.read_manifest(f"{demos['key']}/candidates.parquet").sha256, ref)
 
 
-def plan_probe_shards(cfg: RunConfig, store: ArtifactStore, demos: Mapping[str, Any], ref: Any) -> dict[str, Any]:
+def plan_probe_shards(cfg: RunConfig, store: ArtifactStore, demos: Mapping[str, Any], ref: Any, *,
+                      candidates: pd.DataFrame | None = None) -> dict[str, Any]:
     """Cut the selected pivot candidates into shards of ``scale_out.probe_shard_size`` trajectories
     (sorted by trajectory id; null = one shard).
 
@@ -94,7 +98,7 @@ def plan_probe_shards(cfg: RunConfig, store: ArtifactStore, demos: Mapping[str, 
     """
     cfg = with_resolved_dtype(cfg)
     pkey = merged_probe_key(cfg, store, demos, ref)
-    cand = probe_candidates(cfg, store, demos)
+    cand = probe_candidates(cfg, store, demos, candidates)
     trajs = sorted(cand["trajectory_id"].astype(str).unique())
     size = cfg.scale_out.probe_shard_size or max(1, len(trajs))
     shards = []
@@ -108,7 +112,8 @@ def plan_probe_shards(cfg: RunConfig, store: ArtifactStore, demos: Mapping[str, 
 
 
 def probe_shard(cfg: RunConfig, store: ArtifactStore, demos: Mapping[str, Any], ref: Any,
-                shard: Mapping[str, Any], *, warm_engine: bool = False) -> dict[str, Any]:
+                shard: Mapping[str, Any], *, warm_engine: bool = False,
+                candidates: pd.DataFrame | None = None) -> dict[str, Any]:
     """Probe the states of one shard (an entry of :func:`plan_probe_shards`) and write its table.
 
     A shard already written is not probed again; of a shard that failed before, only the states
@@ -125,7 +130,7 @@ def probe_shard(cfg: RunConfig, store: ArtifactStore, demos: Mapping[str, Any], 
     if store.exists(f"{key}/probes.parquet"):
         df = store.read_parquet(f"{key}/probes.parquet")
         return {**out, "states": int(len(df)), "status_counts": _counts(df)}
-    cand = probe_candidates(cfg, store, demos)
+    cand = probe_candidates(cfg, store, demos, candidates)
     cand = cand[cand["trajectory_id"].astype(str).isin(shard["trajectories"])].reset_index(drop=True)
     done = store.read_parquet(f"{key}/partial.parquet") if store.exists(f"{key}/partial.parquet") else None
     decided = set(done["state_id"]) if done is not None else set()
@@ -198,7 +203,7 @@ def _counts(df: pd.DataFrame) -> dict[str, int]:
 
 
 def merge_probe_shards(cfg: RunConfig, store: ArtifactStore, demos: Mapping[str, Any], ref: Any,
-                       plan: Mapping[str, Any]) -> ProbeResult:
+                       plan: Mapping[str, Any], *, candidates: pd.DataFrame | None = None) -> ProbeResult:
     """Concatenate the shard tables (in the selection's state order) into the run's probe table
     (unless it exists), then select the pivot set with ``probing.lambda_diff`` (unless it exists).
 
@@ -212,7 +217,7 @@ def merge_probe_shards(cfg: RunConfig, store: ArtifactStore, demos: Mapping[str,
         missing = [s["index"] for s in plan["shards"] if not store.exists(f"{s['key']}/probes.parquet")]
         if missing:
             raise VerifierError(f"probe shards {missing} have no table yet; run them before merging")
-        cand = probe_candidates(cfg, store, demos)
+        cand = probe_candidates(cfg, store, demos, candidates)
         order = {sid: i for i, sid in enumerate(cand["state_id"])}
         frames = [store.read_parquet(f"{s['key']}/probes.parquet") for s in plan["shards"]]
         df = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=PROBE_COLUMNS)
@@ -232,11 +237,11 @@ def merge_probe_shards(cfg: RunConfig, store: ArtifactStore, demos: Mapping[str,
                    "wall_s": round(sum(float(m.extra.get("wall_s", 0.0)) for m in shard_manifests), 2),
                    **capture_hashes(cfg, tok)},
         )
-    return select_pivot_set(cfg, store, demos, rr, pkey)
+    return select_pivot_set(cfg, store, demos, rr, pkey, candidates=candidates)
 
 
 def select_pivot_set(cfg: RunConfig, store: ArtifactStore, demos: Mapping[str, Any], ref: ReferenceResult,
-                     pkey: str) -> ProbeResult:
+                     pkey: str, *, candidates: pd.DataFrame | None = None) -> ProbeResult:
     """Apply the pivot rule (σ̂² > 0 and μ̂ < ``probing.lambda_diff``) to the probe table under
     ``pkey`` and write the pivot set, its statistics and summary (unless they exist)."""
     lam = cfg.probing.lambda_diff
@@ -245,7 +250,7 @@ def select_pivot_set(cfg: RunConfig, store: ArtifactStore, demos: Mapping[str, A
     if not store.exists(f"{vkey}/pivots.parquet"):
         df = apply_pivot_filter(store.read_parquet(f"{pkey}/probes.parquet"), lam)
         stats = pivot_stats(df, lam)
-        cand = store.read_parquet(f"{demos['key']}/candidates.parquet")
+        cand = candidates if candidates is not None else store.read_parquet(f"{demos['key']}/candidates.parquet")
         kept = df[df["decision"] == "kept"][["state_id", "mu", "var"]]
         pivots = cand.merge(kept, on="state_id", how="inner").sort_values("state_id").reset_index(drop=True)
         pivots = expand_candidates(pivots, read_histories(store, demos["key"], pivots["trajectory_id"]))
@@ -266,12 +271,13 @@ def stage_probe(cfg: RunConfig, store: ArtifactStore, demos: Mapping[str, Any], 
     """The probe stage in one process: :func:`plan_probe_shards`, :func:`probe_shard` for each
     shard whose table is missing, :func:`merge_probe_shards`. The probe table is reused under its
     content key (:func:`pivotrl.pipeline.probe.probe_table_key`), the pivot set under that key and
-    λ_diff."""
-    plan = plan_probe_shards(cfg, store, demos, ref)
+    λ_diff. The demonstrations' candidate table is read once and passed to the three steps."""
+    table = store.read_parquet(f"{demos['key']}/candidates.parquet")
+    plan = plan_probe_shards(cfg, store, demos, ref, candidates=table)
     if not plan["done"]:
         for shard in plan["shards"]:
-            probe_shard(cfg, store, demos, ref, shard)
-    return merge_probe_shards(cfg, store, demos, ref, plan)
+            probe_shard(cfg, store, demos, ref, shard, candidates=table)
+    return merge_probe_shards(cfg, store, demos, ref, plan, candidates=table)
 
 
 __all__ = ["SHARDS_PREFIX", "ShardIncomplete", "merge_probe_shards", "plan_probe_shards", "probe_candidates",

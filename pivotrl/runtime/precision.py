@@ -139,8 +139,15 @@ def detect_hardware(cpuinfo_path: str = "/proc/cpuinfo") -> Hardware:
 
 
 def run_precision(cfg: Any) -> Precision:
-    """The precision of a run config (``cfg.model.dtype`` on this machine's hardware)."""
-    return resolve_precision(cfg.model.dtype, detect_hardware())
+    """The precision of a run config (``cfg.model.dtype`` on this machine's hardware), resolved once
+    per process for each (requested dtype, hardware) pair: every stage function that asks again
+    (with_resolved_dtype, the manifests, the engine's dtype) gets the same answer without resolving it again."""
+    return _resolved(cfg.model.dtype, detect_hardware())
+
+
+@functools.lru_cache(maxsize=8)
+def _resolved(requested: str, hw: Hardware) -> Precision:
+    return resolve_precision(requested, hw)
 
 
 def with_resolved_dtype(cfg: Any) -> Any:
@@ -150,7 +157,9 @@ def with_resolved_dtype(cfg: Any) -> Any:
     dtype = run_precision(cfg).dtype
     update: dict[str, Any] = {"model": cfg.model.model_copy(update={"dtype": dtype})}
     if cfg.training.refresh_tolerance is None:  # the config fills it in only for an explicit dtype
-        update["training"] = cfg.training.model_copy(update={"refresh_tolerance": 1e-4 if dtype == "fp32" else 0.3})
+        from pivotrl.config.train_eval import DEFAULT_REFRESH_TOLERANCE
+
+        update["training"] = cfg.training.model_copy(update={"refresh_tolerance": DEFAULT_REFRESH_TOLERANCE[dtype]})
     return cfg.model_copy(update=update)
 
 
