@@ -9,6 +9,9 @@ returns for sampled tokens are ``log_softmax`` of the raw logits (temperature 1,
 the same convention as :mod:`pivotrl.rollout.base`. Measured on SmolLM2-135M with 1k-token
 prompts: fp32 agrees with a transformers forward to ≤ 3e-5 per token; bf16 differs by up to ≈ 0.3
 (mean ≈ 0.05), so π_old must come from the trainer.
+
+Where the engine process runs (its CPUs, its GPUs) is :mod:`pivotrl.rollout.vllm_placement`; the
+functions it sends into its workers to refresh the weights are :mod:`pivotrl.rollout.vllm_worker`.
 """
 
 from __future__ import annotations
@@ -32,6 +35,10 @@ from pivotrl.rollout.base import (
     normalise_dtype,
 )
 from pivotrl.rollout.hf import sample_seed
+from pivotrl.rollout.vllm_placement import engine_cpu_bind, is_cpu_platform, visible_devices
+from pivotrl.rollout.vllm_worker import refresh_tied_head, reload_shared
+
+__all__ = ["VLLMEngine"]
 
 
 class VLLMEngine:
@@ -48,8 +55,9 @@ class VLLMEngine:
         cpu_threads: CPU builds only: OpenMP threads of the model worker, bound to
             ``cpu_threads`` CPUs this process may run on (None: all of them), claimed
             machine-wide so that engines of other processes (e.g. Ray workers of one machine)
-            bind to other CPUs while free ones remain (:func:`engine_cpu_bind`). vLLM's own default
-            keeps one core per worker free for its scheduler, which on a 2-core machine halves the
+            bind to other CPUs while free ones remain
+            (:func:`~pivotrl.rollout.vllm_placement.engine_cpu_bind`). vLLM's own default keeps
+            one core per worker free for its scheduler, which on a 2-core machine halves the
             throughput (67 vs 115 generated tok/s on SmolLM2, benchmarks/RESULTS.md §3). An
             explicit ``VLLM_CPU_OMP_THREADS_BIND`` in the environment wins; ignored on GPUs and
             with tensor parallelism.
@@ -57,7 +65,8 @@ class VLLMEngine:
             process may run on); several engines in one process get disjoint sets
             (``rollout.num_engines``, ``pivotrl.pipeline.common.make_rollout_engine``).
         device_ids: GPU builds only: the node-local GPU indices this engine runs on (its engine
-            process starts with ``CUDA_VISIBLE_DEVICES`` narrowed to them, :func:`visible_devices`),
+            process starts with ``CUDA_VISIBLE_DEVICES`` narrowed to them,
+            :func:`~pivotrl.rollout.vllm_placement.visible_devices`),
             e.g. a trainer rank's own GPU (``rollout.engine_placement``); None: vLLM's choice.
         llm_kwargs: further ``vllm.LLM`` arguments.
 
@@ -99,7 +108,7 @@ class VLLMEngine:
         self.model_dir = str(model_dir)
         self.max_model_len = int(max_model_len)
         bind, self._cpu_claim = None, None
-        on_cpu = _is_cpu_platform()
+        on_cpu = is_cpu_platform()
         if int(llm_kwargs.get("tensor_parallel_size", 1)) == 1 and on_cpu:
             bind, self._cpu_claim = engine_cpu_bind(cpu_threads, os.environ, cpu_ids)
         self.cpu_bind = bind or os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
@@ -277,7 +286,7 @@ class VLLMEngine:
             raise ModelError(f"load_weights: {checkpoint_dir} has no *.safetensors file")
         self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(checkpoint_dir)})
         if self.tied_embeddings:
-            self.llm.apply_model(_refresh_tied_head)
+            self.llm.apply_model(refresh_tied_head)
         self.llm.reset_prefix_cache()
 
     def update_weights(self, block: str, meta: Sequence[Any]) -> None:
@@ -286,9 +295,9 @@ class VLLMEngine:
         and feeds zero-copy views of its tensors to vLLM's in-place ``reload_weights``; only the
         block's name and the tensors' metadata cross the RPC channel. Then, as
         :meth:`load_weights`, the tied head is re-tied and the prefix cache cleared."""
-        self.llm.collective_rpc(_reload_shared, args=(block, [list(m) for m in meta]))
+        self.llm.collective_rpc(reload_shared, args=(block, [list(m) for m in meta]))
         if self.tied_embeddings:
-            self.llm.apply_model(_refresh_tied_head)
+            self.llm.apply_model(refresh_tied_head)
         self.llm.reset_prefix_cache()
 
     def _release_cpus(self) -> None:
@@ -310,99 +319,3 @@ class VLLMEngine:
         del llm
         gc.collect()
         self._release_cpus()
-
-
-def cpu_bind_list(cpu_threads: int | None, environ: Any = None, allowed: Sequence[int] | None = None) -> str | None:
-    """The ``VLLM_CPU_OMP_THREADS_BIND`` value for one CPU worker with ``cpu_threads`` threads.
-
-    ``allowed``: CPU ids this process may run on (default ``os.sched_getaffinity(0)``); the first
-    ``cpu_threads`` of them (sorted; None or more than there are: all) are returned as "0,1,...".
-    Returns None, leaving vLLM's own choice, when ``environ`` (default ``os.environ``) already sets
-    ``VLLM_CPU_OMP_THREADS_BIND``. Raises ConfigError if ``cpu_threads`` < 1.
-    """
-    environ = os.environ if environ is None else environ
-    if cpu_threads is not None and cpu_threads < 1:
-        raise ConfigError(f"cpu_threads must be >= 1, got {cpu_threads!r}")
-    if environ.get("VLLM_CPU_OMP_THREADS_BIND"):
-        return None
-    if allowed is None:
-        allowed = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else range(os.cpu_count() or 1)
-    cpus = sorted(int(c) for c in allowed)
-    if not cpus:
-        return None
-    n = len(cpus) if cpu_threads is None else min(cpu_threads, len(cpus))
-    return ",".join(str(c) for c in cpus[:n])
-
-
-def visible_devices(device_ids: Sequence[int], environ: Any = None) -> str:
-    """``CUDA_VISIBLE_DEVICES`` for an engine on the node-local GPUs ``device_ids``: the ids mapped
-    through the process's own ``CUDA_VISIBLE_DEVICES`` when it sets one (index i = its i-th entry).
-    Raises ConfigError for an empty list or an index the process cannot see."""
-    environ = os.environ if environ is None else environ
-    ids = [int(i) for i in device_ids]
-    if not ids:
-        raise ConfigError("device_ids: need at least one GPU index")
-    seen = [d.strip() for d in str(environ.get("CUDA_VISIBLE_DEVICES", "")).split(",") if d.strip()]
-    if not seen:
-        return ",".join(str(i) for i in ids)
-    if max(ids) >= len(seen) or min(ids) < 0:
-        raise ConfigError(f"device_ids {ids}: this process sees {len(seen)} GPU(s) (CUDA_VISIBLE_DEVICES={','.join(seen)})")
-    return ",".join(seen[i] for i in ids)
-
-
-def engine_cpu_bind(cpu_threads: int | None, environ: Any = None, cpu_ids: Sequence[int] | None = None,
-                    claims: str | os.PathLike[str] | None = None) -> tuple[str | None, Any]:
-    """``(VLLM_CPU_OMP_THREADS_BIND value or None, CpuClaim or None)`` for one CPU engine.
-
-    An explicit ``VLLM_CPU_OMP_THREADS_BIND`` in ``environ`` wins (None, None). Given ``cpu_ids``
-    (one of several engines of this process, already disjoint): the first ``cpu_threads`` of them,
-    unclaimed. Otherwise ``cpu_threads`` CPUs of this process's affinity are claimed machine-wide
-    (:func:`pivotrl.runtime.cpu_claims.claim_cpus`, directory ``claims``), so engines of other processes
-    bind to other CPUs while there are free ones; the caller releases the claim when the engine
-    ends. Raises ConfigError if ``cpu_threads`` < 1.
-    """
-    from pivotrl.runtime.cpu_claims import claim_cpus
-
-    environ = os.environ if environ is None else environ
-    if cpu_ids is not None or environ.get("VLLM_CPU_OMP_THREADS_BIND"):
-        return cpu_bind_list(cpu_threads, environ, allowed=cpu_ids), None
-    claim = claim_cpus(cpu_threads, directory=claims)
-    return (",".join(str(c) for c in claim.cpus) or None), claim
-
-
-def _is_cpu_platform() -> bool:
-    try:
-        from vllm.platforms import current_platform
-
-        return bool(current_platform.is_cpu())
-    except Exception:  # noqa: BLE001 - platform detection failing means "not the CPU build"
-        return False
-
-
-def _reload_shared(worker: Any, block: str, meta: Sequence[Any]) -> None:
-    """Inside a vLLM worker: ``reload_weights`` fed with the tensors of a shared-memory block."""
-    from pivotrl.rollout.weight_sync import read_shared
-
-    read_shared(block, meta, lambda tensors: worker.reload_weights(weights_iterator=tensors))
-
-
-def _refresh_tied_head(model: Any) -> bool:
-    """Make the output layer use the (reloaded) input embedding again; runs inside a vLLM worker.
-
-    Re-points ``lm_head.weight`` at the embedding if the tie was broken and re-runs the head's
-    post-load processing (on CPU this rebuilds the packed GEMM copy of the weight, which an
-    in-place reload does not touch when the checkpoint has no ``lm_head.weight``).
-    Returns True if a head was refreshed.
-    """
-    head = getattr(model, "lm_head", None)
-    embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-    if embed is None:
-        embed = getattr(getattr(model, "model", None), "embed_tokens", None)
-    if head is None or embed is None:
-        return False
-    if head.weight is not embed.weight:
-        head.weight = embed.weight
-    method = getattr(head, "quant_method", None)
-    if method is not None and hasattr(method, "process_weights_after_loading"):
-        method.process_weights_after_loading(head)
-    return True

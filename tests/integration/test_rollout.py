@@ -236,7 +236,7 @@ def vllm_setup(tmp_path_factory):
 
 
 def test_cpu_bind_list_takes_the_first_allowed_cpus_and_respects_an_explicit_bind() -> None:
-    from pivotrl.rollout.vllm import cpu_bind_list
+    from pivotrl.rollout.vllm_placement import cpu_bind_list
 
     assert cpu_bind_list(None, {}, allowed=[3, 1, 2]) == "1,2,3"
     assert cpu_bind_list(2, {}, allowed=[3, 1, 2]) == "1,2"

@@ -279,7 +279,7 @@ def test_engines_of_two_ray_workers_bind_to_different_cpus(ray_cluster, tmp_path
     """Ray does not restrict a worker process's CPU affinity (a Ray CPU is a count), so each engine
     used to bind its one OpenMP thread (``rollout.num_threads=1``) to the first CPU it may run on:
     both on CPU 0 (benchmarks/RESULTS.md §7b). Engines claim their CPUs machine-wide
-    (``pivotrl.runtime.cpu_claims``) through ``pivotrl.rollout.vllm.engine_cpu_bind``, called here in two
+    (``pivotrl.runtime.cpu_claims``) through ``pivotrl.rollout.vllm_placement.engine_cpu_bind``, called here in two
     concurrent tasks on the cluster's two worker nodes as ``VLLMEngine`` calls it before its engine
     starts (test_rollout.py checks that a vLLM model worker runs on its bind list's CPUs)."""
     import os
@@ -295,7 +295,7 @@ def test_engines_of_two_ray_workers_bind_to_different_cpus(ray_cluster, tmp_path
     try:
         @ray.remote(num_cpus=1, runtime_env=env)
         def bind(ready_dir: str) -> dict:
-            from pivotrl.rollout.vllm import engine_cpu_bind
+            from pivotrl.rollout.vllm_placement import engine_cpu_bind
 
             cpus, claim = engine_cpu_bind(1, {})
             Path(ready_dir, f"ready-{os.getpid()}").touch()  # both hold their claim together, as warm engines do

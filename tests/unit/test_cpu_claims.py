@@ -12,11 +12,11 @@ import pytest
 
 from pivotrl.runtime.cpu_claims import CLAIMS_DIR_ENV, claim_cpus
 from pivotrl.core.errors import ConfigError
-from pivotrl.rollout.vllm import engine_cpu_bind
+from pivotrl.rollout.vllm_placement import engine_cpu_bind
 
 HOLDER = textwrap.dedent("""
     import sys
-    from pivotrl.rollout.vllm import engine_cpu_bind
+    from pivotrl.rollout.vllm_placement import engine_cpu_bind
     bind, claim = engine_cpu_bind(1, {}, None, claims=sys.argv[1])
     print(bind, flush=True)
     sys.stdin.readline()  # hold the claim until the parent says so
