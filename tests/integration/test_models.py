@@ -96,7 +96,7 @@ def test_file_url_copied_into_cache_once(ckpt, tmp_path) -> None:
 
 
 def test_s3_url_copied_into_cache(ckpt, tmp_path, monkeypatch) -> None:
-    moto_server = pytest.importorskip("moto.server")
+    import moto.server as moto_server
     import fsspec
 
     server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0)

@@ -20,9 +20,8 @@ import threading
 import time
 from pathlib import Path
 
+import psutil
 import pytest
-
-psutil = pytest.importorskip("psutil")
 
 pytestmark = pytest.mark.integration
 

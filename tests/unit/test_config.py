@@ -348,7 +348,7 @@ def test_section_hash_depends_only_on_named_sections():
 
 # ---------------------------------------------------------------------------- consistency
 def test_config_choices_match_the_registries():
-    objective = pytest.importorskip("pivotrl.objective.advantages")
+    from pivotrl.objective.advantages import ADVANTAGE_ESTIMATORS
     from pivotrl.objective.kl import KL_ESTIMATORS
     from pivotrl.objective.ratios import RATIO_TYPES
 
@@ -357,7 +357,7 @@ def test_config_choices_match_the_registries():
     def choices(name: str) -> list[str]:
         return sorted(typing.get_args(fields[name].annotation))
 
-    assert choices("advantage_estimator") == objective.ADVANTAGE_ESTIMATORS.names()
+    assert choices("advantage_estimator") == ADVANTAGE_ESTIMATORS.names()
     from pivotrl.config.sections import BFCLCategory
     from pivotrl.bfcl.data import MULTI_TURN_CATEGORIES, SINGLE_TURN_CATEGORIES
 

@@ -9,6 +9,8 @@ from pivotrl.runtime.precision import Hardware, parse_cpuinfo, resolve_precision
 AVX512_BF16 = frozenset("fpu sse2 avx avx2 fma avx512f avx512bw avx512vl avx512_bf16".split())
 AVX2_ONLY = frozenset("fpu sse2 avx avx2 fma".split())
 AMX = frozenset("avx2 avx512f amx_bf16 amx_tile".split())
+#: ONEDNN_MAX_CPU_ISA values below oneDNN's bf16 kernels (its documented ISA order).
+ONEDNN_CAPS_BELOW_BF16 = ("SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE", "AVX512_CORE_VNNI")
 
 
 def cpu(flags, cap="AVX512", isa=None):
@@ -83,10 +85,27 @@ def test_the_resolved_dtype_enters_the_stage_cache_keys(monkeypatch):
 
 
 def test_this_machine_resolves_consistently_with_torch():
-    torch = pytest.importorskip("torch")
+    """What detect_hardware reads is what torch and /proc/cpuinfo say, and auto is bf16 exactly when
+    they allow native bf16: on a CPU, a bf16 flag and torch kernels at AVX512 or better (and no oneDNN
+    cap below its bf16 kernels); on CUDA, a device that supports bf16."""
+    import torch
+
     from pivotrl.runtime.precision import detect_hardware
 
     hw = detect_hardware()
     p = resolve_precision("auto", hw)
-    if p.dtype == "bf16" and hw.device == "cpu":
-        assert torch.backends.cpu.get_cpu_capability() in ("AVX512", "AVX512_BF16", "AMX")
+    cuda = torch.cuda.is_available()
+    assert hw.device == ("cuda" if cuda else "cpu")
+    capability = str(torch.backends.cpu.get_cpu_capability())
+    assert hw.torch_cpu_capability == capability
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            flags_line = next((line for line in f if line.lower().startswith("flags")), "")
+    except OSError:
+        flags_line = ""
+    flags = set(flags_line.partition(":")[2].lower().split())
+    assert hw.cpu_flags == flags
+    cpu_bf16 = (bool(flags & {"avx512_bf16", "amx_bf16"}) and capability in ("AVX512", "AVX512_BF16", "AMX")
+                and (hw.onednn_max_isa or "").upper() not in ONEDNN_CAPS_BELOW_BF16)
+    native = torch.cuda.is_bf16_supported() if cuda else cpu_bf16
+    assert (p.dtype, p.native_bf16) == ("bf16" if native else "fp32", native)

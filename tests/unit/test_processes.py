@@ -10,9 +10,8 @@ import textwrap
 from pathlib import Path
 import time
 
+import psutil
 import pytest
-
-psutil = pytest.importorskip("psutil")
 
 PARENT = textwrap.dedent("""
     import subprocess, sys, time

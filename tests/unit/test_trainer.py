@@ -178,9 +178,17 @@ def test_old_policy_logprobs_match_exported_checkpoint(ckpt: Path, tmp_path: Pat
     theirs, _ = group_logprobs(reloaded, g.prompt_ids, [g.actions[1]])
     assert len(mine) == len(g.actions[1])
     assert max(abs(a - b) for a, b in zip(mine, theirs[0].tolist())) < 1e-5
-    # and the trained weights differ from the initial ones
-    initial = trainer.ref_model
-    assert any(not torch.equal(p, q) for p, q in zip(reloaded.parameters(), initial.parameters()))
+    # every parameter the optimiser trains moved, as exported; π_ref (frozen) is the checkpoint as loaded
+    initial = dict(AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).named_parameters())
+    optimised = {id(p) for group in trainer.engine.optimizer.param_groups for p in group["params"]}
+    trained = [n for n, p in trainer.engine.module.named_parameters() if p.requires_grad and id(p) in optimised]
+    assert trained == list(initial)  # π_θ trains all of its parameters
+    exported = dict(reloaded.named_parameters())
+    assert [n for n in trained if torch.equal(exported[n], initial[n])] == []
+    frozen = dict(trainer.ref_model.named_parameters())
+    assert frozen.keys() == initial.keys()
+    assert not any(p.requires_grad or id(p) in optimised for p in frozen.values())
+    assert [n for n, p in frozen.items() if not torch.equal(p, initial[n])] == []
 
 
 def test_resume_reproduces_the_uninterrupted_run(ckpt: Path, tmp_path: Path) -> None:
@@ -232,6 +240,7 @@ def test_sft_loss_falls_and_exports(ckpt: Path, tmp_path: Path) -> None:
 
     from pivotrl.data.schema import Message, Trajectory
     from pivotrl.format.prompts import build_sft_example
+    from pivotrl.training.deepspeed_utils import load_causal_lm
     from pivotrl.training.sft import run_sft
 
     tok = tiny_tokenizer()
@@ -273,8 +282,13 @@ def test_sft_loss_falls_and_exports(ckpt: Path, tmp_path: Path) -> None:
     assert metrics["loss_tokens"] == count
     out = tmp_path / "sft"
     assert (out / "model.safetensors").is_file() and (out / "tokenizer.json").is_file()
-    tuned = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
-    assert any(not torch.equal(p, q) for p, q in zip(tuned.parameters(), model.parameters()))
+    # SFT optimises every parameter that requires a gradient once loaded (build_engine); each one moved
+    trained = [n for n, p in load_causal_lm(ckpt, torch.float32).named_parameters() if p.requires_grad]
+    initial = dict(model.named_parameters())
+    assert trained == list(initial)  # nothing is frozen
+    tuned = dict(AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).named_parameters())
+    assert tuned.keys() == initial.keys()
+    assert [n for n in trained if torch.equal(tuned[n], initial[n])] == []
 
 
 def test_sft_entry_point_in_process(ckpt: Path, tmp_path: Path) -> None:
