@@ -43,7 +43,7 @@ def _run_sharded(subflow: Any, config: dict[str, Any], inputs: dict[str, Any]) -
     """Run a sharded subflow on the configured task runner. On Ray, shards whose worker, node or
     the driver's own raylet was lost (ShardsFailed.lost, task runs ended Crashed) are rerun in up
     to ``scale_out.shard_retries`` more rounds, each a new subflow run on a new task runner: the
-    finished shards come from the cache, so only the lost ones run; where the flow owns the Ray
+    finished shards are reused from the store, so only the lost ones run; where the flow owns the Ray
     instance (``ray_address`` null) it is shut down first, so the round starts a fresh local
     cluster. A round with a shard that failed for another reason, or the last round, raises
     ShardsFailed naming the shards."""

@@ -1,8 +1,8 @@
 """Prefect tasks of ``pivotrl compare``: the SFT and end-to-end RL baselines and the comparison.
 
-Thin wrappers like the nightly tasks (``pivotrl.tasks.stages``): cache keys that are the stages'
-own content keys (:func:`pivotrl.pipeline.keys.stage_key`), the same result storage under the run
-root, the same retry rule, each stage in its own process. The shared stages (demonstrations, warm start, probing, PivotRL
+Thin wrappers like the nightly tasks (``pivotrl.tasks.stages``): each stage reused from the store
+under its own content key (:func:`pivotrl.pipeline.keys.stage_key`) or computed under the lease on
+it, the same retry rule, each stage in its own process. The shared stages (demonstrations, warm start, probing, PivotRL
 training) are the nightly tasks themselves, so a run root that ``pivotrl run`` filled is reused.
 """
 
@@ -15,7 +15,7 @@ from prefect import Task
 from prefect.artifacts import create_markdown_artifact
 
 from pivotrl.tasks import publish
-from pivotrl.tasks.stages import run_stage_task, store_of, stage_task, result_storage
+from pivotrl.tasks.stages import config_of, run_stage_task, store_of, stage_task
 
 
 def _summary_md(title: str, out: Mapping[str, Any]) -> str:
@@ -62,7 +62,7 @@ def compare_evaluate(config: dict[str, Any], inputs: dict[str, Any]) -> dict[str
 
 @dataclass(frozen=True)
 class CompareTasks:
-    """The comparison's tasks bound to a run's result storage (see :func:`compare_tasks`)."""
+    """The comparison's tasks (see :func:`compare_tasks`)."""
 
     sft_baseline: Task
     e2e_baseline: Task
@@ -70,10 +70,9 @@ class CompareTasks:
 
 
 def compare_tasks(config: Mapping[str, Any]) -> CompareTasks:
-    """The three comparison tasks with their results persisted under the run root of ``config``."""
-    storage = result_storage(config)
-    return CompareTasks(**{name: globals()[name].with_options(result_storage=storage)
-                           for name in ("sft_baseline", "e2e_baseline", "compare_evaluate")})
+    """The three comparison tasks of the run of ``config``."""
+    config_of(config)  # a bad config fails here, before any task runs
+    return CompareTasks(**{name: globals()[name] for name in ("sft_baseline", "e2e_baseline", "compare_evaluate")})
 
 
 __all__ = ["CompareTasks", "compare_evaluate", "compare_tasks", "e2e_baseline", "sft_baseline"]

@@ -3,27 +3,26 @@ per shard → merge into the report.
 
 The shards are those of :mod:`pivotrl.pipeline.evaluate_stage` (held-out tasks by id, every policy on
 one engine per shard, plus one shard for the state-level measures). They reuse the probe shards'
-machinery (:mod:`pivotrl.tasks.shards`): the content-addressed cache key (a rerun runs only the
-shards whose output is missing or that failed), ``scale_out.shard_retries`` retries, and the task
-runner (in-process, each shard in a child process; or Ray, the engine kept warm in the worker).
+machinery (:mod:`pivotrl.tasks.shards`): a shard whose output exists in the store is reused by its
+task (a rerun runs only the shards whose output is missing or that failed), ``scale_out.shard_retries``
+retries of a crash, and the task runner (in-process, each shard in a child process; or Ray, the engine kept warm in the worker).
 """
 
 from __future__ import annotations
 
-from datetime import timedelta
 from typing import Any, Mapping
 
-from prefect import task
+from prefect import get_run_logger, task
 
 from pivotrl.pipeline.results import EvalResult
 from pivotrl.tasks import publish
-from pivotrl.tasks.shards import ShardTasks, shard_cache_key, run_shard
-from pivotrl.tasks.stages import config_of, run_once, retry_unless_permanent, store_of, result_storage
+from pivotrl.tasks.shards import ShardTasks, run_shard
+from pivotrl.tasks.stages import NO_CACHE, config_of, retry_crashes, run_once, store_of
 
 _INPUTS = ("demos", "reference", "probe", "train")
 
 
-@task(name="eval-plan", persist_result=False)
+@task(name="eval-plan", cache_policy=NO_CACHE, persist_result=False)
 def eval_plan(config: dict[str, Any], inputs: dict[str, Any]) -> dict[str, Any]:
     """The shards of this run's evaluation (see ``plan_eval_shards``)."""
     from pivotrl.pipeline.evaluate_stage import plan_eval_shards
@@ -31,20 +30,23 @@ def eval_plan(config: dict[str, Any], inputs: dict[str, Any]) -> dict[str, Any]:
     return plan_eval_shards(config_of(config), store_of(config), *(inputs[k] for k in _INPUTS))
 
 
-@task(name="eval-shard", retries=2, retry_delay_seconds=1, retry_condition_fn=retry_unless_permanent,
-      cache_key_fn=shard_cache_key, cache_expiration=timedelta(days=30), persist_result=True,
-      result_serializer="json")
+@task(name="eval-shard", retries=2, retry_delay_seconds=1, retry_condition_fn=retry_crashes, cache_policy=NO_CACHE,
+      persist_result=False)
 def eval_shard(config: dict[str, Any], inputs: dict[str, Any], shard: dict[str, Any]) -> dict[str, Any]:
-    """Evaluate one shard for every policy: in this process with a warm engine on Ray, else in a
-    child process."""
-    from pivotrl.pipeline.evaluate_stage import eval_shard as run_eval_shard
+    """Evaluate one shard for every policy: its output from the store if it exists, else in this
+    process with a warm engine on Ray, else in a child process."""
+    from pivotrl.pipeline.evaluate_stage import cached_eval_shard, eval_shard as run_eval_shard
+
+    if (hit := cached_eval_shard(store_of(config), shard)) is not None:
+        get_run_logger().info("evaluation shard %s: reused %s (no process started)", shard["index"], shard["key"])
+        return hit
 
     return run_shard("eval_shard", config, inputs, shard, lambda cfg, store: run_eval_shard(
         cfg, store, *(inputs[k] for k in _INPUTS), shard, warm_engine=True))
 
 
-@task(name="eval-merge", retries=2, retry_delay_seconds=5, retry_condition_fn=retry_unless_permanent,
-      persist_result=True, result_serializer="json")
+@task(name="eval-merge", retries=2, retry_delay_seconds=5, retry_condition_fn=retry_crashes, cache_policy=NO_CACHE,
+      persist_result=False)
 def eval_merge(config: dict[str, Any], inputs: dict[str, Any]) -> dict[str, Any]:
     """Merge the shards' tables into the run's report (the unsharded evaluate stage's files)."""
     from pivotrl.pipeline.evaluate_stage import merge_eval_shards
@@ -62,12 +64,9 @@ def eval_merge(config: dict[str, Any], inputs: dict[str, Any]) -> dict[str, Any]
 
 
 def eval_shard_tasks(config: Mapping[str, Any]) -> ShardTasks:
-    """The tasks bound to the run's result storage, the shard task with ``scale_out.shard_retries``."""
-    storage = result_storage(config)
-    return ShardTasks(plan=eval_plan,
-                      shard=eval_shard.with_options(result_storage=storage,
-                                                    retries=config_of(config).scale_out.shard_retries),
-                      merge=eval_merge.with_options(result_storage=storage))
+    """The tasks of sharded evaluation, the shard task with ``scale_out.shard_retries``."""
+    return ShardTasks(plan=eval_plan, shard=eval_shard.with_options(retries=config_of(config).scale_out.shard_retries),
+                      merge=eval_merge)
 
 
 __all__ = ["eval_merge", "eval_plan", "eval_shard", "eval_shard_tasks"]

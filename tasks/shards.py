@@ -1,11 +1,13 @@
 """Prefect tasks of sharded probing (``scale_out``): plan → one mapped task run per shard → merge;
-and the pieces sharded evaluation (:mod:`pivotrl.tasks.eval_shards`) shares with it: the shard
-cache key, :func:`run_shard`, the task runner, the resources and :func:`wait_for_shards`.
+and the pieces sharded evaluation (:mod:`pivotrl.tasks.eval_shards`) shares with it:
+:func:`run_shard`, the task runner, the resources and :func:`wait_for_shards`.
 
-Each shard is its own task run with its own cache key (the shard's content address, see
-:mod:`pivotrl.pipeline.probe_stage`) and ``scale_out.shard_retries`` retries, so a rerun of the flow
-finds the finished shards in the cache and runs only the missing or failed ones; a shard whose
-tool executions kept failing ends Failed with a message naming the states it could not decide.
+Each shard is its own task run, addressed by its content key (see
+:mod:`pivotrl.pipeline.probe_stage`), with ``scale_out.shard_retries`` retries of a crash. A shard
+whose table exists in the store is reused by its task (the shard's own check,
+``cached_probe_shard``; no process, no engine), so a rerun of the flow — or a concurrent run, or
+one on another machine sharing the storage root — runs only the missing or failed shards; a shard
+whose tool executions kept failing ends Failed with a message naming the states it could not decide.
 
 Where shards run is ``scale_out.task_runner``: in-process (Prefect's thread pool, at most
 ``scale_out.max_parallel_shards`` at once, each shard's engine in a child process that ends with
@@ -18,15 +20,13 @@ from __future__ import annotations
 
 import contextlib
 import os
-import uuid
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any, Callable, Iterator, Mapping
 
-from prefect import Task, task
+from prefect import Task, get_run_logger, task
 from pivotrl.core.errors import PivotRLError
 from pivotrl.tasks import publish
-from pivotrl.tasks.stages import RESULTS_DIR, config_of, run_once, retry_unless_permanent, store_of, result_storage
+from pivotrl.tasks.stages import NO_CACHE, config_of, retry_crashes, run_once, store_of
 
 
 class ShardsFailed(PivotRLError, RuntimeError):
@@ -38,21 +38,6 @@ class ShardsFailed(PivotRLError, RuntimeError):
         super().__init__(message)
         self.lost = list(lost or [])
         self.failed = list(failed or [])
-
-
-def shard_cache_key(_ctx: Any, params: dict[str, Any]) -> str:
-    # The shard's content address covers everything its output depends on; a cached result is only
-    # trusted while that output still exists (a result recorded for a deleted output is a miss).
-    shard, config = params["shard"], params["config"]
-    key = f"pivotrl-{shard.get('kind', 'probe')}-shard-{shard['key'].rsplit('/', 1)[-1]}"
-    output = shard.get("output") or f"{shard['key']}/probes.parquet"
-    try:
-        store = store_of(config)
-        if store.exists(f"{RESULTS_DIR}/{key}") and not store.exists(output):
-            return f"{key}-rerun-{uuid.uuid4().hex}"
-    except Exception:  # the check is an optimisation; the shard itself is idempotent
-        pass
-    return key
 
 
 def run_shard(stage: str, config: dict[str, Any], inputs: dict[str, Any], shard: dict[str, Any],
@@ -96,7 +81,7 @@ def _lose_this_node(store: Any, shard: dict[str, Any]) -> None:
     os._exit(1)
 
 
-@task(name="probe-plan", persist_result=False)
+@task(name="probe-plan", cache_policy=NO_CACHE, persist_result=False)
 def probe_plan(config: dict[str, Any], inputs: dict[str, Any]) -> dict[str, Any]:
     """The shards of this run's probing (see ``plan_probe_shards``)."""
     from pivotrl.pipeline.probe_stage import plan_probe_shards
@@ -104,15 +89,18 @@ def probe_plan(config: dict[str, Any], inputs: dict[str, Any]) -> dict[str, Any]
     return plan_probe_shards(config_of(config), store_of(config), inputs["demos"], inputs["reference"])
 
 
-@task(name="probe-shard", retries=2, retry_delay_seconds=1, retry_condition_fn=retry_unless_permanent,
-      cache_key_fn=shard_cache_key, cache_expiration=timedelta(days=30), persist_result=True,
-      result_serializer="json")
+@task(name="probe-shard", retries=2, retry_delay_seconds=1, retry_condition_fn=retry_crashes, cache_policy=NO_CACHE,
+      persist_result=False)
 def probe_shard(config: dict[str, Any], inputs: dict[str, Any], shard: dict[str, Any]) -> dict[str, Any]:
-    """Probe one shard: in this process with a warm engine on Ray, else in a child process."""
+    """Probe one shard: its table from the store if it exists, else in this process with a warm
+    engine on Ray, else in a child process."""
     from pivotrl.pipeline.entry import StageError
-    from pivotrl.pipeline.probe_stage import probe_shard as run_probe_shard, shard_failure
+    from pivotrl.pipeline.probe_stage import cached_probe_shard, probe_shard as run_probe_shard, shard_failure
 
     store = store_of(config)
+    if (hit := cached_probe_shard(store, shard)) is not None:
+        get_run_logger().info("probe shard %s: reused %s (no process started)", shard["index"], shard["key"])
+        return hit
     if store.exists(f"{shard['key']}/failed.json"):
         store.delete(f"{shard['key']}/failed.json")  # only this attempt's failure is reported
     try:
@@ -125,8 +113,8 @@ def probe_shard(config: dict[str, Any], inputs: dict[str, Any], shard: dict[str,
         raise
 
 
-@task(name="probe-merge", retries=2, retry_delay_seconds=5, retry_condition_fn=retry_unless_permanent,
-      persist_result=True, result_serializer="json")
+@task(name="probe-merge", retries=2, retry_delay_seconds=5, retry_condition_fn=retry_crashes, cache_policy=NO_CACHE,
+      persist_result=False)
 def probe_merge(config: dict[str, Any], inputs: dict[str, Any]) -> dict[str, Any]:
     """Merge the shard tables into the run's probe table and select the pivot set."""
     from pivotrl.pipeline.probe_stage import merge_probe_shards
@@ -151,12 +139,9 @@ class ShardTasks:
 
 
 def shard_tasks(config: Mapping[str, Any]) -> ShardTasks:
-    """The tasks bound to the run's result storage, the shard task with ``scale_out.shard_retries``."""
-    storage = result_storage(config)
+    """The tasks of sharded probing, the shard task with ``scale_out.shard_retries``."""
     retries = config_of(config).scale_out.shard_retries
-    return ShardTasks(plan=probe_plan,
-                      shard=probe_shard.with_options(result_storage=storage, retries=retries),
-                      merge=probe_merge.with_options(result_storage=storage))
+    return ShardTasks(plan=probe_plan, shard=probe_shard.with_options(retries=retries), merge=probe_merge)
 
 
 def task_runner(config: Mapping[str, Any]) -> Any:

@@ -1,31 +1,36 @@
 """Prefect tasks of the nightly pipeline: one per stage, each a thin wrapper.
 
 Every task takes the run config (as JSON) and the small results of earlier tasks (URIs, hashes,
-counts — never tensors or tables; typed in ``pivotrl.pipeline.results``, passed between tasks and
-cached as their JSON dicts: ``to_dict`` / ``of``), runs one ``pivotrl.pipeline`` stage under a lease on
-its key (:func:`run_once`: a concurrent run on the same root waits and reuses it), and publishes its
-facts, Prefect artifacts and asset events (:mod:`pivotrl.tasks.publish`). A task's cache key is
-its stage's own content key (:func:`_base_key`, :mod:`pivotrl.pipeline.keys`; not Prefect's
-default policy, which includes the run id and never hits across runs), so a change to one stage's
-settings re-runs that stage and the ones after it only. Stages are also idempotent on those
-content-addressed artifact keys, so a cache miss on unchanged inputs costs a lookup. Heavy stages
-run in a child process (engine and trainer memory live and die with the stage).
+counts — never tensors or tables; typed in ``pivotrl.pipeline.results``, passed between tasks as
+their JSON dicts: ``to_dict`` / ``of``), runs one ``pivotrl.pipeline`` stage through
+:func:`run_once` and publishes its facts, Prefect artifacts and asset events
+(:mod:`pivotrl.tasks.publish`). Heavy stages run in a child process (engine and trainer memory
+live and die with the stage).
 
-Task results (small JSON) are stored under ``<run.storage_root>/.prefect-results``
-(:func:`result_storage`), beside the artifacts they point to: deleting a run root deletes its task
-cache too, so a cache hit never points at deleted artifacts. :func:`pipeline_tasks` returns the
-tasks bound to a config's result storage; flows call those.
+Reuse has one layer: the content-addressed store. :func:`run_once` computes the stage's key
+(:func:`pivotrl.pipeline.keys.stage_key`: what the stage's artifact depends on and nothing else,
+computed here without loading a model) and asks the stage's own reuse check
+(:func:`pivotrl.pipeline.keys.cached_result`: do its artifacts exist under that key?); a stage
+already computed — by an earlier run, a concurrent one, or a run on another machine sharing the
+storage root — returns its result with no stage process started. Otherwise the stage runs under
+the lease on its key (:mod:`pivotrl.storage.lease`), the lock that keeps two runs from computing
+one stage at once; a run that waited on the lease looks again and reuses what the holder wrote.
+Prefect's task cache is off (``NO_CACHE``, no persisted results): it would be a second index of
+the same facts, kept on the Prefect server's side and locked only on one machine.
+
+Retries: a task retries a crashed or failed stage process (:func:`retry_crashes`), never a
+config, data or model error, and never a storage error — the store retried that already under its
+own policy (:mod:`pivotrl.storage.store`).
 
 Assets: each artifact is an asset keyed by its URI (content-addressed, so an artifact reused on a
 later night is the same asset), with its manifest's inputs as upstream assets: sources →
 trajectories → candidates → probes → pivots → policy → report (with π_ref feeding probes and
-training). The events come from the stage task itself; a cached or reused stage emits none.
+training). The events come from the stage task itself; a reused stage emits none.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any, Mapping
 
 from prefect import Task, get_run_logger, task
@@ -35,94 +40,42 @@ from pivotrl.pipeline.registry import NIGHTLY_STAGES
 from pivotrl.pipeline.results import EvalResult, ProbeResult, ReferenceResult, TrainResult
 from pivotrl.tasks import publish
 
-#: Folder under the run root that holds Prefect's task results (the task cache).
-RESULTS_DIR = ".prefect-results"
-
-
 #: The pipeline stage whose key a task uses (a sharded stage's merge is that stage).
 _KEYED_AS = {"probe-merge": "probe", "eval-merge": "evaluate"}
 
 
-def _base_key(stage: str, config: Mapping[str, Any], inputs: Any) -> str:
-    """The task's cache key: ``pivotrl-<task>-`` + the stage's own content key
-    (:func:`pivotrl.pipeline.keys.stage_key`, with ``/`` and ``-`` as ``.``), e.g.
-    ``pivotrl-train-train.3f2a…`` for the artifacts under ``train/3f2a…``. It covers what the
-    stage's artifact depends on and nothing else — its config sections, the earlier stages' keys,
-    the files it reads, its code — so a change to ``training`` alone is a cache hit for the
-    demonstrations, reference and probe tasks. Computed in the flow process without loading a
-    model (at most a manifest is read).
+def lease_key(stage: str, config: Mapping[str, Any], inputs: Any) -> str:
+    """The content key of the stage a task runs (:func:`pivotrl.pipeline.keys.stage_key`), e.g.
+    ``train/3f2a…`` for the artifacts under ``train/3f2a…``: the key its artifacts are looked up
+    under and its lease is taken on. It covers what the stage's artifact depends on and nothing
+    else — its config sections, the earlier stages' keys, the files it reads, its code — so a
+    change to ``training`` alone leaves the demonstrations, reference and probe stages reused.
+    Computed in the flow process without loading a model (at most a manifest is read).
+    Raises ConfigError for a task of no stage or a missing input."""
+    from pivotrl.pipeline.keys import stage_key
 
-    The comparison's stages (``pivotrl.tasks.compare``) are keyed the same way (their keys read
-    nothing). A task of no stage keeps a key of the whole config (without ``tracking``), its
-    inputs, the files the config points at and the package's code version."""
-    from pivotrl.pipeline.keys import STAGE_INPUTS, stage_key
-
-    cfg = config_of(config)
-    if _KEYED_AS.get(stage, stage) in STAGE_INPUTS:
-        key = stage_key(_KEYED_AS.get(stage, stage), cfg, store_of(config), inputs)
-        return f"pivotrl-{stage}-" + key.replace("/", ".").replace("-", ".")
-    from pivotrl.core.hashing import content_hash
-    from pivotrl.provenance.fingerprints import inputs_fingerprint
-    from pivotrl.storage import code_version
-
-    config = {k: v for k, v in config.items() if k != "tracking"}  # where a run is recorded changes no result
-    return f"pivotrl-{stage}-" + content_hash({"config": dict(config), "inputs": inputs,
-                                              "files": inputs_fingerprint(cfg), "code": code_version()})
+    return stage_key(_KEYED_AS.get(stage, stage), config_of(config), store_of(config), inputs)
 
 
-def _index_key(key: str) -> str:
-    return f"{RESULTS_DIR}/outputs/{key}.json"
-
-
-def _artifact_uris(obj: Any, root: str) -> list[str]:
-    """Every string in a stage result that is an artifact URI under the run root."""
-    if isinstance(obj, str):
-        return [obj] if obj.startswith(root + "/") else []
-    if isinstance(obj, Mapping):
-        return [u for v in obj.values() for u in _artifact_uris(v, root)]
-    if isinstance(obj, (list, tuple)):
-        return [u for v in obj for u in _artifact_uris(v, root)]
-    return []
-
-
-def _cache_key(stage: str):
-    def key(_ctx: Any, params: dict[str, Any]) -> str:
-        config, inputs = params["config"], params.get("inputs")
-        base = _base_key(stage, config, inputs)
-        # A cached result is only trusted while every artifact it points at still exists (a
-        # lifecycle rule or a manual clean-up may delete some); otherwise the key misses.
-        try:
-            store = store_of(config)
-            listed = store.read_json(_index_key(base))["artifacts"] if store.exists(_index_key(base)) else []
-            root = store.root_url + "/"
-            if any(not store.exists(u[len(root):]) for u in listed):
-                import uuid
-
-                return f"{base}-rerun-{uuid.uuid4().hex}"
-        except Exception:  # the check is an optimisation; the stage itself is idempotent
-            pass
-        return base
-    return key
-
-
-def retry_unless_permanent(_task: Any, _task_run: Any, state: Any) -> bool:
-    """Retry transient failures (storage, sandbox, crashes); never config/data/model errors or a
-    broken training invariant, which would fail the same way again."""
-    from pivotrl.pipeline.entry import is_permanent
+def retry_crashes(_task: Any, _task_run: Any, state: Any) -> bool:
+    """Retry a crashed or failed stage process (or shard); never a config/data/model error or a
+    broken training invariant, which would fail the same way again, and never a storage error,
+    which the store retried already (:func:`pivotrl.pipeline.entry.retried_by_task`)."""
+    from pivotrl.pipeline.entry import retried_by_task
 
     try:
         exc = state.result(raise_on_failure=False)
     except Exception as e:  # the result itself could not be read
         exc = e
-    return not (isinstance(exc, BaseException) and is_permanent(exc))
+    return not isinstance(exc, BaseException) or retried_by_task(exc)
 
 
 def stage_task(stage: str, retries: int):
+    """The task decorator of a stage: ``retries`` retries of a crash (:func:`retry_crashes`), no
+    Prefect cache and no persisted result (reuse is the store's: :func:`run_once`)."""
     return task(
         name=stage, retries=retries, retry_delay_seconds=[5, 30, 120][:retries] or 0,
-        retry_condition_fn=retry_unless_permanent,
-        cache_key_fn=_cache_key(stage), cache_expiration=timedelta(days=30), persist_result=True,
-        result_serializer="json",
+        retry_condition_fn=retry_crashes, cache_policy=NO_CACHE, persist_result=False,
     )
 
 
@@ -138,41 +91,9 @@ def store_of(config: Mapping[str, Any]):
     return make_store(config_of(config))
 
 
-# ------------------------------------------------------------------------------ result storage
-def result_storage(config: Mapping[str, Any]):
-    """The Prefect result storage of a run: ``<run.storage_root>/.prefect-results``.
-
-    A local root gives its absolute path (a ``Path``, which Prefect turns into a local file system
-    block; resolved against the working directory). Any other fsspec URL (``s3://bucket/prefix``)
-    gives a ``RemoteFileSystem`` block with ``run.storage_options`` as its settings, saved on the
-    Prefect server as ``remote-file-system/pivotrl-results-<12 hex of its path>`` (Prefect only takes
-    saved blocks); credentials are never in it — they stay in the environment of whoever runs the
-    flow. Must be called where the Prefect API is reachable (inside a flow) for remote roots.
-    Raises ConfigError for an invalid config.
-    """
-    import hashlib
-    import os
-    from pathlib import Path
-
-    import fsspec
-
-    cfg = config_of(config)
-    root = os.path.expanduser(cfg.run.storage_root)
-    fs, path = fsspec.core.url_to_fs(root, **(cfg.run.storage_options or {}))
-    protocols = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
-    if "file" in protocols or "local" in protocols:
-        return Path(os.path.abspath(path)) / RESULTS_DIR
-    from prefect.filesystems import RemoteFileSystem
-
-    basepath = f"{root.rstrip('/')}/{RESULTS_DIR}"
-    block = RemoteFileSystem(basepath=basepath, settings=dict(cfg.run.storage_options or {}))
-    block.save(f"pivotrl-results-{hashlib.sha256(basepath.encode()).hexdigest()[:12]}", overwrite=True)
-    return block
-
-
 @dataclass(frozen=True)
 class PipelineTasks:
-    """The stage tasks of one run, bound to its result storage (see :func:`pipeline_tasks`)."""
+    """The stage tasks of one run (see :func:`pipeline_tasks`)."""
 
     demonstrations: Task
     reference: Task
@@ -182,42 +103,45 @@ class PipelineTasks:
 
 
 def pipeline_tasks(config: Mapping[str, Any]) -> PipelineTasks:
-    """The five stage tasks with their results persisted under the run root of ``config``."""
-    storage = result_storage(config)
-    return PipelineTasks(**{
-        name: globals()[name].with_options(result_storage=storage)
-        for name in NIGHTLY_STAGES
-    })
+    """The five stage tasks of the run of ``config`` (each reuses its stage from the run's store)."""
+    config_of(config)  # a bad config fails here, before any task runs
+    return PipelineTasks(**{name: globals()[name] for name in NIGHTLY_STAGES})
 
 
 # ------------------------------------------------------------------------------------- lease
 def run_once(stage: str, config: Mapping[str, Any], inputs: Any, compute: Any) -> tuple[dict[str, Any], bool]:
-    """``(result, computed)``: run ``compute()`` under the lease on the stage's key, or reuse the
-    result another run computed meanwhile (two runs on one storage root never compute, or write,
-    the same stage at once; see :mod:`pivotrl.storage.lease`). The result and the artifacts it points at
-    are recorded under ``.prefect-results/outputs`` while the lease is held."""
+    """``(result, computed)``: the stage's result from the store if its artifacts exist under its
+    key (:func:`pivotrl.pipeline.keys.cached_result`; no stage process starts), else ``compute()``
+    under the lease on that key. A run that waited on the lease (another run was computing the
+    stage) looks again and reuses what the holder wrote: two runs on one storage root never
+    compute, or write, the same stage at once (see :mod:`pivotrl.storage.lease`)."""
     from prefect.runtime import flow_run
 
+    from pivotrl.pipeline.keys import cached_result
     from pivotrl.storage.lease import stage_lease
 
-    store, base = store_of(config), _base_key(stage, config, inputs)
+    cfg, store, key = config_of(config), store_of(config), lease_key(stage, config, inputs)
+    name = _KEYED_AS.get(stage, stage)
     logger = get_run_logger()
+
+    def reused() -> dict[str, Any] | None:
+        hit = cached_result(name, cfg, store, inputs)
+        if hit is not None:
+            logger.info("stage %s: reused %s (its artifacts exist; no stage process started)", stage, key)
+        return hit
+
+    if (hit := reused()) is not None:
+        return hit, False
 
     def waiting(holder: dict[str, Any]) -> None:
         logger.info("stage %s is being computed by another run (flow run %s, pid %s on %s): waiting for it",
                     stage, holder.get("flow_run_id"), holder.get("pid"), holder.get("host"))
 
-    with stage_lease(store, base, describe={"stage": stage, "flow_run_id": str(flow_run.id)}, on_wait=waiting):
-        index = _index_key(base)
-        record = store.read_json(index) if store.exists(index) else {}
-        root = store.root_url + "/"
-        if "result" in record and all(store.exists(u[len(root):]) for u in record.get("artifacts", [])):
-            logger.info("stage %s: reused the result computed by flow run %s", stage, record.get("flow_run_id"))
-            return record["result"], False
-        logger.info("stage %s: computing", stage)
+    with stage_lease(store, key, describe={"stage": stage, "flow_run_id": str(flow_run.id)}, on_wait=waiting):
+        if (hit := reused()) is not None:  # written by the run whose lease this one waited on
+            return hit, False
+        logger.info("stage %s: computing %s", stage, key)
         out = compute()
-        uris = sorted(set(_artifact_uris(out, store.root_url)))
-        store.write_json(index, {"artifacts": uris, "result": out, "flow_run_id": str(flow_run.id)})
         logger.info("stage %s: computed", stage)
         return out, True
 
@@ -306,6 +230,6 @@ def evaluate(config: dict[str, Any], inputs: dict[str, Any]) -> dict[str, Any]:
 
 
 __all__ = [
-    "demonstrations", "reference", "probe", "train", "evaluate", "pipeline_tasks", "PipelineTasks",
-    "result_storage", "RESULTS_DIR", "NO_CACHE",
+    "demonstrations", "reference", "probe", "train", "evaluate", "lease_key", "pipeline_tasks", "PipelineTasks",
+    "retry_crashes", "run_once",
 ]

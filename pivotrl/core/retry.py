@@ -1,11 +1,12 @@
-"""The project's one retry mechanism (tenacity): storage operations, sandbox requests, stage writes.
+"""The project's one retry mechanism (tenacity): storage operations and sandbox requests.
 
 :func:`call_with_retries` runs a callable and, on an exception the caller deems retryable, waits
-``min(backoff_s · 2^k, max_backoff_s)`` seconds before retry k (k = 0, 1, ...). The artifact store
-retries *transient* remote failures (:func:`is_transient`) under a :class:`RetryPolicy`; the
-sandbox pool and the verifiers retry a failed tool request; the pipeline's store retries any failed
-atomic write. All of them go through :func:`call_with_retries`, so waits, counting and the final
-error behave the same everywhere.
+``min(backoff_s · 2^k, max_backoff_s)`` seconds before retry k (k = 0, 1, ...). Each kind of
+failure is retried in one place only: the artifact store retries a *transient* remote failure
+(:func:`is_transient`) and an injected storage fault under its :class:`RetryPolicy` (nothing above
+the store retries a storage error again); the sandbox pool and the verifiers retry a failed tool
+request. Both go through :func:`call_with_retries`, so waits, counting and the final error behave
+the same everywhere.
 
 Pure core: imports tenacity and the standard library only.
 """
@@ -46,6 +47,7 @@ def call_with_retries(
     *,
     retry_if: Callable[[BaseException], bool] | None = None,
     on_retry: Callable[[BaseException, int, float], None] | None = None,
+    wait_if: Callable[[BaseException], bool] | None = None,
 ) -> R:
     """Call ``fn()``; on a retryable exception try again up to ``retries`` more times.
 
@@ -53,7 +55,9 @@ def call_with_retries(
     when ``retry_if(exc)`` is True (``retry_on`` is then ignored); a StorageAccessError (the store
     refuses us: no credentials, access denied, no such bucket) never is. Waits
     ``min(backoff_s * 2**k, max_backoff_s)`` seconds before the k-th retry (``max_backoff_s=None``:
-    no cap). ``on_retry(exc, k, wait_s)`` is called before each wait (k = 1 for the first retry).
+    no cap); a retry of an exception for which ``wait_if(exc)`` is False goes at once (nothing to
+    wait out, e.g. an injected fault). ``on_retry(exc, k, wait_s)`` is called before each wait
+    (k = 1 for the first retry).
     Records calls, retries, the last errors and a final failure in ``stats`` if given.
 
     Re-raises the last exception when every attempt failed; other exceptions propagate at once.
@@ -71,6 +75,9 @@ def call_with_retries(
         stats.calls += 1
 
     def wait(state: tenacity.RetryCallState) -> float:
+        exc = state.outcome.exception() if state.outcome else None
+        if wait_if is not None and exc is not None and not wait_if(exc):
+            return 0.0
         delay = backoff_s * 2 ** (state.attempt_number - 1)
         return delay if max_backoff_s is None else min(delay, max_backoff_s)
 
@@ -101,11 +108,12 @@ def call_with_retries(
 
 @dataclass(frozen=True)
 class RetryPolicy:
-    """How a remote store retries an operation that failed for a transient reason.
+    """How a store retries an operation that failed for a transient reason.
 
     ``attempts`` tries in all (1 = no retry); the wait before retry i (0-based) is
     ``min(base_delay_s · 2^i, max_delay_s)`` seconds. The default rides out about a minute of outage
-    on top of the driver's own retries. Local directories never retry (their errors are not transient).
+    on top of the driver's own retries. Local directories retry only injected faults (their own
+    errors are not transient), without waiting.
     """
 
     attempts: int = 6

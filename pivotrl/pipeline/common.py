@@ -8,68 +8,30 @@ import logging
 import os
 import struct
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping
 
 from pivotrl.config import RunConfig
-from pivotrl.core.errors import ModelError, StorageError
+from pivotrl.core.errors import ModelError
 from pivotrl.runtime.faults import FaultInjector, fault_seed
-from pivotrl.storage import ArtifactStore, RetryStats, call_with_retries
+from pivotrl.storage import ArtifactStore, RetryPolicy
 from pivotrl.training.checkpoints import is_local, local_checkpoint, local_path  # noqa: F401 (re-export)
 
 log = logging.getLogger("pivotrl.pipeline")
 
-#: Attempts of one atomic artifact write in a pipeline store (1 + retries) and the first backoff.
-STORE_WRITE_RETRIES = 4
-STORE_BACKOFF_S = 0.05
+class RunArtifactStore(ArtifactStore):
+    """The :class:`ArtifactStore` of a stage: every manifest it writes carries :attr:`manifest_extra`.
 
-
-class RetryingArtifactStore(ArtifactStore):
-    """An :class:`ArtifactStore` that retries a failed atomic write (``StorageError``).
-
-    Each write (one file: temporary key, then move; or a whole :meth:`put_dir`) is attempted up to
-    ``1 + retries`` times with exponential backoff; a failed attempt publishes nothing (the store's
-    own guarantee), so a retry can never leave a mix. ``write_retries`` counts the retries made.
-    The base store already retries transient remote failures (its RetryPolicy) but never an
-    injected fault or a local error; this layer retries any StorageError of a write, so a stage
-    survives ``faults.storage_failure_rate`` and short outages. Reads are not retried here. A
-    write streamed from a one-shot iterator is attempted once (it cannot be replayed).
+    It adds no retry: a storage failure is retried by the store alone (transient remote failures
+    and injected faults, under its RetryPolicy; see :mod:`pivotrl.storage.store`), and nothing above
+    it — the stage, its Prefect task — retries a storage error again.
     """
 
     def __init__(self, root_url: str, storage_options: Mapping[str, Any] | None = None, *,
-                 failure_rate: float = 0.0, seed: int | None = None, retries: int = STORE_WRITE_RETRIES,
-                 backoff_s: float = STORE_BACKOFF_S) -> None:
-        super().__init__(root_url, storage_options, failure_rate=failure_rate, seed=seed)
-        self.retries = int(retries)
-        self.backoff_s = float(backoff_s)
-        self.write_retries = 0
+                 failure_rate: float = 0.0, seed: int | None = None, retry: RetryPolicy | None = None) -> None:
+        super().__init__(root_url, storage_options, failure_rate=failure_rate, seed=seed, retry=retry)
         #: Facts merged into the ``extra`` of every manifest this store writes (e.g. the resolved
         #: precision of the stage process: see pivotrl.pipeline.entry.run_stage).
         self.manifest_extra: dict[str, Any] = {}
-
-    def _retry_write(self, what: str, fn: Callable[[], Any]) -> Any:
-        stats = RetryStats()
-        try:
-            return call_with_retries(fn, self.retries, self.backoff_s, retry_on=(StorageError,), stats=stats,
-                                     max_backoff_s=2.0)
-        finally:
-            if stats.retries:
-                self.write_retries += stats.retries
-                log.warning("%s: %d write retr%s (%s)", what, stats.retries, "y" if stats.retries == 1 else "ies",
-                            stats.last_errors[-1] if stats.last_errors else "")
-
-    def _write_bytes(self, key: str, data: Any) -> tuple[str, str, int]:
-        parent = super()._write_bytes
-        if isinstance(data, (bytes, bytearray, memoryview, list, tuple)):
-            return self._retry_write(self.url(key), lambda: parent(key, data))
-        return parent(key, data)  # a one-shot stream of chunks cannot be replayed: one attempt
-
-    def _write_parquet(self, key: str, df: Any) -> tuple[str, str, int]:
-        parent = super()._write_parquet
-        return self._retry_write(self.url(key), lambda: parent(key, df))
-
-    def put_dir(self, local_dir: str | os.PathLike[str], key: str) -> str:
-        parent = super().put_dir
-        return self._retry_write(self.url(key), lambda: parent(local_dir, key))
 
     def write_artifact(self, key: str, payload: Any, *, extra: Mapping[str, Any] | None = None, **kw: Any) -> Any:
         """:meth:`ArtifactStore.write_artifact` with :attr:`manifest_extra` merged under ``extra``."""
@@ -77,12 +39,12 @@ class RetryingArtifactStore(ArtifactStore):
         return super().write_artifact(key, payload, extra=merged, **kw)
 
 
-def make_store(cfg: RunConfig, *, attempt: int = 0) -> RetryingArtifactStore:
+def make_store(cfg: RunConfig, *, attempt: int = 0) -> RunArtifactStore:
     """The artifact store of a run: ``run.storage_root`` + ``run.storage_options``, failing writes
     with probability ``faults.storage_failure_rate`` (seeded by ``run.seed`` and ``attempt``, the
-    retry number of the calling stage, so a re-run stage does not fail at the same writes), each
-    write retried :data:`STORE_WRITE_RETRIES` times."""
-    return RetryingArtifactStore(
+    retry number of the calling stage, so a re-run stage does not fail at the same writes); each
+    operation retried by the store's own :class:`~pivotrl.core.retry.RetryPolicy`."""
+    return RunArtifactStore(
         cfg.run.storage_root, cfg.run.storage_options or None, failure_rate=cfg.faults.storage_failure_rate,
         seed=fault_seed(cfg.run.seed, "storage", attempt),
     )

@@ -43,7 +43,8 @@ from pivotrl.storage.dirs import COMPLETE_MARKER
 
 log = logging.getLogger("pivotrl.pipeline.compare")
 
-__all__ = ["e2e_baseline_key", "pivotrl_ledger", "sft_baseline_key", "stage_e2e_baseline", "stage_sft_baseline"]
+__all__ = ["cached_e2e_baseline", "cached_sft_baseline", "e2e_baseline_key", "pivotrl_ledger", "sft_baseline_key",
+           "stage_e2e_baseline", "stage_sft_baseline"]
 
 def compare_code_digest(module: str = "pivotrl.pipeline.compare") -> str:
     """The digest of the code of a ``pivotrl compare`` stage: the import closure of ``module``
@@ -126,10 +127,22 @@ def _cached(store: ArtifactStore, key: str) -> dict[str, Any] | None:
     return None
 
 
+def cached_sft_baseline(cfg: RunConfig, store: ArtifactStore, demos: dict[str, Any], ref: dict[str, Any],
+                        train: dict[str, Any]) -> dict[str, Any] | None:
+    """The result of :func:`stage_sft_baseline` if its summary and ledger exist under its key, else None."""
+    return _cached(store, sft_baseline_key(cfg, demos, ref, train))
+
+
+def cached_e2e_baseline(cfg: RunConfig, store: ArtifactStore, demos: dict[str, Any], ref: dict[str, Any],
+                        probe: dict[str, Any], train: dict[str, Any]) -> dict[str, Any] | None:
+    """The result of :func:`stage_e2e_baseline` if its summary and ledger exist under its key, else None."""
+    return _cached(store, e2e_baseline_key(cfg, demos, ref, probe, train))
+
+
 def sft_baseline_key(cfg: RunConfig, demos: dict[str, Any], ref: dict[str, Any], train: dict[str, Any]) -> str:
     """``compare/sft/<16 hex>``: π_ref's hash, the demonstrations' key, the PivotRL run whose
     optimiser steps the baseline matches (its train key), ``compare``, the learning rate, ``prompt``,
-    the dtype, the seed and the code. Reads nothing (the Prefect task's cache key)."""
+    the dtype, the seed and the code. Reads nothing (the task computes it before a stage process starts)."""
     return "compare/sft/" + content_hash({"ref": ref["ref_hash"], "demos": demos["key"], "train": train["train_key"],
                                           "compare": cfg.compare.model_dump(mode="json"), "lr": cfg.training.lr,
                                           "prompt": cfg.prompt.model_dump(mode="json"), "dtype": cfg.model.dtype,
@@ -140,7 +153,7 @@ def e2e_baseline_key(cfg: RunConfig, demos: dict[str, Any], ref: dict[str, Any],
                      train: dict[str, Any]) -> str:
     """``compare/e2e/<16 hex>``: π_ref's hash, the demonstrations' key, the PivotRL run whose cost is
     the budget (its probe table and train keys), ``compare``, ``training``, ``rollout``, ``prompt``,
-    the judge, the dtype, the seed and the code. Reads nothing (the Prefect task's cache key)."""
+    the judge, the dtype, the seed and the code. Reads nothing (the task computes it before a stage process starts)."""
     return "compare/e2e/" + content_hash({"ref": ref["ref_hash"], "demos": demos["key"], "probes": probe["probes_key"],
                                           "train": train["train_key"], "compare": cfg.compare.model_dump(mode="json"),
                                           "training": cfg.training.model_dump(mode="json"),

@@ -37,7 +37,7 @@ from pivotrl.pipeline.reference import reference_dir
 from pivotrl.pipeline.results import ProbeResult
 from pivotrl.storage import ArtifactStore
 
-__all__ = ["claims", "compare_eval_key", "cost_per_point", "stage_compare_evaluate"]
+__all__ = ["cached_compare_evaluate", "claims", "compare_eval_key", "cost_per_point", "stage_compare_evaluate"]
 
 METHODS = ("reference", "pivotrl", "sft", "e2e")
 #: The state-level measures of the comparison (:data:`pivotrl.pipeline.evaluate.STATE_MEASURES`).
@@ -171,13 +171,23 @@ def compare_eval_key(cfg: RunConfig, demos: dict[str, Any], ref: dict[str, Any],
                      sft: dict[str, Any], e2e: dict[str, Any]) -> str:
     """``compare/eval/<16 hex>``: the demonstrations' key, π_ref's hash, the PivotRL, SFT and E2E
     runs' keys, ``evaluation``, ``compare.num_tasks``, ``quality``, ``rollout`` and the code. Reads
-    nothing (the Prefect task's cache key)."""
+    nothing (the task computes it before a stage process starts)."""
     return "compare/eval/" + content_hash({"demos": demos["key"], "ref": ref["ref_hash"], "train": train["train_key"],
                                            "sft": sft["key"], "e2e": e2e["key"],
                                            "evaluation": cfg.evaluation.model_dump(mode="json"),
                                            "num_tasks": cfg.compare.num_tasks,
                                            "quality": cfg.quality.model_dump(mode="json"),
                                            "rollout": cfg.rollout.model_dump(mode="json"), "code": compare_code_digest("pivotrl.pipeline.compare_eval")})[:16]
+
+
+def cached_compare_evaluate(cfg: RunConfig, store: ArtifactStore, demos: dict[str, Any], ref: dict[str, Any],
+                            train: dict[str, Any], sft: dict[str, Any], e2e: dict[str, Any]) -> dict[str, Any] | None:
+    """The result of :func:`stage_compare_evaluate` if its report exists under its key, else None."""
+    key = compare_eval_key(cfg, demos, ref, train, sft, e2e)
+    if not store.exists(f"{key}/report.json"):
+        return None
+    return {"key": key, "report_json": store.url(f"{key}/report.json"), "report_md": store.url(f"{key}/report.md"),
+            "report": store.read_json(f"{key}/report.json")}
 
 
 def stage_compare_evaluate(cfg: RunConfig, store: ArtifactStore, demos: dict[str, Any], ref: dict[str, Any],
@@ -187,9 +197,9 @@ def stage_compare_evaluate(cfg: RunConfig, store: ArtifactStore, demos: dict[str
     "report_md", "report"}. The report's ``items`` lists the task and state ids each policy saw."""
     ev = cfg.evaluation
     key = compare_eval_key(cfg, demos, ref, train, sft, e2e)
-    if store.exists(f"{key}/report.json"):
-        return {"key": key, "report_json": store.url(f"{key}/report.json"), "report_md": store.url(f"{key}/report.md"),
-                "report": store.read_json(f"{key}/report.json")}
+    hit = cached_compare_evaluate(cfg, store, demos, ref, train, sft, e2e)
+    if hit is not None:
+        return hit
     cache = cache_dir(cfg)
     bfcl_root = ensure_bfcl(cache)
     # The evaluate stage's selection and per-policy measures, over the four methods.

@@ -151,6 +151,15 @@ def load_sources(cfg: RunConfig, quarantine: list[dict[str, Any]],
     return trajs
 
 
+def cached_demonstrations(cfg: RunConfig, store: ArtifactStore) -> dict[str, Any] | None:
+    """The result of :func:`build_demonstrations` if its artifacts exist under their content key
+    (the candidates table and the counts, written last), else None. Reads only ``counts.json``."""
+    key = demos_key(cfg)
+    if store.exists(f"{key}/candidates.parquet") and store.exists(f"{key}/counts.json"):
+        return _result(store, key, store.read_json(f"{key}/counts.json"))
+    return None
+
+
 def build_demonstrations(cfg: RunConfig, store: ArtifactStore) -> dict[str, Any]:
     """Load, validate, split and extract candidates; write the three artifacts.
 
@@ -163,8 +172,9 @@ def build_demonstrations(cfg: RunConfig, store: ArtifactStore) -> dict[str, Any]
     from pivotrl.data.text_rules import candidate_kind
 
     key = demos_key(cfg)
-    if store.exists(f"{key}/candidates.parquet") and store.exists(f"{key}/counts.json"):
-        return _result(store, key, store.read_json(f"{key}/counts.json"))
+    hit = cached_demonstrations(cfg, store)
+    if hit is not None:
+        return hit
 
     quarantine: list[dict[str, Any]] = []
     origins: dict[str, str] = {}

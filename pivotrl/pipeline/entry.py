@@ -21,7 +21,9 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from pivotrl.config.sections import local_cache_dir
-from pivotrl.core.errors import ConfigError, DataError, ModelError, PivotRLError, StorageAccessError, TrainingError
+from pivotrl.core.errors import (
+    ConfigError, DataError, ModelError, PivotRLError, StorageAccessError, StorageError, TrainingError,
+)
 from pivotrl.pipeline.console import ConsoleFilter
 from pivotrl.pipeline.evaluate_stage import eval_shard
 from pivotrl.pipeline.probe_stage import probe_shard
@@ -37,14 +39,19 @@ STAGES = tuple(REGISTRY) + SHARD_STAGES
 #: Exit code of a stage process that failed for a reason a retry cannot fix (bad config or data,
 #: an unreadable model, a broken training invariant).
 PERMANENT_FAILURE_EXIT = 3
+#: Exit code of a stage process whose store gave up on a storage operation after its own retries
+#: (its RetryPolicy): the stage's task does not retry it again.
+STORAGE_FAILURE_EXIT = 4
 
 
 class StageError(PivotRLError, RuntimeError):
-    """A stage process failed. ``permanent``: retrying cannot help (see PERMANENT_FAILURE_EXIT)."""
+    """A stage process failed. ``permanent``: retrying cannot help (see PERMANENT_FAILURE_EXIT);
+    ``storage``: the store failed after its own retries (see STORAGE_FAILURE_EXIT)."""
 
-    def __init__(self, message: str, *, permanent: bool) -> None:
+    def __init__(self, message: str, *, permanent: bool, storage: bool = False) -> None:
         super().__init__(message)
         self.permanent = permanent
+        self.storage = storage
 
 
 def is_permanent(exc: BaseException) -> bool:
@@ -55,6 +62,15 @@ def is_permanent(exc: BaseException) -> bool:
     if isinstance(exc, StageError):
         return exc.permanent
     return isinstance(exc, (ConfigError, DataError, ModelError, TrainingError, StorageAccessError))
+
+
+def retried_by_task(exc: BaseException) -> bool:
+    """True for a failure a stage's (or shard's) Prefect task retries: a crashed or failed stage
+    process. Never a permanent failure (:func:`is_permanent`), nor a storage error: the store
+    retried that already under its own policy, and a retry here would multiply its attempts."""
+    if isinstance(exc, StageError):
+        return not (exc.permanent or exc.storage)
+    return not (is_permanent(exc) or isinstance(exc, StorageError))
 
 
 def run_stage(stage: str, config: dict[str, Any], inputs: dict[str, Any], *, attempt: int = 0) -> dict[str, Any]:
@@ -200,7 +216,8 @@ def run_stage_process(stage: str, config: dict[str, Any], inputs: dict[str, Any]
             raise
         if rc != 0 or not out.exists():
             raise StageError(f"stage {stage!r} failed (exit code {rc}): {_error_line(stage, tail)}\n"
-                             f"full log: {log_path}", permanent=rc == PERMANENT_FAILURE_EXIT)
+                             f"full log: {log_path}", permanent=rc == PERMANENT_FAILURE_EXIT,
+                             storage=rc == STORAGE_FAILURE_EXIT)
         return json.loads(out.read_text())
 
 
@@ -221,6 +238,8 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger("pivotrl.pipeline").error("stage %s failed: %s: %s", a.stage, type(exc).__name__, exc)
         if is_permanent(exc):
             return PERMANENT_FAILURE_EXIT
+        if isinstance(exc, StorageError):
+            return STORAGE_FAILURE_EXIT
         raise
     write_result(spec["output"], result)
     return 0

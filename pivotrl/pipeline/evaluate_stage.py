@@ -86,6 +86,25 @@ def plan_eval_shards(cfg: RunConfig, store: ArtifactStore, demos: Mapping[str, A
     return {"eval_key": ekey, "done": store.exists(f"{ekey}/report.json"), "shards": shards}
 
 
+def _shard_out(store: ArtifactStore, shard: Mapping[str, Any]) -> dict[str, Any]:
+    return {"index": shard["index"], "key": shard["key"], "part": shard["part"], "uri": store.url(shard["output"]),
+            "tasks": len(shard["tasks"]), "evaluated": False, "engine_reused": False}
+
+
+def cached_eval_shard(store: ArtifactStore, shard: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The result of :func:`eval_shard` if the shard's output (written last) exists, else None."""
+    return _shard_out(store, shard) if store.exists(shard["output"]) else None
+
+
+def cached_evaluate(cfg: RunConfig, store: ArtifactStore, demos: Mapping[str, Any], ref: Any,
+                    train: Any) -> EvalResult | None:
+    """The result of :func:`stage_evaluate` if its report exists under the stage's content key
+    (:func:`~pivotrl.pipeline.evaluate.eval_key`), else None."""
+    cfg = with_resolved_dtype(cfg)
+    ekey = eval_key(cfg, demos, ReferenceResult.of(ref), TrainResult.of(train))
+    return eval_result(store, ekey) if store.exists(f"{ekey}/report.json") else None
+
+
 def eval_shard(cfg: RunConfig, store: ArtifactStore, demos: Mapping[str, Any], ref: Any, probe: Any, train: Any,
                shard: dict[str, Any], *, warm_engine: bool = False) -> dict[str, Any]:
     """Evaluate one shard (an entry of :func:`plan_eval_shards`) for every policy and write its
@@ -97,10 +116,10 @@ def eval_shard(cfg: RunConfig, store: ArtifactStore, demos: Mapping[str, Any], r
     """
     cfg = with_resolved_dtype(cfg)
     ref, probe, train = _typed(ref, probe, train)
-    out = {"index": shard["index"], "key": shard["key"], "part": shard["part"], "uri": store.url(shard["output"]),
-           "tasks": len(shard["tasks"]), "evaluated": False, "engine_reused": False}
-    if store.exists(shard["output"]):
-        return out
+    hit = cached_eval_shard(store, shard)
+    if hit is not None:
+        return hit
+    out = _shard_out(store, shard)
     t0 = time.time()
     bfcl_root = ensure_bfcl(cache_dir(cfg))
     policies = eval_policies(cfg, store, ref, train)
@@ -201,7 +220,11 @@ def stage_evaluate(cfg: RunConfig, store: ArtifactStore, demos: Mapping[str, Any
     """The evaluate stage in one process: base, π_ref and the PivotRL policy with the same seeds on
     the held-out tasks from scratch and on held-out states, the pivot set and out-of-domain states
     (:func:`plan_eval_shards`, :func:`eval_shard` for each shard whose output is missing, one engine
-    kept warm across them, :func:`merge_eval_shards`). A report already written is returned."""
+    kept warm across them, :func:`merge_eval_shards`). A report already written is returned
+    (:func:`cached_evaluate`)."""
+    hit = cached_evaluate(cfg, store, demos, ref, train)
+    if hit is not None:
+        return hit
     plan = plan_eval_shards(cfg, store, demos, ref, probe, train)
     if not plan["done"]:
         try:

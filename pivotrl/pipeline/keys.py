@@ -29,16 +29,29 @@ compare_evaluate   :func:`pivotrl.pipeline.compare_eval.compare_eval_key` (``eva
 So a change to ``training`` alone leaves the demonstrations, reference and probe keys as they
 were; a change to ``evaluation`` alone changes only the evaluate key. Computing a key loads no
 model: at most a manifest (a small JSON file) is read from the store. The Prefect tasks
-(``pivotrl.tasks.stages``) use these keys as their cache keys.
+(``pivotrl.tasks.stages``) take each stage's lease on its key.
+
+Reuse is one rule per stage, the stage's own: its artifacts exist under its key
+(:func:`cached_result`, e.g. :func:`pivotrl.pipeline.demos.cached_demonstrations`). The stage
+calls it first thing; the task calls it under the lease before it starts a stage process, so a
+stage already computed costs a few existence checks and no process.
 """
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from pivotrl.config import RunConfig
 from pivotrl.core.errors import ConfigError
+from pivotrl.pipeline.compare import cached_e2e_baseline, cached_sft_baseline
+from pivotrl.pipeline.compare_eval import cached_compare_evaluate
+from pivotrl.pipeline.demos import cached_demonstrations
+from pivotrl.pipeline.evaluate_stage import cached_evaluate
+from pivotrl.pipeline.probe_stage import cached_probe
+from pivotrl.pipeline.reference import cached_reference
 from pivotrl.pipeline.registry import STAGES, stage_spec
+from pivotrl.pipeline.results import ProbeResult, ReferenceResult, TrainResult
+from pivotrl.pipeline.train import train_key
 from pivotrl.runtime.precision import with_resolved_dtype
 from pivotrl.storage import ArtifactStore
 
@@ -64,4 +77,41 @@ def stage_key(stage: str, cfg: RunConfig, store: ArtifactStore, inputs: Mapping[
     return spec.key(with_resolved_dtype(cfg), store, inputs)  # model.dtype: auto → bf16 | fp32 here
 
 
-__all__ = ["STAGE_INPUTS", "stage_key"]
+def _cached_train(cfg: RunConfig, store: ArtifactStore, probe: Any, ref: Any) -> TrainResult | None:
+    # stage_train's rule: the summary and the metrics table, written last, exist under the train key
+    tkey = train_key(cfg, store, ProbeResult.of(probe), ReferenceResult.of(ref))
+    if not (store.exists(f"{tkey}/summary.json") and store.exists(f"{tkey}/metrics.parquet")):
+        return None
+    summary = store.read_json(f"{tkey}/summary.json")
+    return TrainResult(tkey, f"{tkey}/policy" if summary["steps"] else None, store.url(f"{tkey}/metrics.parquet"),
+                       summary)
+
+
+#: Each stage's reuse check: ``fn(cfg, store, *inputs)`` (the inputs in its run function's order)
+#: → its result if its artifacts exist under its key, else None. Loads no model.
+CACHED: dict[str, Callable[..., Any]] = {
+    "demonstrations": cached_demonstrations, "reference": cached_reference, "probe": cached_probe,
+    "train": _cached_train, "evaluate": lambda cfg, store, demos, ref, probe, train: cached_evaluate(
+        cfg, store, demos, ref, train),
+    "sft_baseline": cached_sft_baseline, "e2e_baseline": cached_e2e_baseline,
+    "compare_evaluate": cached_compare_evaluate,
+}
+
+
+def cached_result(stage: str, cfg: RunConfig, store: ArtifactStore,
+                  inputs: Mapping[str, Any] | None = None) -> dict[str, Any] | None:
+    """The result of ``stage`` (as the dict its stage process returns) if its artifacts exist under
+    its content key in ``store``, else None — the same check the stage makes before any work.
+    ``inputs`` as for :func:`stage_key`. Raises ConfigError for an unknown stage or a missing input."""
+    spec = stage_spec(stage)
+    inputs = inputs or {}
+    missing = [k for k in spec.inputs if k not in inputs]
+    if missing:
+        raise ConfigError(f"stage {stage!r} needs the results of {missing} to look for its artifacts")
+    hit = CACHED[stage](with_resolved_dtype(cfg), store, *(inputs[k] for k in spec.inputs))
+    if hit is None:
+        return None
+    return hit.to_dict() if hasattr(hit, "to_dict") else dict(hit)
+
+
+__all__ = ["CACHED", "STAGE_INPUTS", "cached_result", "stage_key"]

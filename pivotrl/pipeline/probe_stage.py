@@ -111,6 +111,16 @@ def plan_probe_shards(cfg: RunConfig, store: ArtifactStore, demos: Mapping[str, 
     return {"probes_key": pkey, "done": store.exists(f"{pkey}/probes.parquet"), "shards": shards}
 
 
+def cached_probe_shard(store: ArtifactStore, shard: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The result of :func:`probe_shard` if the shard's table exists under its content key, else None."""
+    key = shard["key"]
+    if not store.exists(f"{key}/probes.parquet"):
+        return None
+    df = store.read_parquet(f"{key}/probes.parquet")
+    return {"index": shard["index"], "key": key, "uri": store.url(f"{key}/probes.parquet"), "probed": 0,
+            "engine_reused": False, "states": int(len(df)), "status_counts": _counts(df)}
+
+
 def probe_shard(cfg: RunConfig, store: ArtifactStore, demos: Mapping[str, Any], ref: Any,
                 shard: Mapping[str, Any], *, warm_engine: bool = False,
                 candidates: pd.DataFrame | None = None) -> dict[str, Any]:
@@ -127,9 +137,9 @@ def probe_shard(cfg: RunConfig, store: ArtifactStore, demos: Mapping[str, Any], 
     key = shard["key"]
     out = {"index": shard["index"], "key": key, "uri": store.url(f"{key}/probes.parquet"), "probed": 0,
            "engine_reused": False}
-    if store.exists(f"{key}/probes.parquet"):
-        df = store.read_parquet(f"{key}/probes.parquet")
-        return {**out, "states": int(len(df)), "status_counts": _counts(df)}
+    hit = cached_probe_shard(store, shard)
+    if hit is not None:
+        return hit
     cand = probe_candidates(cfg, store, demos, candidates)
     cand = cand[cand["trajectory_id"].astype(str).isin(shard["trajectories"])].reset_index(drop=True)
     done = store.read_parquet(f"{key}/partial.parquet") if store.exists(f"{key}/partial.parquet") else None
@@ -263,8 +273,24 @@ def select_pivot_set(cfg: RunConfig, store: ArtifactStore, demos: Mapping[str, A
             extra={"reference_hash": ref.ref_hash, "verifier": cfg.verifier.name, "num_pivots": len(pivots),
                    "prompt_format": ref.prompt_format},
         )
-    return ProbeResult(pkey, probes_uri, vkey, store.url(f"{vkey}/pivots.parquet"), store.read_json(f"{vkey}/stats.json"),
-                       store.read_text(f"{vkey}/summary.md"))
+    return _probe_result(store, pkey, vkey)
+
+
+def _probe_result(store: ArtifactStore, pkey: str, vkey: str) -> ProbeResult:
+    return ProbeResult(pkey, store.url(f"{pkey}/probes.parquet"), vkey, store.url(f"{vkey}/pivots.parquet"),
+                       store.read_json(f"{vkey}/stats.json"), store.read_text(f"{vkey}/summary.md"))
+
+
+def cached_probe(cfg: RunConfig, store: ArtifactStore, demos: Mapping[str, Any], ref: Any) -> ProbeResult | None:
+    """The result of :func:`stage_probe` if the probe table and the pivot set exist under their
+    content keys (:func:`~pivotrl.pipeline.probe.probe_table_key`, that key and λ_diff), else None.
+    Reads the candidates' manifest, the pivot set's statistics and summary only."""
+    cfg = with_resolved_dtype(cfg)
+    pkey = merged_probe_key(cfg, store, demos, ref)
+    vkey = pivot_set_key(pkey, cfg.probing.lambda_diff)
+    if store.exists(f"{pkey}/probes.parquet") and store.exists(f"{vkey}/pivots.parquet"):  # written last
+        return _probe_result(store, pkey, vkey)
+    return None
 
 
 def stage_probe(cfg: RunConfig, store: ArtifactStore, demos: Mapping[str, Any], ref: Any) -> ProbeResult:
@@ -272,6 +298,9 @@ def stage_probe(cfg: RunConfig, store: ArtifactStore, demos: Mapping[str, Any], 
     shard whose table is missing, :func:`merge_probe_shards`. The probe table is reused under its
     content key (:func:`pivotrl.pipeline.probe.probe_table_key`), the pivot set under that key and
     λ_diff. The demonstrations' candidate table is read once and passed to the three steps."""
+    hit = cached_probe(cfg, store, demos, ref)
+    if hit is not None:
+        return hit
     table = store.read_parquet(f"{demos['key']}/candidates.parquet")
     plan = plan_probe_shards(cfg, store, demos, ref, candidates=table)
     if not plan["done"]:
@@ -280,5 +309,5 @@ def stage_probe(cfg: RunConfig, store: ArtifactStore, demos: Mapping[str, Any], 
     return merge_probe_shards(cfg, store, demos, ref, plan, candidates=table)
 
 
-__all__ = ["SHARDS_PREFIX", "ShardIncomplete", "merge_probe_shards", "plan_probe_shards", "probe_candidates",
-           "probe_shard", "select_pivot_set", "shard_failure", "stage_probe"]
+__all__ = ["SHARDS_PREFIX", "ShardIncomplete", "cached_probe", "cached_probe_shard", "merge_probe_shards",
+           "plan_probe_shards", "probe_candidates", "probe_shard", "select_pivot_set", "shard_failure", "stage_probe"]

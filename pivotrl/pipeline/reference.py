@@ -27,13 +27,45 @@ log = logging.getLogger("pivotrl.pipeline")
 
 
 
+def _record_key(cfg: RunConfig, demos: Mapping[str, Any] | None) -> str:
+    return f"{reference_inputs_key(cfg, demos)}/reference.json"
+
+
+def cached_reference(cfg: RunConfig, store: ArtifactStore, demos: Mapping[str, Any] | None) -> ReferenceResult | None:
+    """The result of :func:`stage_reference` if it was resolved before under the stage's content
+    key (:func:`reference_inputs_key`): its record ``reference/<key>/reference.json`` exists, the
+    base model's local directory it names is still there and the warm-started checkpoint it names
+    (if any) is complete in the store. Else None. Loads no model."""
+    cfg = with_resolved_dtype(cfg)
+    record = _record_key(cfg, demos)
+    if not store.exists(record):
+        return None
+    ref = ReferenceResult.of(store.read_json(record))
+    if Path(ref.base_dir).is_absolute() and not Path(ref.base_dir).is_dir():
+        return None  # the local cache was cleared: resolve the base model again (a hub id is kept)
+    if ref.ref_key is not None and not (store.exists(f"{ref.ref_key}/_COMPLETE")
+                                        and store.exists(f"{ref.ref_key}.sft.json")):
+        return None
+    return ref
+
+
 def stage_reference(cfg: RunConfig, store: ArtifactStore, demos: Mapping[str, Any]) -> ReferenceResult:
     """Resolve the base model and, if enabled, fine-tune it on the warm-start split (π_ref).
 
     ``demos``: the demonstrations stage's result (``key``, ``trajectories``). The warm start never
-    sees the pivot-candidate split it will be probed on.
+    sees the pivot-candidate split it will be probed on. The result is recorded under the stage's
+    content key (:func:`cached_reference` reads it back).
     """
     cfg = with_resolved_dtype(cfg)  # model.dtype: auto → bf16 | fp32 on this hardware
+    hit = cached_reference(cfg, store, demos)
+    if hit is not None:
+        return hit
+    ref = _resolve_reference(cfg, store, demos)
+    store.write_json(_record_key(cfg, demos), ref.to_dict())
+    return ref
+
+
+def _resolve_reference(cfg: RunConfig, store: ArtifactStore, demos: Mapping[str, Any]) -> ReferenceResult:
     from pivotrl.runtime.models import checkpoint_hash, load_tokenizer
     from pivotrl.format.prompts import build_sft_examples
 

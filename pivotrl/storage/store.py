@@ -6,11 +6,14 @@ local disk, copy + delete on object stores), so a reader sees either the whole a
 Directories (:mod:`pivotrl.storage.dirs`) and manifests (:mod:`pivotrl.storage.manifest`) build
 on these writes.
 
-Remote stores retry transient failures (timeouts, refused or reset connections, 5xx answers) with
-exponential backoff (:class:`~pivotrl.core.retry.RetryPolicy`, through the project's one retry
-function); every retried write starts again from a fresh temporary key, and temporary keys a failed
-attempt could not remove are removed once the store answers again, so an outage leaves neither a
-half artifact nor a stray temporary key.
+The store is the one place a storage failure is retried: a remote store's transient failures
+(timeouts, refused or reset connections, 5xx answers), with exponential backoff, and an injected
+fault (``failure_rate``, any store), at once — both under the store's
+:class:`~pivotrl.core.retry.RetryPolicy`, through the project's one retry function. Nothing above
+the store (the pipeline, the Prefect tasks) retries a storage error again. Every retried write
+starts again from a fresh temporary key, and temporary keys a failed attempt could not remove are
+removed once the store answers again, so an outage leaves neither a half artifact nor a stray
+temporary key.
 
 This module never imports prefect, vllm, deepspeed or torch; pandas is imported only for Parquet.
 """
@@ -38,7 +41,7 @@ if TYPE_CHECKING:
 
     from pivotrl.config import RunConfig
 
-__all__ = ["ArtifactStore"]
+__all__ = ["ArtifactStore", "InjectedStorageFault"]
 
 log = logging.getLogger("pivotrl.storage")
 _T = TypeVar("_T")
@@ -58,6 +61,11 @@ def storage_error(action: str, url: str, e: BaseException) -> StorageError:
     return StorageError(f"cannot {action} {url}: {type(e).__name__}: {e}")
 
 
+class InjectedStorageFault(StorageError):
+    """A write failed on purpose (``faults.storage_failure_rate``): it stands for a transient
+    failure, so the store retries it under its policy, and only there."""
+
+
 class ArtifactStore(ManifestMixin, DirectoryMixin):
     """Artifacts under one root URL (local directory or fsspec URL), addressed by relative keys.
 
@@ -65,11 +73,15 @@ class ArtifactStore(ManifestMixin, DirectoryMixin):
         root_url: ``"runs"``, ``"/data/runs"``, ``"file:///data/runs"``, ``"s3://bucket/prefix"``...
         storage_options: fsspec options (endpoint, anon...). Kept in memory only, never written
             into a manifest. Credentials belong in the environment.
-        failure_rate: probability that a write fails (StorageError) after uploading its temporary
-            copy and before publishing it: fault injection for tests (``faults.storage_failure_rate``).
+        failure_rate: probability that a write fails (InjectedStorageFault) after uploading its
+            temporary copy and before publishing it: fault injection for tests and drills
+            (``faults.storage_failure_rate``; 1.0: every write fails).
         seed: seed of the fault-injection draws (None = unpredictable).
-        retry: retry policy for transient failures of a remote store (default :class:`RetryPolicy`);
-            ignored for local directories. Injected faults are never retried.
+        retry: retry policy (default :class:`RetryPolicy`) for transient failures of a remote store
+            and for injected faults (retried at once); a local directory's own errors are never retried.
+
+    ``attempts`` counts the attempts of every operation made through the retry policy (the first
+    try and each retry); ``write_retries`` the retries of writes.
 
     Raises:
         StorageError: the root cannot be opened (unknown protocol, missing driver, bad options).
@@ -88,8 +100,8 @@ class ArtifactStore(ManifestMixin, DirectoryMixin):
 
         if not isinstance(root_url, str) or not root_url.strip():
             raise StorageError(f"artifact store root must be a non-empty URL or path, got {root_url!r}")
-        if not 0.0 <= failure_rate < 1.0:
-            raise StorageError(f"failure_rate = {failure_rate}: must be in [0, 1)")
+        if not 0.0 <= failure_rate <= 1.0:
+            raise StorageError(f"failure_rate = {failure_rate}: must be in [0, 1]")
         self._options = dict(storage_options or {})
         try:
             fs, root = fsspec.core.url_to_fs(os.path.expanduser(root_url), **self._options)
@@ -103,7 +115,9 @@ class ArtifactStore(ManifestMixin, DirectoryMixin):
         self.root_url = fs.unstrip_protocol(self._root).rstrip("/")
         self._failure_rate = failure_rate
         self._rng = random.Random(seed)
-        self._retry = RetryPolicy(attempts=1) if self._local else (retry or RetryPolicy())
+        self._retry = retry or RetryPolicy()
+        self.attempts = 0
+        self.write_retries = 0
         self._orphans: set[str] = set()  # temporary paths a failed attempt could not remove
         if self._local:
             with self._errors("create", self.root_url):
@@ -176,25 +190,36 @@ class ArtifactStore(ManifestMixin, DirectoryMixin):
             if path in self._orphans:
                 return  # still unreachable: keep them for later
 
-    def _retrying(self, what: str, op: Callable[[], _T]) -> _T:
-        """Run ``op``; on a transient failure of a remote store wait and run it again (RetryPolicy).
+    def _retryable(self, e: BaseException) -> bool:
+        return isinstance(e, InjectedStorageFault) or (not self._local and is_transient(e))
 
-        Non-transient errors propagate at once and unchanged. When every attempt failed, a
-        StorageError naming ``what`` and the number of attempts is raised from the last error.
+    def _retrying(self, what: str, op: Callable[[], _T]) -> _T:
+        """Run ``op``; on a transient failure of a remote store wait and run it again, on an injected
+        fault run it again at once (both under the RetryPolicy).
+
+        Other errors propagate at once and unchanged. When every attempt failed, a StorageError
+        naming ``what`` and the number of attempts is raised from the last error.
         """
         def on_retry(e: BaseException, attempt: int, wait: float) -> None:
             log.warning("cannot %s (%s: %s); retry %d of %d in %.1f s", what, type(e).__name__, e,
                         attempt, self._retry.attempts - 1, wait)
+            if what.startswith("write "):
+                self.write_retries += 1
             self.fs.invalidate_cache()
+
+        def attempt() -> _T:
+            self.attempts += 1
+            return op()
 
         policy = self._retry
         try:
-            result = call_with_retries(op, policy.attempts - 1, policy.base_delay_s,
-                                       max_backoff_s=policy.max_delay_s, retry_if=is_transient,
-                                       on_retry=on_retry)
+            result = call_with_retries(attempt, policy.attempts - 1, policy.base_delay_s,
+                                       max_backoff_s=policy.max_delay_s, retry_if=self._retryable,
+                                       on_retry=on_retry, wait_if=lambda e: not isinstance(e, InjectedStorageFault))
         except Exception as e:
-            if policy.attempts > 1 and is_transient(e):
-                raise StorageError(f"cannot {what}: storage unreachable after {policy.attempts} attempts "
+            if policy.attempts > 1 and self._retryable(e):
+                reason = "injected faults" if isinstance(e, InjectedStorageFault) else "storage unreachable"
+                raise StorageError(f"cannot {what}: {reason} after {policy.attempts} attempts "
                                    f"({type(e).__name__}: {e})") from e
             raise
         if self._orphans:
@@ -203,7 +228,7 @@ class ArtifactStore(ManifestMixin, DirectoryMixin):
 
     def _maybe_fail(self, url: str) -> None:
         if self._failure_rate and self._rng.random() < self._failure_rate:
-            raise StorageError(f"cannot write {url}: injected storage fault (faults.storage_failure_rate)")
+            raise InjectedStorageFault(f"cannot write {url}: injected storage fault (faults.storage_failure_rate)")
 
     def _move(self, src: str, dst: str) -> None:
         if self._local:

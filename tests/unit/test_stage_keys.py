@@ -283,41 +283,37 @@ def test_a_change_re_keys_its_stage_and_the_later_ones_only(smoke, override, cha
     assert {s for s in STAGES if before[s] != after[s]} == changed
 
 
-def test_the_prefect_cache_key_is_the_stage_key_and_misses_once_an_artifact_is_deleted(smoke):
-    import json
-
-    from pivotrl.tasks.stages import RESULTS_DIR, _cache_key
+def test_a_task_looks_up_and_leases_its_stage_key_and_reuse_misses_once_an_artifact_is_deleted(smoke):
+    from pivotrl.pipeline.demos import build_demonstrations
+    from pivotrl.pipeline.keys import cached_result
+    from pivotrl.tasks.stages import lease_key
 
     cfg, store = smoke
     config = cfg().model_dump(mode="json")
     keys = _chain(cfg(), store)
-    assert _cache_key("demonstrations")(None, {"config": config}) == \
-        "pivotrl-demonstrations-" + keys["demonstrations"].replace("/", ".")
+    assert lease_key("demonstrations", config, None) == keys["demonstrations"]
     changed = cfg("training.lr=2e-5").model_dump(mode="json")
-    assert _cache_key("demonstrations")(None, {"config": changed}) == _cache_key("demonstrations")(None, {"config": config})
-    # a cached result is trusted only while the artifacts it names exist
-    base = _cache_key("demonstrations")(None, {"config": config})
-    table = f"{keys['demonstrations']}/candidates.parquet"
-    store.write_text(f"{RESULTS_DIR}/outputs/{base}.json", json.dumps({"artifacts": [store.url(table)]}))
-    assert _cache_key("demonstrations")(None, {"config": config}) == base
-    store.delete(table)
-    rerun = _cache_key("demonstrations")(None, {"config": config})
-    assert rerun.startswith(base + "-rerun-")
+    assert lease_key("demonstrations", changed, None) == lease_key("demonstrations", config, None)
+    # reuse is the stage's own check of its artifacts under that key
+    assert cached_result("demonstrations", cfg(), store) is None
+    built = build_demonstrations(cfg(), store)
+    assert cached_result("demonstrations", cfg(), store) == built
+    store.delete(f"{keys['demonstrations']}/candidates.parquet")
+    assert cached_result("demonstrations", cfg(), store) is None
     # the comparison's stages are keyed by their own content keys too
     from pivotrl.pipeline.keys import stage_key
-    from pivotrl.tasks.stages import _base_key
 
     demos = {"key": keys["demonstrations"]}
     with pytest.raises(ConfigError, match="needs the results of \\['train'\\]"):
-        _base_key("sft_baseline", config, {"demos": demos, "reference": {}})
+        lease_key("sft_baseline", config, {"demos": demos, "reference": {}})
     from pivotrl.pipeline.results import ReferenceResult
 
     ref = ReferenceResult("/base", "b" * 64, keys["reference"], "c" * 64, None, {}).to_dict()
     inputs = {"demos": demos, "reference": ref, "train": {"train_key": keys["train"]}}
-    assert _base_key("sft_baseline", config, inputs) == \
-        "pivotrl-sft_baseline-" + stage_key("sft_baseline", cfg(), store, inputs).replace("/", ".")
+    assert lease_key("sft_baseline", config, inputs) == stage_key("sft_baseline", cfg(), store, inputs)
     num_tasks = cfg("evaluation.num_tasks=3").model_dump(mode="json")
-    assert _base_key("sft_baseline", num_tasks, inputs) == _base_key("sft_baseline", config, inputs)
+    assert lease_key("sft_baseline", num_tasks, inputs) == lease_key("sft_baseline", config, inputs)
+    assert cached_result("sft_baseline", cfg(), store, inputs) is None
 
 
 def test_every_stage_result_field_is_documented_and_shown_with_its_meaning():
