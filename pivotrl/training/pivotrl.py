@@ -47,8 +47,8 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 import torch
 
 from pivotrl.config import TrainingSection
-from pivotrl.core.errors import DataError, TrainingError
-from pivotrl.objective import compute_advantages, pivotrl_loss, sampler_mismatch, truncated_is_weights
+from pivotrl.core.errors import TrainingError
+from pivotrl.objective import compute_advantages, pivotrl_loss
 from pivotrl.training.deepspeed_utils import (
     build_engine,
     data_parallel_loss_scale,
@@ -60,8 +60,10 @@ from pivotrl.training.deepspeed_utils import (
 from pivotrl.training.groups import Group, check_groups
 from pivotrl.training.logprobs import compute_group_logprobs, compute_groups_logprobs
 from pivotrl.training.packed_attention import use_packed_attention
-from pivotrl.runtime.mfu import ModelShape, calibrated_peak_gflops, forward_flops, mfu
+from pivotrl.runtime.mfu import ModelShape, calibrated_peak_gflops, forward_flops
+from pivotrl.training.sampler_correction import sampler_terms
 from pivotrl.training.settings import LOG_RATIO_CLAMP, run_trainer_inputs, training_section
+from pivotrl.training.step_metrics import speed_metrics, step_metrics
 from pivotrl.training.trainer_state import (
     MetricSums,
     load_trainer_checkpoint,
@@ -72,7 +74,7 @@ from pivotrl.training.trainer_state import (
 if TYPE_CHECKING:
     from pivotrl.config import RunConfig
 
-__all__ = ["Group", "OfflineSpec", "PivotRLTrainer", "main"]
+__all__ = ["Group", "PivotRLTrainer"]
 
 
 class PivotRLTrainer:
@@ -201,7 +203,8 @@ class PivotRLTrainer:
             ``log_ratio_clamped`` (count); ``loss_last`` (last update); ``grad_norm`` (mean over
             updates, before clipping), ``grad_norm_max``; work: ``action_tokens``, ``tokens``
             (policy forward+backward tokens, summed over updates), ``ref_tokens`` (π_ref forward-only
-            tokens), ``step_time_s`` = ``trainer_s`` (this call's time); speed (:meth:`_speed`):
+            tokens), ``step_time_s`` = ``trainer_s`` (this call's time); speed
+            (:func:`~pivotrl.training.step_metrics.speed_metrics`):
             ``policy_tokens_per_s``, ``ref_tokens_per_s``, ``model_tflop``, ``threads``, and with a
             calibrated peak (``peak_gflops_per_thread``) ``peak_gflops`` and ``mfu``; when the groups
             carry the rollout engine's log-probs: ``sampler_mismatch_mean_abs`` (mean |log π_old − log
@@ -218,7 +221,6 @@ class PivotRLTrainer:
         self._check_groups(groups)
         rank, world = rank_and_world()
         advantages = self._advantages(groups)  # G × (K_g,)
-        zero_var = [max(g.rewards) == min(g.rewards) for g in groups]
         trainable = [i for i in range(len(groups)) if s.beta > 0 or bool((advantages[i] != 0).any())]
         num_actions = sum(len(g.actions) for g in groups)  # global loss denominator: every sampled action
         local = trainable[rank::world]
@@ -261,7 +263,7 @@ class PivotRLTrainer:
                 mask = pad_cat([p.action_mask for p in parts])  # (B, T)
                 if first:
                     old_lp[j] = logprobs.detach().clone()  # π_old = the weights before this batch's first update
-                    tis_w[j] = self._sampler_terms(groups, mb, old_lp[j], mask, sums)
+                    tis_w[j] = sampler_terms(self.settings, groups, mb, old_lp[j], mask, sums)
                 ref, old = ref_lp[j], old_lp[j]
                 if ref is None or old is None:
                     raise TrainingError(f"micro-batch {j} lost its π_ref/π_old log-probs (internal error)")
@@ -316,91 +318,10 @@ class PivotRLTrainer:
         tot, ratio_min, ratio_max = sums.reduce()
         self.step += 1
         elapsed = time.perf_counter() - t_start
-        n = max(tot["actions"], 1.0)
-        nr = max(tot["ratio_actions"], 1.0)
-        flat_rewards = torch.tensor([r for g in groups for r in g.rewards], dtype=torch.float64)
-        metrics = {
-            "step": float(self.step),
-            "groups": float(len(groups)),
-            "actions": float(num_actions),
-            "groups_trained": float(len(trainable)),
-            "reward_mean": float(flat_rewards.mean()),
-            "reward_std": float(flat_rewards.std(correction=0)),
-            "zero_variance_frac": sum(zero_var) / len(groups),
-            "loss": tot["loss_first"],
-            "loss_last": tot["loss_last"],
-            "surrogate": tot["surrogate"] / n,
-            "kl": tot["kl"] / n,
-            "kl_term": tot["kl_term"] / n,
-            "kl_penalty": s.beta * tot["kl_term"] / n,
-            "entropy": tot["entropy_sum"] / max(tot["action_tokens"], 1.0),
-            "ratio_mean": tot["ratio_sum"] / nr if tot["ratio_actions"] else 1.0,
-            "ratio_min": ratio_min if math.isfinite(ratio_min) else 1.0,
-            "ratio_max": ratio_max if math.isfinite(ratio_max) else 1.0,
-            "clip_frac_high": tot["clip_high"] / nr,
-            "clip_frac_low": tot["clip_low"] / nr,
-            "clip_frac": (tot["clip_high"] + tot["clip_low"]) / nr,
-            "log_ratio_clamped": tot["log_ratio_clamped"],
-            "grad_norm": sum(grad_norms) / len(grad_norms) if grad_norms else 0.0,
-            "grad_norm_max": max(grad_norms) if grad_norms else 0.0,
-            "updates": float(len(grad_norms)),
-            "action_tokens": tot["action_tokens"],
-            "tokens": tot["tokens"],
-            "ref_tokens": tot["ref_tokens"],
-            "step_time_s": elapsed,
-            "trainer_s": elapsed,
-            **self._speed(tot["tokens"], tot["ref_tokens"], tot["policy_flop"] + tot["ref_flop"], elapsed, world),
-        }
-        if tot["mismatch_tokens"]:  # sampler (engine) vs trainer π_old on the sampled tokens
-            metrics["sampler_mismatch_mean_abs"] = tot["mismatch_abs"] / tot["mismatch_tokens"]
-            metrics["sampler_log_ratio_mean"] = tot["mismatch_log_ratio"] / max(tot["mismatch_actions"], 1.0)
-        if tot["tis_actions"]:
-            metrics["tis_weight_mean"] = tot["tis_weight_sum"] / tot["tis_actions"]
-        return metrics
-
-    def _sampler_terms(self, groups: Sequence[Group], mb: Sequence[int], old: torch.Tensor, mask: torch.Tensor,
-                       sums: MetricSums) -> torch.Tensor | None:
-        """Mismatch sums of one micro-batch between the engine's sampled log-probs and the trainer's
-        π_old (when every group of it carries them), and its TIS weights (B,) when ``tis_cap`` is set.
-        Raises DataError when ``tis_cap`` is set and a group lacks the sampler's log-probs."""
-        cap = getattr(self.settings, "tis_cap", None)
-        missing = [groups[i].state_id for i in mb if groups[i].sampler_logprobs is None]
-        if missing:
-            if cap is not None:
-                raise DataError(f"training.tis_cap is set but group {missing[0]!r} has no sampler log-probs "
-                                "(the rollout engine's per-token log-probs of its actions)")
-            return None
-        rows = [torch.tensor(lp, dtype=torch.float64) for i in mb for lp in groups[i].sampler_logprobs]
-        sampler = torch.zeros(old.shape, dtype=torch.float64)
-        for r, lp in enumerate(rows):
-            sampler[r, : min(len(lp), old.shape[1])] = lp[: old.shape[1]]
-        sampler = sampler.to(old.device)
-        m = sampler_mismatch(old, sampler, mask)
-        sums.add("mismatch_abs", m["abs_sum"])
-        sums.add("mismatch_tokens", m["tokens"])
-        sums.add("mismatch_log_ratio", m["log_ratio_sum"])
-        sums.add("mismatch_actions", m["actions"])
-        if cap is None:
-            return None
-        w = truncated_is_weights(old, sampler, mask, cap, log_ratio_clamp=LOG_RATIO_CLAMP)
-        sums.add("tis_weight_sum", float(w.sum()))
-        sums.add("tis_actions", float(w.numel()))
-        return w
-
-    def _speed(self, tokens: float, ref_tokens: float, flop: float, elapsed: float, world: int) -> dict[str, float]:
-        """The step's speed: ``policy_tokens_per_s`` (forward+backward), ``ref_tokens_per_s`` (π_ref,
-        forward only), ``model_tflop`` (model FLOPs of both, pivotrl.runtime.mfu), ``threads`` (torch
-        threads × ranks) and, with a calibrated peak, ``peak_gflops`` (per-thread peak × threads)
-        and ``mfu`` (model FLOP/s over that peak)."""
-        threads = torch.get_num_threads() * world
-        out = {"policy_tokens_per_s": tokens / elapsed if elapsed > 0 else 0.0,
-               "ref_tokens_per_s": ref_tokens / elapsed if elapsed > 0 else 0.0,
-               "model_tflop": flop / 1e12, "threads": float(threads)}
-        util = mfu(flop, elapsed, self.peak_gflops_per_thread, threads)
-        if util is not None and self.peak_gflops_per_thread:
-            out["peak_gflops"] = self.peak_gflops_per_thread * threads
-            out["mfu"] = util
-        return out
+        return step_metrics(tot, ratio_min, ratio_max, groups, step=self.step, actions=num_actions,
+                            groups_trained=len(trainable), beta=s.beta, grad_norms=grad_norms, elapsed=elapsed,
+                            speed=speed_metrics(tot["tokens"], tot["ref_tokens"], tot["policy_flop"] + tot["ref_flop"],
+                                                elapsed, world, self.peak_gflops_per_thread))
 
     # ------------------------------------------------------------------ inspection / export
     def old_policy_logprobs(self, prompt_ids: Sequence[int], action_ids: Sequence[int]) -> list[float]:
