@@ -1,5 +1,5 @@
 """The pipeline stages end to end on the smoke config (tiny random model, real BFCL records), the
-training stage as a 2-rank process group, the Prefect flow and its cross-run cache, and the
+training stage as a 2-rank process group, the Prefect flow and its cross-run reuse, and the
 multi-node config's launch command."""
 
 from __future__ import annotations
@@ -100,7 +100,7 @@ def test_second_run_reuses_every_artifact(smoke_run):
         (demos["key"], ref.ref_hash, probe.pivots_key, train.train_key, ev.eval_key)
     after = {k: store.read_manifest(k).created_at for k in before}
     assert after == before  # nothing was rewritten
-    # The Prefect tasks' cache keys (pivotrl.pipeline.keys) are the keys these stages wrote under.
+    # The keys the Prefect tasks look up and lease (pivotrl.pipeline.keys) are the keys these stages wrote under.
     from pivotrl.pipeline.keys import stage_key
 
     assert [stage_key("demonstrations", cfg, store), stage_key("probe", cfg, store, {"demos": demos, "reference": ref}),
@@ -128,7 +128,7 @@ def _copy_root(src: Path, dst: Path) -> Path:
     import shutil
 
     shutil.copytree(src, dst, ignore=lambda d, names: [n for n in names if Path(d) == Path(src)
-                                                       and n in ("eval", ".prefect-results", "logs")])
+                                                       and n in ("eval", "logs")])
     return dst
 
 
