@@ -30,7 +30,7 @@ import pandas as pd
 from pivotrl.config import RunConfig
 from pivotrl.data.schema import Message, Trajectory
 from pivotrl.core.hashing import canonical_json, content_hash
-from pivotrl.core.errors import DataError
+from pivotrl.core.errors import DataError, StorageError
 from pivotrl.storage import ArtifactStore
 
 DATA_FORMAT_VERSION = 2  # 2: candidates refer to their trajectory's history (history_len)
@@ -100,55 +100,73 @@ def flag_kinds(flagged: list[Any]) -> dict[str, int]:
 
 
 def bad_records(quarantine: list[dict[str, Any]]) -> int:
-    """How many entries of ``quarantine`` are bad records: its notes (``"note": true``, e.g. "all 2
-    records of data.sources.0 were quarantined") are not counted."""
+    """How many entries of ``quarantine`` are bad records: its notes (``"note": true``, one for each
+    source that gave no trajectory, e.g. "data.sources[0] (a.parquet) gave no trajectories: ...")
+    are not counted."""
     return sum(1 for q in quarantine if not q.get("note"))
 
 
 def load_sources(cfg: RunConfig, quarantine: list[dict[str, Any]],
                  origins: dict[str, str] | None = None) -> list[Trajectory]:
     """Load every configured source; invalid records raise or go to ``quarantine``. ``origins``,
-    when given, gets each trajectory id's source (``"data.sources.<i> (<url or categories>)"``)."""
-    from pivotrl.data.audit import audit_parser
-    from pivotrl.bfcl.data import load_bfcl
-    from pivotrl.data.sources import load_trajectories
+    when given, gets each trajectory id's source (``"data.sources[<i>] (<url or categories>)"``).
+
+    A source that gives no trajectory (all its records bad, none at all, a file that cannot be read,
+    a table without a required column) raises DataError; with ``data.on_invalid: quarantine`` it is
+    a note in ``quarantine`` instead (``"record": "source"``, ``"note": true``, the reason as its
+    ``error``) and the other sources go on. DataError naming every such source when none is left.
+    """
+    from pivotrl.core.retry import is_transient
 
     trajs: list[Trajectory] = []
+    lost: list[str] = []
     for i, src in enumerate(cfg.data.sources):
-        before = len(quarantine)
-        if src.kind == "bfcl":
-            got = load_bfcl(
-                src.categories,
-                cache_dir(cfg),
-                limit_per_category=src.limit_per_category,
-                on_invalid=cfg.data.on_invalid,
-                quarantine=quarantine,
-            )
-            name = f"bfcl categories {', '.join(src.categories)}"
-        else:
-            got = load_trajectories(src.url, on_invalid=cfg.data.on_invalid, quarantine=quarantine,
-                                    tool_parser=audit_parser(cfg.prompt.tool_parser))
-            name = src.url
+        before, why = len(quarantine), ""
+        name = f"bfcl categories {', '.join(src.categories)}" if src.kind == "bfcl" else src.url
+        try:
+            got = _load_source(cfg, src, quarantine)
+        except (DataError, StorageError) as e:  # the source as a whole: unreadable, a column missing …
+            if cfg.data.on_invalid != "quarantine" or is_transient(e):  # a retry may read it
+                raise
+            got, why = [], str(e)
         if not got:
-            bad = len(quarantine) - before
+            bad = bad_records(quarantine[before:])
             first = quarantine[before].get("error", "") if bad else ""
-            if bad and cfg.data.on_invalid == "quarantine":  # reported (counts, quarantine.jsonl), not fatal
-                log.warning("data.sources.%d (%s): all %d records quarantined; the first: %s", i, name, bad, first)
-                quarantine.append({"source": name, "record": "source", "id": "", "field": "record", "note": True,
-                                   "error": f"all {bad} records of data.sources.{i} were quarantined"})
-                continue
-            raise DataError(f"data.sources.{i} ({name}) gave no trajectories"
-                            + (f": all {bad} records were invalid; the first: {first}" if bad else
-                               ": the source is empty"))
+            why = why or (f"all {bad} records were invalid; the first: {first}" if bad else "the source is empty")
+            problem = f"data.sources[{i}] ({name}) gave no trajectories: {why}"
+            if cfg.data.on_invalid != "quarantine":
+                raise DataError(problem)
+            log.warning("%s", problem)  # reported (counts, quarantine.jsonl), not fatal
+            quarantine.append({"source": name, "record": "source", "id": "", "field": "source", "note": True,
+                               "error": problem})
+            lost.append(problem)
+            continue
         trajs += got
         if origins is not None:
-            origins.update({t.id: f"data.sources.{i} ({name})" for t in got})
+            origins.update({t.id: f"data.sources[{i}] ({name})" for t in got})
+    if not trajs:
+        n_bad = bad_records(quarantine)
+        head = (f"data.sources: nothing to train on, every source was quarantined ({n_bad} bad "
+                f"record{'s' if n_bad != 1 else ''} in the quarantine)")
+        raise DataError(f"{head}: {lost[0]}" if len(lost) == 1 else head + "\n  - " + "\n  - ".join(lost))
     seen: set[str] = set()
     for t in trajs:
         if t.id in seen:
             raise DataError(f"trajectory id {t.id!r} appears in more than one record")
         seen.add(t.id)
     return trajs
+
+
+def _load_source(cfg: RunConfig, src: Any, quarantine: list[dict[str, Any]]) -> list[Trajectory]:
+    from pivotrl.data.audit import audit_parser
+    from pivotrl.bfcl.data import load_bfcl
+    from pivotrl.data.sources import load_trajectories
+
+    if src.kind == "bfcl":
+        return load_bfcl(src.categories, cache_dir(cfg), limit_per_category=src.limit_per_category,
+                         on_invalid=cfg.data.on_invalid, quarantine=quarantine)
+    return load_trajectories(src.url, on_invalid=cfg.data.on_invalid, quarantine=quarantine,
+                             tool_parser=audit_parser(cfg.prompt.tool_parser))
 
 
 def cached_demonstrations(cfg: RunConfig, store: ArtifactStore) -> dict[str, Any] | None:
@@ -181,9 +199,6 @@ def build_demonstrations(cfg: RunConfig, store: ArtifactStore) -> dict[str, Any]
     trajs = load_sources(cfg, quarantine, origins)
     sp = cfg.data.split
     n_bad = bad_records(quarantine)
-    if not trajs:
-        raise DataError("data.sources: every record of every source was quarantined; nothing to train on "
-                        f"({n_bad} bad record{'s' if n_bad != 1 else ''} in the quarantine)")
     splits = split_trajectories(trajs, (sp.warm_start, sp.pivot, sp.heldout), sp.seed)
     split_of = {t.id: name for name, ts in splits.items() for t in ts}
     flagged = [t for t in trajs if is_flagged(t)]
@@ -220,7 +235,8 @@ def build_demonstrations(cfg: RunConfig, store: ArtifactStore) -> dict[str, Any]
         "skipped_too_long": too_long,
         "candidates_per_category": dict(Counter(category_name(s.category) for s in states)),
         "candidates_per_split": dict(Counter(cand_df["split"])),
-        "quarantined": n_bad,  # bad records only (a source's "all quarantined" note is no record)
+        "quarantined": n_bad,  # bad records only (a source's note is no record)
+        "quarantined_sources": len(quarantine) - n_bad,  # sources that gave no trajectory (quarantine mode)
         "flagged": len(flagged),
         "flagged_ids": sorted(t.id for t in flagged),
         "flagged_kept": bool(cfg.quality.keep_flagged),
@@ -302,7 +318,10 @@ def _source_uri(src: Any) -> dict[str, Any]:
 
     if src.kind == "bfcl":
         return {"uri": f"pypi:bfcl-eval=={BFCL_VERSION}#{','.join(src.categories)}", "sha256": BFCL_WHEEL_SHA256}
-    return {"uri": src.url, "sha256": _url_sha256(src.url)}
+    try:
+        return {"uri": src.url, "sha256": _url_sha256(src.url)}
+    except OSError:  # gone or unreadable: the source was quarantined (data.on_invalid), nothing was read
+        return {"uri": src.url, "sha256": None}
 
 
 def _url_sha256(url: str) -> str:
@@ -327,7 +346,8 @@ def _result(store: ArtifactStore, key: str, counts: dict[str, Any]) -> dict[str,
         "key": key,
         "trajectories": store.url(f"{key}/trajectories.parquet"),
         "candidates": store.url(f"{key}/candidates.parquet"),
-        "quarantine": store.url(f"{key}/quarantine.jsonl") if counts.get("quarantined") else None,
+        "quarantine": (store.url(f"{key}/quarantine.jsonl")
+                       if counts.get("quarantined") or counts.get("quarantined_sources") else None),
         "flagged": store.url(f"{key}/flagged.jsonl") if counts.get("flagged") else None,
         "counts": counts,
     }

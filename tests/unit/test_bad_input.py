@@ -139,19 +139,20 @@ def test_a_source_with_no_trajectory_is_an_error_naming_the_source(tmp_path):
     empty = tmp_path / "empty.jsonl"
     empty.write_bytes(b"\n\n")
     cfg = chat_config(tmp_path, str(empty))
-    with pytest.raises(DataError, match=r"data\.sources\.0 \(.*empty\.jsonl\) gave no trajectories: the source is empty"):
+    with pytest.raises(DataError, match=r"data\.sources\[0\] \(.*empty\.jsonl\) gave no trajectories: the source is empty"):
         build_demonstrations(cfg, ArtifactStore(cfg.run.storage_root))
     bad = tmp_path / "bad.jsonl"
     bad.write_bytes(bad_lines()[1] + b"\n" + bad_lines()[2] + b"\n")
     # In quarantine mode an all-quarantined source is reported, not fatal; with no other source
     # there is nothing left to train on, which is an error.
     cfg = chat_config(tmp_path, str(bad), "data.on_invalid=quarantine")
-    with pytest.raises(DataError, match=r"every record of every source was quarantined.*\(2 bad records in the"):
+    with pytest.raises(DataError, match=r"nothing to train on, every source was quarantined \(2 bad records in the quarantine\): "
+                       r"data\.sources\[0\] .*: all 2 records were invalid"):
         build_demonstrations(cfg, ArtifactStore(cfg.run.storage_root))
     one = tmp_path / "one.jsonl"
     one.write_bytes(bad_lines()[1] + b"\n")
     cfg = chat_config(tmp_path, str(one), "data.on_invalid=quarantine")
-    with pytest.raises(DataError, match=r"\(1 bad record in the quarantine\)$"):  # not "2 entries": its note
+    with pytest.raises(DataError, match=r"\(1 bad record in the quarantine\): "):  # not "2 entries": its note
         build_demonstrations(cfg, ArtifactStore(cfg.run.storage_root))
     assert leftovers(tmp_path / "root") == []
     ok = tmp_path / "ok.jsonl"
@@ -164,7 +165,8 @@ def test_a_source_with_no_trajectory_is_an_error_naming_the_source(tmp_path):
     assert out["counts"]["trajectories"] == 3 and out["counts"]["quarantined"] == 2  # the 2 records, not the note
     store = ArtifactStore(cfg.run.storage_root)
     lines = [json.loads(x) for x in store.read_bytes(f"{out['key']}/quarantine.jsonl").decode().splitlines()]
-    assert lines[-1]["error"] == "all 2 records of data.sources.0 were quarantined" and lines[-1]["note"] is True
+    assert lines[-1]["error"].startswith(f"data.sources[0] ({bad}) gave no trajectories: all 2 records were invalid")
+    assert lines[-1]["note"] is True and out["counts"]["quarantined_sources"] == 1
     assert len(lines) == 3 and not any(x.get("note") for x in lines[:2])
 
 
