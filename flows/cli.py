@@ -250,8 +250,9 @@ def show_config(config: str = ConfigOpt, overrides: Optional[list[str]] = SetOpt
     """Validate a config and print the values a run on this machine would use, with its hash.
 
     Checks that the model source and the local demonstration files exist; sizes the config by
-    run.sizing (the calibration kept in CACHE_DIR/calibration.json, or measured in about three seconds)
-    and marks each scaled size with what the config said and why."""
+    run.sizing (the calibration kept in CACHE_DIR/calibration.json, or measured in about three seconds;
+    the sizing line says which) and marks each scaled size with what the config said and why, and
+    run.cache_dir with the folder in use when PIVOTRL_CACHE_DIR takes its place."""
     from pivotrl.config import config_hash, dump_config
     from pivotrl.pipeline.console import precision_lines
     from pivotrl.runtime.sizing import annotate_dump, apply_sizing
@@ -259,7 +260,9 @@ def show_config(config: str = ConfigOpt, overrides: Optional[list[str]] = SetOpt
     cfg = _load(config, overrides)
     _preflight(cfg, storage=False)  # the model and local data files exist (the storage root is not touched)
     sized, sizing = apply_sizing(cfg, [o.split("=", 1)[0] for o in overrides or []])
-    typer.echo(annotate_dump(dump_config(sized), sizing))
+    used, configured = cfg.run.local_cache(), Path(cfg.run.cache_dir).expanduser()
+    notes = {"run.cache_dir": f"in use: {used} (PIVOTRL_CACHE_DIR takes its place)"} if used != configured else {}
+    typer.echo(annotate_dump(dump_config(sized), sizing, notes))
     typer.echo(f"# {sizing.line()}")
     for line in precision_lines(sized, measure=False):
         typer.echo(f"# {line}")

@@ -65,7 +65,9 @@ SCALED: tuple[tuple[str, str, int], ...] = (
 class Sizing:
     """What sizing decided: ``mode`` ("auto" | "fixed" | "cuda"), the measured ``gflops`` (None when
     not measured), the ``predicted_minutes`` of the unscaled run, the ``tier`` applied, the keys it
-    ``changed`` (dotted key → [configured, applied]) and the keys left alone as ``explicit``."""
+    ``changed`` (dotted key → [configured, applied]) and the keys left alone as ``explicit``;
+    ``calibration``: where the measurement came from, ``"measured"`` (now) or the calibration file
+    it was read from (:data:`CALIBRATION_FILE` under the cache folder), ``measured_at`` when it was taken."""
 
     mode: str
     gflops: float | None = None
@@ -74,6 +76,7 @@ class Sizing:
     changed: dict[str, list[int]] | None = None
     explicit: tuple[str, ...] = ()
     measured_at: str | None = None
+    calibration: str | None = None
 
     def record(self) -> dict[str, Any]:
         """JSON-able form for logs and manifests."""
@@ -83,7 +86,9 @@ class Sizing:
         """One line for the console."""
         if self.mode != "auto":
             return f"sizing: {self.mode} (the config's sizes)"
-        head = (f"sizing: auto, {self.gflops:.0f} GFLOP/s measured (reference class {REFERENCE['gflops']:.0f}), "
+        where = ("measured now" if self.calibration in (None, "measured") else
+                 f"read from {self.calibration}" + (f" (measured {self.measured_at})" if self.measured_at else ""))
+        head = (f"sizing: auto, {self.gflops:.0f} GFLOP/s {where} (reference class {REFERENCE['gflops']:.0f}), "
                 f"default run predicted {self.predicted_minutes:.0f} min")
         if not self.changed:
             return head + ", the config's sizes fit"
@@ -94,6 +99,8 @@ class Sizing:
 #: Names the calibration's method in its cache key: a machine calibrated by an earlier method (one
 #: second of matmuls) is measured again once.
 CALIBRATION_METHOD = "best of 3 s, 1024^2"
+#: The file under the cache folder that keeps each machine's calibration.
+CALIBRATION_FILE = "calibration.json"
 
 
 def measure_gflops(dtype: str, threads: int, seconds: float = 3.0, n: int = 1024) -> float:
@@ -149,22 +156,29 @@ def _machine_id(dtype: str, threads: int) -> str:
 
 def _cached_gflops(cache_dir: str, dtype: str, threads: int,
                    measure: Callable[[str, int], float]) -> tuple[float, str]:
-    """The machine's measurement from ``<cache_dir>/calibration.json``, measured and kept when absent."""
-    path = Path(os.path.expanduser(cache_dir)) / "calibration.json"
+    """``(gflops, measured_at)`` of :func:`_calibration`."""
+    return _calibration(cache_dir, dtype, threads, measure)[:2]
+
+
+def _calibration(cache_dir: str, dtype: str, threads: int,
+                 measure: Callable[[str, int], float]) -> tuple[float, str, str]:
+    """``(gflops, measured_at, where)``: the machine's measurement from ``<cache_dir>/calibration.json``
+    (``where`` = that file), measured and kept when absent (``where`` = ``"measured"``)."""
+    path = Path(os.path.expanduser(cache_dir)) / CALIBRATION_FILE
     key = _machine_id(dtype, threads)
     try:
         known = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         known = {}
     if isinstance(known, dict) and isinstance(known.get(key), dict) and "gflops" in known[key]:
-        return float(known[key]["gflops"]), str(known[key].get("measured_at", ""))
+        return float(known[key]["gflops"]), str(known[key].get("measured_at", "")), str(path)
     gflops = float(measure(dtype, threads))
     stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     known = known if isinstance(known, dict) else {}
     known[key] = {"gflops": round(gflops, 2), "dtype": dtype, "threads": threads, "measured_at": stamp}
     with atomic_file(path) as tmp:
         tmp.write_text(json.dumps(known, indent=1, sort_keys=True) + "\n", encoding="utf-8")
-    return round(gflops, 2), stamp
+    return round(gflops, 2), stamp, "measured"
 
 
 def apply_sizing(cfg: Any, explicit: Sequence[str] = (), *,
@@ -184,7 +198,7 @@ def apply_sizing(cfg: Any, explicit: Sequence[str] = (), *,
         return cfg, Sizing(mode="cuda")
     dtype = resolve_precision(cfg.model.dtype, hw).dtype
     threads = 1
-    gflops, stamp = _cached_gflops(str(cfg.run.local_cache()), dtype, threads, measure or measure_gflops)
+    gflops, stamp, where = _calibration(str(cfg.run.local_cache()), dtype, threads, measure or measure_gflops)
     tier = choose_tier(gflops)
     skip = {k.strip() for k in explicit}
     changed: dict[str, list[int]] = {}
@@ -206,14 +220,16 @@ def apply_sizing(cfg: Any, explicit: Sequence[str] = (), *,
         cfg = cfg.model_copy(update={s: getattr(cfg, s).model_copy(update=u) for s, u in update.items()})
     return cfg, Sizing(mode="auto", gflops=gflops, predicted_minutes=round(predict_minutes(gflops), 1),
                        tier=tier if changed else 1.0, changed=changed or None, explicit=tuple(kept),
-                       measured_at=stamp)
+                       measured_at=stamp, calibration=where)
 
 
-def annotate_dump(text: str, sizing: Sizing) -> str:
+def annotate_dump(text: str, sizing: Sizing, notes: dict[str, str] | None = None) -> str:
     """``text`` (a config dumped by ``pivotrl.config.dump_config``) with a comment after each size
-    :func:`apply_sizing` scaled (``# scaled from 40: run.sizing auto, work x0.25``) and after each
-    it left alone because it was set explicitly."""
-    notes = {k: f"scaled from {a}: run.sizing auto, work x{sizing.tier:g}" for k, (a, _) in (sizing.changed or {}).items()}
+    :func:`apply_sizing` scaled (``# scaled from 40: run.sizing auto, work x0.25``), after each
+    it left alone because it was set explicitly, and after each dotted key of ``notes`` (its note)."""
+    notes = dict(notes or {})
+    notes.update({k: f"scaled from {a}: run.sizing auto, work x{sizing.tier:g}"
+                  for k, (a, _) in (sizing.changed or {}).items()})
     notes.update({k: "set explicitly: not scaled" for k in sizing.explicit})
     out, section = [], ""
     for line in text.splitlines():

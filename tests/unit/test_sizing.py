@@ -75,7 +75,38 @@ def test_reference_class_fixed_mode_and_overrides_leave_the_config_alone(tmp_pat
     (tmp_path / "b" / "cache").mkdir(parents=True)
     lines = []
     out = sized_config(slow, keys, echo=lines.append)  # measures this machine for real (about a second)
-    assert out == slow and lines[0].startswith("sizing: auto, ") and "GFLOP/s measured" in lines[0]
+    assert out == slow and lines[0].startswith("sizing: auto, ") and "GFLOP/s measured now" in lines[0]
+
+
+def test_the_sizing_line_says_whether_the_calibration_was_measured_now_or_read_from_its_file(tmp_path):
+    cfg = _cfg(tmp_path)
+    _, first = apply_sizing(cfg, measure=lambda *a: AVX2_FP32)
+    _, again = apply_sizing(cfg, measure=lambda *a: pytest.fail("measured a second time"))
+    calibration = tmp_path / "cache" / "calibration.json"
+    assert first.calibration == "measured" and again.calibration == str(calibration)
+    assert first.line().startswith("sizing: auto, 96 GFLOP/s measured now (reference class 206)")
+    assert again.line().startswith(f"sizing: auto, 96 GFLOP/s read from {calibration} (measured "
+                                   f"{first.measured_at}) (reference class 206)")
+    assert first.measured_at == again.measured_at
+
+
+def test_pivotrl_config_shows_the_cache_folder_in_use(tmp_path, monkeypatch):
+    """``run.cache_dir`` as configured (what a run reads back), with the folder in use beside it when
+    PIVOTRL_CACHE_DIR takes its place (it showed ~/.cache/pivotrl alone before)."""
+    from typer.testing import CliRunner
+
+    from pivotrl.flows.cli import app
+
+    args = ["config", "--config", "configs/default.yaml", "--set", "run.sizing=fixed"]
+    monkeypatch.setenv("PIVOTRL_CACHE_DIR", str(tmp_path / "env-cache"))
+    out = CliRunner().invoke(app, args)
+    assert out.exit_code == 0, out.output
+    assert (f"  cache_dir: ~/.cache/pivotrl  # in use: {tmp_path / 'env-cache'} (PIVOTRL_CACHE_DIR takes its "
+            "place)") in out.output.splitlines()
+    monkeypatch.delenv("PIVOTRL_CACHE_DIR")
+    out = CliRunner().invoke(app, [*args, "--set", f"run.cache_dir={tmp_path / 'cache'}"])
+    assert out.exit_code == 0, out.output
+    assert f"  cache_dir: {tmp_path / 'cache'}" in out.output.splitlines()  # the folder in use: no note
 
 
 def test_smoke_config_is_fixed():
@@ -98,7 +129,10 @@ def test_pivotrl_config_prints_the_sized_values_and_why(tmp_path, monkeypatch):
     assert "  max_states: 80  # scaled from 160: run.sizing auto, work x0.5" in lines
     assert "  epochs: 1  # scaled from 2: run.sizing auto, work x0.5" in lines
     assert "  max_steps: 10  # set explicitly: not scaled" in lines
-    assert any(line.startswith("# sizing: auto, 96 GFLOP/s measured") and "work x0.5" in line for line in lines)
+    # the calibration came from the file, and the line says so (not "measured")
+    calibration = tmp_path / "cache" / "calibration.json"
+    assert any(line.startswith(f"# sizing: auto, 96 GFLOP/s read from {calibration} (measured 20")
+               and "work x0.5" in line for line in lines), lines
     sized, _ = apply_sizing(_cfg(tmp_path, "training.max_steps=10"), ["run.cache_dir", "training.max_steps"])
     assert f"# config hash: {config_hash(sized)} (as configured, before sizing: " in out.output
     # what is printed is what a run reads back
