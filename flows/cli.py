@@ -102,8 +102,8 @@ def _prepared(config: str, overrides: Optional[list[str]], cfg) -> dict[str, Any
                            echo=typer.echo).model_dump(mode="json")
 
 
-def _preflight(cfg, storage: bool = True) -> None:
-    """Checks that need no stage to run: the model source, the local demonstration files and every
+def _preflight(cfg, storage: bool = True, model: bool = True) -> None:
+    """Checks that need no stage to run: the model source (``model``), the local demonstration files and every
     other local file the config names (chat template, hostfile: pivotrl.config.files) exist, the local
     cache folder takes a write (pivotrl.storage.check.check_cache_dir), and
     (``storage``) the storage root's credentials, endpoint and bucket work and take a write, and the
@@ -116,7 +116,8 @@ def _preflight(cfg, storage: bool = True) -> None:
 
     problems = []
     try:
-        check_model_source(cfg.model.source)
+        if model:
+            check_model_source(cfg.model.source)
     except ModelError as e:
         smoke = Path(cfg.model.source).as_posix().rstrip("/").endswith("runs/models/tiny")
         problems.append(f"model error: {e}" + ("\n(the smoke config's tiny model is created by `make smoke`)"
@@ -212,6 +213,7 @@ def demos(config: str = ConfigOpt, overrides: Optional[list[str]] = SetOpt,
     from pivotrl.pipeline.demos import build_demonstrations
 
     cfg = _load(config, overrides)
+    _preflight(cfg, model=lengths)  # as run and probe do; the model only when --lengths tokenizes with it
     store = make_store(cfg)
     out = build_demonstrations(cfg, store)
     typer.echo(json.dumps(out["counts"], indent=2))
