@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import textwrap
 from typing import Any, Mapping, Sequence
 
@@ -32,7 +33,7 @@ def key_lines(text: str, duplicates: list[str] | None = None) -> dict[tuple[Any,
                 if isinstance(key, yaml.ScalarNode):
                     here = (*path, key.value)
                     if here in out and duplicates is not None:
-                        name = ".".join(str(k) for k in here)
+                        name = "".join(f"[{k}]" if isinstance(k, int) else f".{k}" for k in here).lstrip(".")
                         duplicates.append(f"line {key.start_mark.line + 1}: {name} (also at line {out[here]})")
                     out.setdefault(here, key.start_mark.line + 1)
                     walk(value, here)
@@ -91,9 +92,11 @@ def _apply_override(data: dict[str, Any], override: str) -> None:
 
     tp: Any = RunConfig
     node: Any = data
+    shown = ""  # the key so far as every message writes it: a list index in brackets (data.sources[0])
     for i, key in enumerate(keys):
         last = i == len(keys) - 1
-        here = ".".join(keys[: i + 1])
+        parent = shown
+        here = shown = f"{shown}[{key}]" if isinstance(node, list) else f"{shown}.{key}" if shown else key
         if isinstance(node, list):
             if not key.isdigit() or int(key) >= len(node):
                 raise ConfigError(f"override {override!r}: {here} is not an index of a list of {len(node)}")
@@ -105,13 +108,13 @@ def _apply_override(data: dict[str, Any], override: str) -> None:
             node, tp = node[idx], None  # union item: pydantic checks its keys
             continue
         if not isinstance(node, dict):
-            raise ConfigError(f"override {override!r}: {'.'.join(keys[:i])} is not a mapping")
+            raise ConfigError(f"override {override!r}: {parent} is not a mapping")
         models = models_of(tp) if tp is not None else []
         if models:
             owner = next((m for m in models if key in m.model_fields), None)
             if owner is None:
                 valid = list(models[0].model_fields)
-                section = ".".join(keys[:i]) or "the top level"
+                section = parent or "the top level"
                 raise ConfigError(f"override {override!r}: unknown key {here!r}; valid keys of {section}: "
                                   f"{', '.join(valid)}" + did_you_mean(key, valid))
             tp = owner.model_fields[key].annotation
@@ -170,7 +173,7 @@ def load_config(path_or_url: str | None, overrides: Sequence[str] = ()) -> RunCo
     for override in overrides:
         _apply_override(data, override)
     # Name the overridden keys, never their values (a value could be a secret pasted by mistake).
-    keys = ", ".join(o.split("=", 1)[0].strip() for o in overrides)
+    keys = ", ".join(re.sub(r"\.(\d+)(?=\.|$)", r"[\1]", o.split("=", 1)[0].strip()) for o in overrides)
     source = path_or_url if not overrides else f"{path_or_url or '(defaults)'} with overrides of {keys}"
     # Lines of the file's keys, except where an override replaced the value (its line is not the cause).
     changed = [tuple(int(k) if k.isdigit() else k for k in o.split("=", 1)[0].strip().split(".")) for o in overrides]

@@ -211,7 +211,7 @@ def test_unknown_override_key_is_named():
     assert "unknown key 'training.betaa'" in msg and "valid keys of training: group_size, epsilon, beta," in msg
     with pytest.raises(ConfigError, match="expected dotted.key=value"):
         load_config(None, ["training.beta"])
-    with pytest.raises(ConfigError, match=r"data.sources.5 is not an index of a list of 2"):
+    with pytest.raises(ConfigError, match=r"data\.sources\[5\] is not an index of a list of 2"):
         load_config(None, ["data.sources.5.limit_per_category=1"])
 
 
