@@ -157,8 +157,11 @@ def load_config(path_or_url: str | None, overrides: Sequence[str] = ()) -> RunCo
     data = _parse_yaml(text, path_or_url) if path_or_url is not None else {}
     duplicates: list[str] = []
     file_lines = key_lines(text, duplicates)
+    if len(duplicates) == 1:
+        raise ConfigError(f"config {path_or_url}: a key written twice (YAML would keep the last one silently; "
+                          f"remove the other): {duplicates[0]}")
     if duplicates:
-        raise ConfigError(f"config {path_or_url}: {len(duplicates)} key(s) written twice (YAML would keep the "
+        raise ConfigError(f"config {path_or_url}: {len(duplicates)} keys written twice (YAML would keep the "
                           "last one silently; remove the other)\n  - " + "\n  - ".join(duplicates))
     if data is None and path_or_url is not None:
         # An empty file (or one of comments only) loads as None: never taken for the full default run.

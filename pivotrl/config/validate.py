@@ -183,8 +183,9 @@ def _config_error(exc: ValidationError, source: str | None, data: Any = None,
     located.sort(key=lambda lp: (lp[0] is None, lp[0] or 0))
     problems = [text for _, text in located]
     where = f" {source}" if source else ""
-    head = f"invalid config{where}: {len(problems)} problem{'s' if len(problems) != 1 else ''}"
-    return ConfigError(head + "\n  - " + "\n  - ".join(problems))
+    if len(problems) == 1:  # one fault, one line
+        return ConfigError(f"invalid config{where}: {problems[0]}")
+    return ConfigError(f"invalid config{where}: {len(problems)} problems\n  - " + "\n  - ".join(problems))
 
 
 # --------------------------------------------------------------------------------- loading
@@ -209,7 +210,8 @@ def parse_config(data: Mapping[str, Any] | None, source: str | None = None,
 
     The same mapping (by canonical JSON) is validated once per process; later calls return the
     same frozen RunConfig. Raises ConfigError listing every problem (key path, value, rule);
-    ``source`` names the file, ``lines`` (key path → 1-based line, from
+    one problem is one line (``invalid config FILE: line 3: key = value: rule``), several a header
+    and a line each; ``source`` names the file, ``lines`` (key path → 1-based line, from
     :func:`pivotrl.config.load.key_lines`) puts the file's line before each problem it locates.
     """
     if data is None:

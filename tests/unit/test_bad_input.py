@@ -352,7 +352,7 @@ def test_a_config_with_wrong_types_names_every_key(tmp_path):
 def test_a_stage_spec_with_a_bad_config_is_a_config_error(tmp_path):
     from pivotrl.pipeline.entry import run_stage
 
-    with pytest.raises(ConfigError, match=r"the probe stage spec: 1 problem\n  - probing\.num_probes = 1: must be ≥ 2"):
+    with pytest.raises(ConfigError, match=r"^invalid config the probe stage spec: probing\.num_probes = 1: must be ≥ 2"):
         run_stage("probe", {"probing": {"num_probes": 1}}, {})
     with pytest.raises(ConfigError, match="unknown stage 'sample'; valid: demonstrations, reference, probe, train, evaluate"):
         run_stage("sample", {}, {})

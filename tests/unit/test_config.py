@@ -31,8 +31,11 @@ CONFIGS = ["default", "smoke", "multinode-gpu"]
 
 
 def _problems(exc: ConfigError) -> list[str]:
-    """The problems of a config error, without the file line each may start with."""
-    return [re.sub(r"^line \d+: ", "", line[4:]) for line in str(exc).splitlines() if line.startswith("  - ")]
+    """The problems of a config error (one line for one problem, else a header and a line each),
+    without the file line each may start with."""
+    lines = str(exc).splitlines()
+    problems = [line[4:] for line in lines[1:]] if len(lines) > 1 else [lines[0].split(": ", 1)[1]]
+    return [re.sub(r"^line \d+: ", "", p) for p in problems]
 
 
 def _all_models(cls: type[BaseModel], seen: set[type] | None = None) -> set[type[BaseModel]]:

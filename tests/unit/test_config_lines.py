@@ -15,7 +15,7 @@ def test_a_key_written_twice_is_an_error_naming_both_lines(tmp_path):
     with pytest.raises(ConfigError) as e:
         load_config(str(path))
     lines = str(e.value).splitlines()
-    assert lines[0] == f"config {path}: 2 key(s) written twice (YAML would keep the last one silently; remove the other)"
+    assert lines[0] == f"config {path}: 2 keys written twice (YAML would keep the last one silently; remove the other)"
     assert lines[1:] == ["  - line 4: training.lr (also at line 2)", "  - line 7: training (also at line 1)"]
 
 
@@ -49,3 +49,33 @@ def test_each_problem_names_its_line_in_the_file_unless_an_override_set_it(tmp_p
     path.write_text("data:\n  sources:\n    - kind: chat\n", encoding="utf-8")
     with pytest.raises(ConfigError, match=r"line 3: data\.sources\[0\]\.url: required key is missing"):
         load_config(str(path))
+
+
+def test_a_config_error_with_one_problem_is_one_line(tmp_path):
+    """Faults end in one line: one problem is ``invalid config FILE: line N: …``, not a header and a
+    list of one; several keep the header and a line each."""
+    path = tmp_path / "one.yaml"
+    path.write_text("probing:\n  num_probes: 1\n", encoding="utf-8")
+    with pytest.raises(ConfigError) as e:
+        load_config(str(path))
+    assert str(e.value) == f"invalid config {path}: line 2: probing.num_probes = 1: must be ≥ 2 (σ̂² needs two probes)"
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["probing.num_probes=1"])
+    assert str(e.value) == ("invalid config (defaults) with overrides of probing.num_probes: probing.num_probes = 1: "
+                            "must be ≥ 2 (σ̂² needs two probes)")
+    path.write_text("training:\n  lr: 1.0e-5\n  lr: 2.0e-5\n", encoding="utf-8")
+    with pytest.raises(ConfigError) as e:
+        load_config(str(path))
+    assert str(e.value) == (f"config {path}: a key written twice (YAML would keep the last one silently; remove the "
+                            "other): line 3: training.lr (also at line 2)")
+    path.write_text("probing:\n  num_probes: 1\n  lambda_diff: 0\n", encoding="utf-8")
+    with pytest.raises(ConfigError) as e:
+        load_config(str(path))
+    assert str(e.value).splitlines()[0] == f"invalid config {path}: 2 problems" and len(str(e.value).splitlines()) == 3
+    # the command line prints it as it is: one line
+    from typer.testing import CliRunner
+
+    from pivotrl.flows.cli import app
+
+    out = CliRunner().invoke(app, ["config", "--set", "probing.num_probes=1"])
+    assert out.exit_code == 2 and out.output.strip().count("\n") == 0, out.output
