@@ -15,7 +15,8 @@ replayed twice: failing calls and replays that do not reproduce are listed in
 ``meta["audit_flags"]`` (:mod:`pivotrl.data.audit`), and so are *no-op* gold calls: a call of a
 method that changes the environment's state in some gold replay of the category's file but
 leaves it unchanged here (logging in when logged in, adding a stock already on the watchlist,
-setting a budget to its value, "Already retweeted").
+setting a budget to its value, "Already retweeted"), gold values the history does not hold, and
+gold free text that contradicts what it says it is (:mod:`pivotrl.data.claims`).
 
 :func:`multi_turn_trajectory` converts one record (DataError naming the record and field when it does
 not convert); :func:`mutating_methods` finds, over a category's whole file, the methods whose gold
@@ -40,6 +41,7 @@ from pivotrl.data.audit import (
     failure_status,
     not_in_history_flags,
 )
+from pivotrl.data.claims import claim_flags
 from pivotrl.data.schema import Message, ToolCall, ToolSpec, Trajectory
 from pivotrl.format.actions import format_call, parse_call
 
@@ -90,8 +92,9 @@ def multi_turn_trajectory(
     """One multi-turn task (module docstring). ``mutating``: the methods that change the state in
     some gold replay of the category (a call of one that changes nothing is flagged a no-op);
     ``effects``, when given, gets (method, changed the state) for each gold call;
-    ``against_ground_truth``: compare every turn with BFCL's checker and flag gold values the
-    history does not hold (:mod:`pivotrl.data.audit`)."""
+    ``against_ground_truth``: compare every turn with BFCL's checker, flag gold values the history
+    does not hold (:mod:`pivotrl.data.audit`) and free text that contradicts what it says it is
+    (:mod:`pivotrl.data.claims`)."""
     classes = record.get("involved_classes")
     if not isinstance(classes, list) or not classes:
         raise DataError(f"{where}.involved_classes: missing or empty")
@@ -117,6 +120,8 @@ def multi_turn_trajectory(
     # The text the model has seen before each gold call (pivotrl.data.audit, "Not in the history").
     visible = [json.dumps([{"name": t.name, "description": t.description, "parameters": t.parameters}
                            for t in tools])]
+    users: list[str] = []  # the user turns so far, and (tool, output) of every call so far (pivotrl.data.claims)
+    earlier: list[tuple[str, str]] = []
     # BFCL's checker on the ground truth, turn by turn (its instances are released on leaving).
     ground_truth = GroundTruthChecker(env_ctx, str(record.get("id")), docs.root) if against_ground_truth else None
     with ground_truth or contextlib.nullcontext() as checker:
@@ -124,6 +129,7 @@ def multi_turn_trajectory(
             question = question_messages(record, turn, where)
             messages.extend(question)
             visible.extend(m.content or "" for m in question)
+            users.extend(m.content or "" for m in question if m.role == "user")
             if not isinstance(turn_calls, list):
                 raise DataError(f"{where}.ground_truth[{turn}]: expected a list of call strings")
             for k, text in enumerate(turn_calls):
@@ -140,6 +146,8 @@ def multi_turn_trajectory(
                 if checker is not None:
                     turn_flags.extend(not_in_history_flags(f"turn {turn} call {k}", format_call(call),
                                                            call.arguments, "\n".join(visible)))
+                    turn_flags.extend(claim_flags(f"turn {turn} call {k}", format_call(call), call.arguments,
+                                                  users, earlier))
                 before = _state(env)
                 output = env.execute(call)
                 changed = _state(env) != before
@@ -154,6 +162,7 @@ def multi_turn_trajectory(
                 messages.append(Message(role="assistant", tool_calls=(call,)))
                 messages.append(Message(role="tool", content=output, tool_call_id=call.id, name=call.name))
                 visible.extend([json.dumps(dict(call.arguments)), output])
+                earlier.append((call.name, output))
             messages.append(Message(role="assistant", content=CLOSING_TEXT))
             if checker is not None:
                 theirs = checker.turn(turn_calls)

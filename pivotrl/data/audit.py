@@ -44,6 +44,10 @@ BFCL multi-turn gold (:func:`failure_status`, :func:`audit_bfcl_replay`)
     (they may be computed, e.g. ``79.pdf`` from ``"79.00 B"``). A value that fails is flagged
     ``not in the history`` with the token that is nowhere.
 
+    *Free text against its claim* (:mod:`pivotrl.data.claims`): a gold string argument that is a
+    tool output altered, differs from the user's quote, states another number or name than the user
+    dictated, or lacks the text the user asked it to include.
+
     Flags go to ``trajectory.meta["audit_flags"]`` (one string each, naming turn, call and reason).
     A flagged task stays loadable but is kept out of the warm start, the pivot candidates and the
     evaluation unless ``quality.keep_flagged`` is set.

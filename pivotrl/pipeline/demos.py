@@ -5,10 +5,10 @@ Outputs (under ``demos/<key>/``):
 - ``quarantine.jsonl``: skipped invalid records (only when ``data.on_invalid = "quarantine"``);
 - ``flagged.jsonl``: tasks the data audit flagged (``pivotrl.data.audit``: failing gold calls,
   no-op gold calls, replays that do not reproduce, turns that do not reach BFCL's ground truth,
-  gold values the history does not hold; counted by kind in ``counts["flags_by_kind"]``,
-  :func:`flag_kind`), one ``{"id", "category", "flags"}`` per line (only when some are);
-  unless ``quality.keep_flagged`` they get the split "flagged", so no warm start, pivot or
-  evaluation ever sees them;
+  gold values the history does not hold, gold text that contradicts what it says it is; counted
+  by kind in ``counts["flags_by_kind"]``, :func:`flag_kind`), one ``{"id", "category", "flags"}``
+  per line (only when some are); unless ``quality.keep_flagged`` they get the split "flagged", so
+  no warm start, pivot or evaluation ever sees them;
 - ``candidates.parquet``: one row per assistant turn, with its split, in the candidates form of
   ``pivotrl.data.states`` (``history_len`` refers to the trajectory's messages in
   ``trajectories.parquet``; no history is copied per state, so the table, and the memory of this
@@ -69,15 +69,18 @@ def category_name(category: Any) -> str:
 
 
 #: The kinds of audit flags, in the order ``counts["flags_by_kind"]`` lists them.
-FLAG_KINDS = ("failing_call", "no_op", "not_reproduced", "not_ground_truth", "not_in_history")
+FLAG_KINDS = ("failing_call", "no_op", "not_reproduced", "not_ground_truth", "not_in_history", "not_tool_output",
+              "not_user_quote", "not_dictated", "not_included")
 
 
 def flag_kind(flag: str) -> str:
     """The kind of one audit flag (:mod:`pivotrl.data.audit`): ``failing_call`` (an error or failure
     status), ``no_op`` (a gold call that changes nothing where it should), ``not_reproduced`` (a
     second replay differs), ``not_ground_truth`` (a turn whose replay does not reach the state or
-    outputs of BFCL's checker on the ground truth) or ``not_in_history`` (a gold value the history
-    does not hold)."""
+    outputs of BFCL's checker on the ground truth), ``not_in_history`` (a gold value the history
+    does not hold), or a gold text that contradicts what it says it is (:mod:`pivotrl.data.claims`):
+    ``not_tool_output``, ``not_user_quote``, ``not_dictated``, ``not_included``."""
+    from pivotrl.data import claims
     from pivotrl.data.audit import GROUND_TRUTH_MARK, NOT_IN_HISTORY_MARK
 
     if ": no-op: " in flag:
@@ -88,6 +91,10 @@ def flag_kind(flag: str) -> str:
         return "not_ground_truth"
     if NOT_IN_HISTORY_MARK in flag:
         return "not_in_history"
+    for kind, mark in (("not_tool_output", claims.NOT_TOOL_OUTPUT_MARK), ("not_user_quote", claims.NOT_USER_QUOTE_MARK),
+                       ("not_dictated", claims.NOT_DICTATED_MARK), ("not_included", claims.NOT_INCLUDED_MARK)):
+        if mark in flag:
+            return kind
     return "failing_call"
 
 

@@ -42,7 +42,15 @@ NOT_IN_HISTORY = ["multi_turn_base_18", "multi_turn_base_20", "multi_turn_base_3
                   "multi_turn_base_131", "multi_turn_base_132", "multi_turn_base_134", "multi_turn_base_137",
                   "multi_turn_base_138", "multi_turn_base_141", "multi_turn_base_143", "multi_turn_base_145",
                   "multi_turn_base_173"]
-FLAGGED = sorted(set(FAILING) | set(NO_OP) | set(NOT_IN_HISTORY), key=lambda i: int(i.rsplit("_", 1)[1]))
+#: ... and those whose free text contradicts what it says it is (pivotrl.data.claims), by kind: a tweet
+#: of a tool output with its words reordered (4) or its quotes stripped (30), a message that drops a
+#: word of the user's quote (168), a ticket that says 2023 where the user dictated 2026 (176), a
+#: description without the support reply the user asked it to include (187).
+CLAIMS = {"not_tool_output": ["multi_turn_base_4", "multi_turn_base_30"], "not_user_quote": ["multi_turn_base_168"],
+          "not_dictated": ["multi_turn_base_176"], "not_included": ["multi_turn_base_187"]}
+FLAGGED = sorted(set(FAILING) | set(NO_OP) | set(NOT_IN_HISTORY) | {i for ids in CLAIMS.values() for i in ids},
+                 key=lambda i: int(i.rsplit("_", 1)[1]))
+NO_CLAIMS = {"not_tool_output": 0, "not_user_quote": 0, "not_dictated": 0, "not_included": 0}
 
 
 def test_bfcl_gold_is_replayed_and_failing_tasks_are_flagged():
@@ -76,9 +84,10 @@ def test_flagged_tasks_are_counted_recorded_and_kept_out_unless_asked(tmp_path):
     out = build_demonstrations(cfg, store)
     c = out["counts"]
     assert (c["flagged"], c["flagged_ids"], c["flagged_kept"]) == (len(FLAGGED), sorted(FLAGGED), False)
-    assert c["trajectories_per_split"]["flagged"] == len(FLAGGED) == 41
+    assert c["trajectories_per_split"]["flagged"] == len(FLAGGED) == 45
     assert c["flags_by_kind"] == {"failing_call": 4, "no_op": 25, "not_reproduced": 0, "not_ground_truth": 0,
-                                  "not_in_history": 27}
+                                  "not_in_history": 27, "not_tool_output": 2, "not_user_quote": 1, "not_dictated": 1,
+                                  "not_included": 1}
     traj_df = store.read_parquet(f"{out['key']}/trajectories.parquet")
     cand = store.read_parquet(f"{out['key']}/candidates.parquet")
     assert set(traj_df[traj_df["id"].isin(FLAGGED)]["split"]) == {"flagged"}
@@ -128,7 +137,8 @@ def test_out_of_domain_categories_must_be_unseen_and_load_as_states():
 def test_audit_counts_by_kind_on_all_200_multi_turn_tasks():
     """Every kind of flag over the 200 multi_turn_base tasks (printed, then checked): which tasks and
     how many flags. Every turn's replay reaches BFCL's own checker's ground-truth state and outputs
-    (no ``not_ground_truth``); 21 tasks need a value the history does not hold."""
+    (no ``not_ground_truth``); 21 tasks need a value the history does not hold; 5 have free text that
+    contradicts what it says it is (4 of them flagged for nothing else)."""
     from collections import Counter
 
     from pivotrl.pipeline.demos import FLAG_KINDS, flag_kind
@@ -140,7 +150,9 @@ def test_audit_counts_by_kind_on_all_200_multi_turn_tasks():
                        key=lambda i: int(i.rsplit("_", 1)[1])) for k in FLAG_KINDS}
     print({k: (flags[k], len(tasks[k])) for k in FLAG_KINDS}, f"{len(FLAGGED)} tasks flagged of 200")
     assert {k: flags[k] for k in FLAG_KINDS} == {"failing_call": 4, "no_op": 25, "not_reproduced": 0,
-                                                 "not_ground_truth": 0, "not_in_history": 27}
+                                                 "not_ground_truth": 0, "not_in_history": 27, "not_tool_output": 2,
+                                                 "not_user_quote": 1, "not_dictated": 1, "not_included": 1}
+    assert {k: tasks[k] for k in CLAIMS} == CLAIMS
     assert tasks["failing_call"] == FAILING and tasks["not_in_history"] == NOT_IN_HISTORY
     assert set(tasks["no_op"]) == set(NO_OP) | {"multi_turn_base_153", "multi_turn_base_154"}
     assert tasks["not_reproduced"] == tasks["not_ground_truth"] == []
@@ -166,6 +178,10 @@ HAND_MADE = [
     ("hand_two_turns", ["MessageAPI"], {"MessageAPI": {"current_user": "USR001"}},
      ["Who is Catherine?", "Send her 'on my way'."],
      [["get_user_id(user='Catherine')"], ["send_message(receiver_id='USR003', message='on my way')"]]),
+    # The message says another thing than the user's quote (pivotrl.data.claims).
+    ("hand_misquoted", ["MessageAPI"], {"MessageAPI": {"current_user": "USR001"}},
+     ["Text USR002 'see you at noon today'."],
+     [["send_message(receiver_id='USR002', message='see you at noon tomorrow')"]]),
 ]
 
 
@@ -199,9 +215,9 @@ def hand_made_cache(tmp_path) -> Path:
 
 
 def test_hand_made_tasks_that_contradict_bfcls_ground_truth_or_the_history_are_flagged(hand_made_cache):
-    """A demonstration whose replay does not reach BFCL's own checker's state, and one whose call
-    needs an id the model was never shown, are flagged; their twins that do are not. (Before: no
-    task here was flagged.)"""
+    """A demonstration whose replay does not reach BFCL's own checker's state, one whose call needs
+    an id the model was never shown, and one whose message misquotes the user are flagged; their
+    twins that do not are not. (Before: no task here was flagged.)"""
     got = {t.id: t.meta.get("audit_flags", []) for t in load_bfcl(["multi_turn_base"], hand_made_cache)}
     assert got == {
         "hand_tuple": ["turn 0: not BFCL's ground truth: the replayed state differs in TwitterAPI.tweets"],
@@ -211,6 +227,9 @@ def test_hand_made_tasks_that_contradict_bfcls_ground_truth_or_the_history_are_f
                             "tool schemas)")],
         "hand_id_looked_up": [],
         "hand_two_turns": [],
+        "hand_misquoted": [("turn 0 call 0 \"send_message(message='see you at noon tomorrow', receiver_id='USR002')\": "
+                            "differs from the user's quote: message='see you at noon tomorrow', the user wrote "
+                            "'see you at noon today'")],
     }
     # BFCL's checker keeps its instances in a module dict; the audit removes its own.
     from bfcl_eval.eval_checker.multi_turn_eval import multi_turn_utils
@@ -223,9 +242,9 @@ def test_hand_made_flags_are_counted_by_kind_and_kept_out_by_default(hand_made_c
     cfg = _bfcl_config(tmp_path / "root")
     out = build_demonstrations(cfg, ArtifactStore(cfg.run.storage_root))
     c = out["counts"]
-    assert (c["flagged_ids"], c["flagged_kept"]) == (["hand_id_unseen", "hand_tuple"], False)
+    assert (c["flagged_ids"], c["flagged_kept"]) == (["hand_id_unseen", "hand_misquoted", "hand_tuple"], False)
     assert c["flags_by_kind"] == {"failing_call": 0, "no_op": 0, "not_reproduced": 0, "not_ground_truth": 1,
-                                  "not_in_history": 1}
+                                  "not_in_history": 1, **NO_CLAIMS, "not_user_quote": 1}
     kept = build_demonstrations(_bfcl_config(tmp_path / "root", "quality.keep_flagged=true"),
                                 ArtifactStore(cfg.run.storage_root))
     assert kept["counts"]["flagged_kept"] is True and "flagged" not in kept["counts"]["trajectories_per_split"]
