@@ -104,5 +104,5 @@ def test_a_huge_parquet_record_names_the_row(tmp_path, monkeypatch):
     pq.write_table(pa.Table.from_pylist([{"id": r["id"], "messages": r["messages"], "tools": json.dumps(r["tools"])}
                                          for r in rows]), nested)
     cfg = _config(tmp_path / "n", nested)
-    with pytest.raises(DataError, match=r"trajectory 'huge' of data\.sources\.0 \(.*nested\.parquet\): the record is 2 MiB"):
+    with pytest.raises(DataError, match=r"trajectory 'huge' of data\.sources\[0\] \(.*nested\.parquet\): the record is 2 MiB"):
         _demos(cfg)
