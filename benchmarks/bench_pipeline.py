@@ -1,4 +1,4 @@
-"""Orchestration cost and memory of the nightly flow: Prefect overhead, cached re-run, peak RSS per stage.
+"""Orchestration cost and memory of the nightly flow: Prefect overhead, reused re-run, peak RSS per stage.
 
 Usage::
 
@@ -16,8 +16,9 @@ reported separately (it is a once-per-process cost, not a per-flow one).
   and as a fraction of the wall time. Task run time includes starting each heavy stage's child
   process; the script also times that start-up alone (a fresh interpreter importing torch,
   transformers and the stage module), so it can be told apart from the stage's work.
-* **Cached re-run**: the second run's wall time as a fraction of the first (every task hits its
-  content-hash cache key).
+* **Reused re-run**: the second run's wall time as a fraction of the first (every stage task finds
+  its artifacts under its content key and starts no stage process; the task table's "reused"
+  column reads that from each task run's log).
 * **Peak RSS per stage**: a thread polls, every ``--poll-s`` seconds, the resident memory of each
   stage child process (``python -m pivotrl.pipeline.entry STAGE``) plus its descendants (e.g. a
   vLLM engine process), and of this process (the flow and the in-process demonstrations task).
@@ -106,13 +107,17 @@ class StageMemory:
 def _task_runs(flow_run_id: Any) -> tuple[list[dict[str, Any]], float]:
     """Task runs of a flow run (name, state, run seconds) and the flow run's own total_run_time."""
     from prefect import get_client
-    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+    from prefect.client.schemas.filters import (FlowRunFilter, FlowRunFilterId, LogFilter, LogFilterTaskRunId,
+                                                LogFilterTextSearch)
 
     with get_client(sync_client=True) as client:
         runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
         flow_run = client.read_flow_run(flow_run_id)
-    out = [{"task": r.name.rsplit("-", 1)[0], "state": r.state_name, "run_s": r.total_run_time.total_seconds(),
-            "start": r.start_time} for r in runs]
+        logs = client.read_logs(log_filter=LogFilter(task_run_id=LogFilterTaskRunId(any_=[r.id for r in runs]),
+                                                     text=LogFilterTextSearch(query='"no stage process started"')))
+    reused = {log.task_run_id for log in logs if "no stage process started" in log.message}
+    out = [{"task": r.name.rsplit("-", 1)[0], "state": r.state_name, "reused": "yes" if r.id in reused else "no",
+            "run_s": r.total_run_time.total_seconds(), "start": r.start_time} for r in runs]
     out.sort(key=lambda r: (r["start"] is None, r["start"] or 0))
     return out, flow_run.total_run_time.total_seconds()
 
@@ -132,7 +137,7 @@ def main(argv: list[str] | None = None, work: Path | None = None) -> int:
     ap.add_argument("--root", default=None, help="run.storage_root (default: a temporary directory)")
     ap.add_argument("--set", dest="overrides", action="append", default=[], help="extra config override KEY=VALUE")
     ap.add_argument("--poll-s", type=float, default=0.2)
-    ap.add_argument("--runs", type=int, default=2, help="flow runs on the same root (the 2nd and later are cached)")
+    ap.add_argument("--runs", type=int, default=2, help="flow runs on the same root (the 2nd and later reuse every stage)")
     ap.add_argument("--json", default=None, help="also write the raw numbers here")
     ap.add_argument("--quick", action="store_true", help="shrink the smoke config further (for tests)")
     ap.add_argument("--keep", action="store_true", help="keep the temporary directory (store, flow log) afterwards")
@@ -145,7 +150,7 @@ def main(argv: list[str] | None = None, work: Path | None = None) -> int:
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
     os.environ.setdefault("DO_NOT_TRACK", "1")
     os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
-    print(header("Pipeline: Prefect overhead, cached re-run, peak RSS per stage"))
+    print(header("Pipeline: Prefect overhead, reused re-run, peak RSS per stage"))
 
     model = args.model
     if model is None:
@@ -200,8 +205,9 @@ def main(argv: list[str] | None = None, work: Path | None = None) -> int:
     print(md_table(["flow run", "wall s", "flow run time s (Prefect)", "sum of task run times s", "overhead s",
                     "overhead fraction", "wall / cold wall", "load (start)", "load (end)"], rows))
     print("\nTask runs (run time as recorded by Prefect):\n")
-    trows = [["cold" if i == 0 else f"re-run {i}", t["task"], t["state"], t["run_s"]] for i, r in enumerate(runs) for t in r["tasks"]]
-    print(md_table(["flow run", "task", "final state", "run s"], trows))
+    trows = [["cold" if i == 0 else f"re-run {i}", t["task"], t["state"], t["reused"], t["run_s"]]
+             for i, r in enumerate(runs) for t in r["tasks"]]
+    print(md_table(["flow run", "task", "final state", "reused", "run s"], trows))
     print("\nPeak RSS per stage, cold run (polled every %.2f s; child process + descendants):\n" % args.poll_s)
     mrows = [[stage, v["tree"] / 2**20, int(v["procs"]), v["seconds"]] for stage, v in stage_mem.items()]
     mrows.append(["flow process (flow + demonstrations task, in-process)", main_peak_cold / 2**20, 1, runs[0]["wall_s"]])

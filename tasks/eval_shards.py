@@ -39,10 +39,12 @@ def eval_shard(config: dict[str, Any], inputs: dict[str, Any], shard: dict[str, 
 
     if (hit := cached_eval_shard(store_of(config), shard)) is not None:
         get_run_logger().info("evaluation shard %s: reused %s (no process started)", shard["index"], shard["key"])
+        publish.shard("eval", shard["index"], hit, reused=True)
         return hit
-
-    return run_shard("eval_shard", config, inputs, shard, lambda cfg, store: run_eval_shard(
+    out = run_shard("eval_shard", config, inputs, shard, lambda cfg, store: run_eval_shard(
         cfg, store, *(inputs[k] for k in _INPUTS), shard, warm_engine=True))
+    publish.shard("eval", shard["index"], out, reused=False)
+    return out
 
 
 @task(name="eval-merge", retries=2, retry_delay_seconds=5, retry_condition_fn=retry_crashes, cache_policy=NO_CACHE,

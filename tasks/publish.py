@@ -31,6 +31,17 @@ def _fmt(v: Any) -> str:
 
 
 # ------------------------------------------------------------------------------------ stages
+def shard(stage: str, index: int, out: Mapping[str, Any], *, reused: bool) -> dict[str, Any]:
+    """One shard task run's outcome as a one-row table artifact ``<stage>-shard-<index>`` (one
+    version per run): its key, whether it was reused from the store (no process, no engine) and
+    the shard's own counts and worker. Returns the row."""
+    row = {k: v for k, v in out.items() if isinstance(v, (str, int, float, bool)) or v is None}
+    row.update({"index": index, "reused": reused, **{f"worker_{k}": v for k, v in (out.get("worker") or {}).items()}})
+    create_table_artifact(key=f"{stage}-shard-{index}", table=[row],
+                          description=f"{stage} shard {index}: " + ("reused from the store" if reused else "computed"))
+    return row
+
+
 def result_artifact(stage: str, result: Any) -> None:
     """The stage's typed result (``pivotrl.pipeline.results``) as a Markdown artifact
     ``<stage>-result``: every field with its value and its documented meaning."""

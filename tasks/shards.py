@@ -100,12 +100,15 @@ def probe_shard(config: dict[str, Any], inputs: dict[str, Any], shard: dict[str,
     store = store_of(config)
     if (hit := cached_probe_shard(store, shard)) is not None:
         get_run_logger().info("probe shard %s: reused %s (no process started)", shard["index"], shard["key"])
+        publish.shard("probe", shard["index"], hit, reused=True)
         return hit
     if store.exists(f"{shard['key']}/failed.json"):
         store.delete(f"{shard['key']}/failed.json")  # only this attempt's failure is reported
     try:
-        return run_shard("probe_shard", config, inputs, shard, lambda cfg, st: run_probe_shard(
+        out = run_shard("probe_shard", config, inputs, shard, lambda cfg, st: run_probe_shard(
             cfg, st, inputs["demos"], inputs["reference"], shard, warm_engine=True))
+        publish.shard("probe", shard["index"], out, reused=False)
+        return out
     except StageError:
         failure = shard_failure(store, shard)
         if failure is not None:

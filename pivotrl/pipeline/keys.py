@@ -50,8 +50,7 @@ from pivotrl.pipeline.evaluate_stage import cached_evaluate
 from pivotrl.pipeline.probe_stage import cached_probe
 from pivotrl.pipeline.reference import cached_reference
 from pivotrl.pipeline.registry import STAGES, stage_spec
-from pivotrl.pipeline.results import ProbeResult, ReferenceResult, TrainResult
-from pivotrl.pipeline.train import train_key
+from pivotrl.pipeline.train import cached_train
 from pivotrl.runtime.precision import with_resolved_dtype
 from pivotrl.storage import ArtifactStore
 
@@ -77,21 +76,11 @@ def stage_key(stage: str, cfg: RunConfig, store: ArtifactStore, inputs: Mapping[
     return spec.key(with_resolved_dtype(cfg), store, inputs)  # model.dtype: auto → bf16 | fp32 here
 
 
-def _cached_train(cfg: RunConfig, store: ArtifactStore, probe: Any, ref: Any) -> TrainResult | None:
-    # stage_train's rule: the summary and the metrics table, written last, exist under the train key
-    tkey = train_key(cfg, store, ProbeResult.of(probe), ReferenceResult.of(ref))
-    if not (store.exists(f"{tkey}/summary.json") and store.exists(f"{tkey}/metrics.parquet")):
-        return None
-    summary = store.read_json(f"{tkey}/summary.json")
-    return TrainResult(tkey, f"{tkey}/policy" if summary["steps"] else None, store.url(f"{tkey}/metrics.parquet"),
-                       summary)
-
-
 #: Each stage's reuse check: ``fn(cfg, store, *inputs)`` (the inputs in its run function's order)
 #: → its result if its artifacts exist under its key, else None. Loads no model.
 CACHED: dict[str, Callable[..., Any]] = {
     "demonstrations": cached_demonstrations, "reference": cached_reference, "probe": cached_probe,
-    "train": _cached_train, "evaluate": lambda cfg, store, demos, ref, probe, train: cached_evaluate(
+    "train": cached_train, "evaluate": lambda cfg, store, demos, ref, probe, train: cached_evaluate(
         cfg, store, demos, ref, train),
     "sft_baseline": cached_sft_baseline, "e2e_baseline": cached_e2e_baseline,
     "compare_evaluate": cached_compare_evaluate,

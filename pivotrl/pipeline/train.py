@@ -74,6 +74,18 @@ def _launch_ranks(cfg: RunConfig, probe: ProbeResult, ref: ReferenceResult, thre
         return TrainResult.of(json.loads(out.read_text()))
 
 
+def cached_train(cfg: RunConfig, store: ArtifactStore, probe: ProbeResult | Mapping[str, Any],
+                 ref: ReferenceResult | Mapping[str, Any]) -> TrainResult | None:
+    """The train stage's result if its summary and metrics table (written last) exist under its
+    content key, else None; loads no model."""
+    tkey = train_key(cfg, store, ProbeResult.of(probe), ReferenceResult.of(ref))
+    if not (store.exists(f"{tkey}/summary.json") and store.exists(f"{tkey}/metrics.parquet")):
+        return None
+    summary = store.read_json(f"{tkey}/summary.json")
+    return TrainResult(tkey, f"{tkey}/policy" if summary["steps"] else None, store.url(f"{tkey}/metrics.parquet"),
+                       summary)
+
+
 def stage_train(cfg: RunConfig, store: ArtifactStore, probe: ProbeResult | Mapping[str, Any],
                 ref: ReferenceResult | Mapping[str, Any]) -> TrainResult:
     """Local GRPO on the pivot set (PivotRL §3 stage 2), with π_old refreshed in the rollout engine
@@ -98,12 +110,11 @@ def stage_train(cfg: RunConfig, store: ArtifactStore, probe: ProbeResult | Mappi
     from pivotrl.training.pivotrl import PivotRLTrainer
 
     tr = cfg.training
+    if (hit := cached_train(cfg, store, probe, ref)) is not None:
+        return hit
     tkey = train_key(cfg, store, probe, ref)
     final_key = f"{tkey}/policy"
     metrics_uri = store.url(f"{tkey}/metrics.parquet")
-    if store.exists(f"{tkey}/summary.json") and store.exists(f"{tkey}/metrics.parquet"):
-        summary = store.read_json(f"{tkey}/summary.json")
-        return TrainResult(tkey, final_key if summary["steps"] else None, metrics_uri, summary)
 
     pivot_frame = store.read_parquet(f"{probe.pivots_key}/pivots.parquet")
     if pivot_frame.empty:

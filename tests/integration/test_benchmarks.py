@@ -95,7 +95,9 @@ def test_bench_pipeline_quick():
     assert 0 <= _num(cold["overhead fraction"]) < 1
     assert _num(rerun["wall / cold wall"]) > 0  # a speed claim belongs to benchmarks/RESULTS.md, not here
     assert {r["task"] for r in tasks} >= {"demonstrations", "reference", "probe", "train", "evaluate"}
-    assert all(r["final state"] == "Cached" for r in tasks if r["flow run"] == "re-run 1")
+    assert all(r["final state"] == "Completed" for r in tasks)
+    assert {r["reused"] for r in tasks if r["flow run"] == "cold"} == {"no"}
+    assert {r["reused"] for r in tasks if r["flow run"] == "re-run 1"} == {"yes"}
     assert {r["stage"] for r in memory} >= {"reference", "probe", "train", "evaluate"}
     assert all(_num(r["peak RSS MiB"]) > 0 for r in memory)
 
