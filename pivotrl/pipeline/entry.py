@@ -99,7 +99,7 @@ def run_stage(stage: str, config: dict[str, Any], inputs: dict[str, Any], *, att
                                                torch.get_num_threads())
     cfg = with_resolved_dtype(cfg)
     from pivotrl.pipeline.demos import cache_dir
-    from pivotrl.pipeline.processes import remove_stale_tempdirs
+    from pivotrl.pipeline.tempdirs import remove_stale_tempdirs
 
     if cache_dir(cfg).is_dir():  # work folders of stages killed before they removed them
         for path in remove_stale_tempdirs(cache_dir(cfg)):
@@ -175,10 +175,11 @@ def run_stage_process(stage: str, config: dict[str, Any], inputs: dict[str, Any]
     """
     log_path = stage_log_path(config, stage)
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    from pivotrl.pipeline.processes import StopChildOnInterrupt, child_lines, stage_tempdir, wait_child
+    from pivotrl.pipeline.processes import StopChildOnInterrupt, child_lines, wait_child
+    from pivotrl.pipeline.tempdirs import stage_tempdir
 
     # The spec (the whole config) and the result live in a temporary directory removed on success,
-    # failure, KeyboardInterrupt and a stop by the CLI's signal handler (processes.stage_tempdir).
+    # failure, KeyboardInterrupt and a stop by the CLI's signal handler (tempdirs.stage_tempdir).
     # A Ctrl-C without the CLI's handler stops the child wherever it lands, even mid-Popen
     # (processes.StopChildOnInterrupt), and ends in KeyboardInterrupt once the child is gone. The
     # output is read in short select slices (processes.child_lines): a blocking read would keep a

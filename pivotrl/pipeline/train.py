@@ -129,7 +129,7 @@ def stage_train(cfg: RunConfig, store: ArtifactStore, probe: ProbeResult | Mappi
     prompts = [encode_state(s, tok, max_len=cfg.model.max_context - cfg.rollout.max_tokens, **prompt_kwargs(cfg))
                for s in pivots]
     schedule = pivot_schedule(len(pivots), tr.pivots_per_batch, tr.epochs, cfg.run.seed, tr.max_steps)
-    # Named by this process (pivotrl.pipeline.processes.remove_stale_tempdirs: a later stage removes
+    # Named by this process (pivotrl.pipeline.tempdirs.remove_stale_tempdirs: a later stage removes
     # it if this one is killed before it does).
     work = Path(tempfile.mkdtemp(prefix=f"pivotrl-train-p{os.getpid()}-", dir=cache))
     trainer = PivotRLTrainer.for_run(cfg, str(rdir))

@@ -254,3 +254,14 @@ def _raise(url: str, e: BaseException, options: Mapping[str, Any] | None = None)
 
 
 __all__ = ["S3_VARIABLES", "access_problem", "check_cache_dir", "check_source", "check_sources", "check_storage"]
+
+
+def storage_error(action: str, url: str, e: BaseException) -> StorageError:
+    """The StorageError for a failed ``action`` on ``url``: StorageAccessError (never retried) when
+    the store refuses access (no credentials, permission denied, no such bucket)."""
+    if (reason := access_problem(e)) is not None:
+        hint = "; set AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY (and AWS_ENDPOINT_URL_S3)" if url.startswith("s3") else ""
+        return StorageAccessError(f"cannot {action} {url}: access refused ({reason}){hint}")
+    if isinstance(e, FileNotFoundError):
+        return StorageError(f"cannot {action} {url}: not found")
+    return StorageError(f"cannot {action} {url}: {type(e).__name__}: {e}")

@@ -164,7 +164,7 @@ def stage_lease(store: Any, key: str, *, ttl: float = 60.0, poll: float = 1.0, t
             if _create_exclusive(fs, path, body):
                 break
         except Exception as e:
-            from pivotrl.storage.store import storage_error  # access refused: StorageAccessError, never retried
+            from pivotrl.storage.check import storage_error  # access refused: StorageAccessError, never retried
 
             raise storage_error(f"take the lease on stage {key} at", path, e) from e
         held = _read(fs, path)

@@ -33,6 +33,7 @@ from typing import IO, TYPE_CHECKING, Any, Callable, Iterable, Iterator, Mapping
 from pivotrl.core.errors import PivotRLError, StorageAccessError, StorageError
 from pivotrl.storage.dirs import DirectoryMixin
 from pivotrl.storage.files import HashingWriter, replace_path
+from pivotrl.storage.check import storage_error
 from pivotrl.storage.manifest import ManifestMixin
 from pivotrl.core.retry import RetryPolicy, call_with_retries, is_transient
 
@@ -46,19 +47,6 @@ __all__ = ["ArtifactStore", "InjectedStorageFault"]
 log = logging.getLogger("pivotrl.storage")
 _T = TypeVar("_T")
 _TMP = ".tmp"
-
-
-def storage_error(action: str, url: str, e: BaseException) -> StorageError:
-    """The StorageError for a failed ``action`` on ``url``: StorageAccessError (never retried) when
-    the store refuses access (no credentials, permission denied, no such bucket)."""
-    from pivotrl.storage.check import access_problem
-
-    if (reason := access_problem(e)) is not None:
-        hint = "; set AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY (and AWS_ENDPOINT_URL_S3)" if url.startswith("s3") else ""
-        return StorageAccessError(f"cannot {action} {url}: access refused ({reason}){hint}")
-    if isinstance(e, FileNotFoundError):
-        return StorageError(f"cannot {action} {url}: not found")
-    return StorageError(f"cannot {action} {url}: {type(e).__name__}: {e}")
 
 
 class InjectedStorageFault(StorageError):

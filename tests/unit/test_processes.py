@@ -138,7 +138,7 @@ def test_a_directory_left_by_a_killed_run_is_removed_by_the_next(tmp_path):
     left = _stage_dirs(tmp)
     assert len(left) == 1
     code = ("import tempfile, sys; tempfile.tempdir = sys.argv[1]\n"
-            "from pivotrl.pipeline.processes import stage_tempdir\n"
+            "from pivotrl.pipeline.tempdirs import stage_tempdir\n"
             "with stage_tempdir('train') as d: print(d)")
     out = subprocess.run([sys.executable, "-c", code, str(tmp)], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
@@ -150,7 +150,7 @@ def test_work_folders_of_killed_stages_in_the_cache_are_removed_and_live_ones_ke
     the next stage removes the folders whose creating process is gone, never a live one's."""
     import os
 
-    from pivotrl.pipeline.processes import remove_stale_tempdirs
+    from pivotrl.pipeline.tempdirs import remove_stale_tempdirs
 
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()
