@@ -183,7 +183,8 @@ class BFCLEnvironment:
         """Fresh environment from ``{"kind": "bfcl", "initial_config": {...}, "involved_classes": [...]}``.
 
         Each stateful class is loaded from a deep copy of its part of ``initial_config``
-        (``_load_scenario(config, long_context=False)``). Raises DataError for a malformed context.
+        (``_load_scenario(config, long_context=ctx.get("long_context", False))``: true for
+        ``multi_turn_long_context``, as BFCL's checker loads it). Raises DataError for a malformed context.
         """
         if not isinstance(ctx, Mapping) or ctx.get("kind") != "bfcl":
             kind = ctx.get("kind") if isinstance(ctx, Mapping) else ctx
@@ -200,7 +201,7 @@ class BFCLEnvironment:
             if class_name not in STATELESS_CLASSES:
                 part = config.get(class_name, {})
                 try:
-                    inst._load_scenario(copy.deepcopy(part), long_context=False)
+                    inst._load_scenario(copy.deepcopy(part), long_context=bool(ctx.get("long_context", False)))
                 except Exception as e:  # noqa: BLE001 - simulator rejects the scenario
                     raise DataError(
                         f"env context.initial_config.{class_name}: rejected by the simulator ({type(e).__name__}: {e})"
@@ -314,7 +315,8 @@ class GroundTruthChecker:
         outputs, self._instances = self._utils.execute_multi_turn_func_call(
             func_call_list=list(calls), initial_config=dict(self._ctx.get("initial_config") or {}),
             involved_classes=list(self._ctx["involved_classes"]), model_name=self._model,
-            test_entry_id=self._task_id, long_context=False, is_evaL_run=True)
+            test_entry_id=self._task_id, long_context=bool(self._ctx.get("long_context", False)),
+            is_evaL_run=True)
         return list(outputs)
 
     def state_differences(self, env: BFCLEnvironment) -> dict[str, list[str]]:

@@ -1,4 +1,4 @@
-"""BFCL's ``multi_turn_base`` records as trajectories, every gold call executed in BFCL's simulators.
+"""BFCL's multi-turn records (``multi_turn_base``, ``_miss_param``, ``_long_context``) as trajectories, every gold call executed in BFCL's simulators.
 
 For each user turn: the user message; one assistant message per ground-truth call (one call
 each, in order); after each, a tool message holding the real output of that call in BFCL's
@@ -104,7 +104,10 @@ def multi_turn_trajectory(
         tools.extend(docs.tools(c))
         sigs.update(docs.signatures(c))
     tool_props = {t.name: t.parameters.get("properties") or {} for t in tools}
-    env_ctx = {"kind": "bfcl", "initial_config": record.get("initial_config") or {}, "involved_classes": list(classes)}
+    env_ctx: dict[str, Any] = {"kind": "bfcl", "initial_config": record.get("initial_config") or {},
+                               "involved_classes": list(classes)}
+    if "long_context" in category:  # BFCL's checker loads these scenarios with long_context=True
+        env_ctx["long_context"] = True
     env = BFCLEnvironment.from_context(env_ctx, docs.root)
     questions = record.get("question")
     gt = answer.get("ground_truth")

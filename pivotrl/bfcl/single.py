@@ -17,6 +17,13 @@ When the run's tool-call parser is not pythonic (``hermes``, ``llama3_json``) BF
 cannot read the text at all; then the calls pivotrl's parser read are handed to ``ast_checker`` (as
 BFCL's function-calling handlers hand it the calls their API returned), and the report says so.
 
+Java and JavaScript (``simple_java``, ``simple_javascript``): BFCL decodes their call syntax with
+tree-sitter, which pivotrl does not depend on; the calls pivotrl's parser read (values as source-text
+strings, :mod:`pivotrl.bfcl.languages`) are handed to ``ast_checker`` with the category's language,
+whose type converters read them. Irrelevance (``irrelevance``, ``live_irrelevance``): BFCL's
+``_evaluate_single_relevance_entry``: the answer is right iff BFCL's decoder does not read a non-empty
+call list from it (``"irrelevance_error:decoder_success"`` otherwise).
+
 The decoding and the import of BFCL's code from the wheel are :mod:`pivotrl.bfcl.ast_decoder`; the
 verdicts applied to a local evaluation table and their report section are
 :mod:`pivotrl.bfcl.single_tables`.
@@ -29,8 +36,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from pivotrl.bfcl.ast_decoder import AstVerdict, bfcl_decode, bfcl_modules
-from pivotrl.bfcl.data import SINGLE_TURN_CATEGORIES
+from pivotrl.bfcl.ast_decoder import AstVerdict, bfcl_decode
+from pivotrl.bfcl.data import IRRELEVANCE_CATEGORIES, SINGLE_TURN_CATEGORIES
+from pivotrl.bfcl.languages import language_of, root_modules
 from pivotrl.core.errors import DataError
 from pivotrl.core.hashing import json_problem
 
@@ -63,8 +71,11 @@ class BFCLSingleTurnJudge:
             data = self.root / "bfcl_eval" / "data"
             fname = f"BFCL_v4_{category}.json"
             records: dict[str, tuple[list[Any], list[Any]]] = {}
-            answers = {}
-            for path, into in ((data / fname, "record"), (data / "possible_answer" / fname, "answer")):
+            answers: dict[str, Any] = {}
+            files = [(data / fname, "record")]
+            if category not in IRRELEVANCE_CATEGORIES:
+                files.append((data / "possible_answer" / fname, "answer"))
+            for path, into in files:
                 if not path.is_file():
                     raise DataError(f"{path.name}: missing from the BFCL data (BFCL's single-turn judge)")
                 with open(path, encoding="utf-8") as f:
@@ -79,8 +90,8 @@ class BFCLSingleTurnJudge:
                             answers[str(obj.get("id"))] = obj.get("ground_truth")
                         else:
                             records[str(obj.get("id"))] = (obj.get("function"), [])
-            self._records[category] = {rid: (funcs, answers[rid]) for rid, (funcs, _) in records.items()
-                                       if rid in answers}
+            self._records[category] = {rid: (funcs, answers.get(rid, [])) for rid, (funcs, _) in records.items()
+                                       if rid in answers or category in IRRELEVANCE_CATEGORIES}
         return self._records[category]
 
     def judges(self, state: Any) -> bool:
@@ -100,7 +111,14 @@ class BFCLSingleTurnJudge:
         if not self.judges(state):
             raise DataError(f"turn state {state.state_id!r}: not a BFCL single-turn record; BFCL's AST judge cannot judge it")
         functions, possible = self._category(state.category)[str(state.trajectory_id)]
-        if self.tool_parser == "pythonic":
+        if state.category in IRRELEVANCE_CATEGORIES:
+            return self._no_call(text, parsed_calls)
+        language = language_of(state.category)
+        if language != "PYTHON":  # BFCL's Java / JavaScript decoders need tree-sitter: pivotrl's parse
+            if not parsed_calls:
+                return AstVerdict(False, "ast_decoder:decoder_failed", "pivotrl's parser read no call")
+            decoded = [{c.name: dict(c.arguments)} for c in parsed_calls]
+        elif self.tool_parser == "pythonic":
             decoded, failure = bfcl_decode(text, self.root)
             if failure is not None:
                 return failure
@@ -108,13 +126,26 @@ class BFCLSingleTurnJudge:
             return AstVerdict(False, "ast_decoder:decoder_failed", f"pivotrl's {self.tool_parser} parser read no call")
         else:
             decoded = [{c.name: dict(c.arguments)} for c in parsed_calls]
-        b = bfcl_modules(self.root)
+        b = root_modules(self.root)
         try:
-            result = b.ast_checker(functions, decoded, possible, b.python, state.category, _MODEL_NAME)
+            result = b.ast_checker(functions, decoded, possible, getattr(b.languages, language), state.category,
+                                   _MODEL_NAME)
         except Exception as e:  # noqa: BLE001 - a checker crash on odd model output rejects it, as a failure
             return AstVerdict(False, "ast_checker:crashed", f"{type(e).__name__}: {e}"[:300])
         if result.get("valid"):
             return AstVerdict(True)
         errors = result.get("error") or [""]
         return AstVerdict(False, str(result.get("error_type", "ast_checker:unknown")), str(errors[0])[:300])
+
+    def _no_call(self, text: str, parsed_calls: Sequence[Any] | None) -> AstVerdict:
+        """BFCL's irrelevance verdict: right iff no non-empty call list is decoded from the answer."""
+        if self.tool_parser == "pythonic":
+            decoded, failure = bfcl_decode(text, self.root)
+            calls = bool(decoded) and failure is None
+        else:
+            calls = bool(parsed_calls)
+        if calls:
+            return AstVerdict(False, "irrelevance_error:decoder_success",
+                              "Valid syntax. Successfully decode AST when it should not.")
+        return AstVerdict(True)
 

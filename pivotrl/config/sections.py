@@ -84,19 +84,43 @@ class RunSection(Section):
 
 # ---------------------------------------------------------------------------------------- data
 #: The BFCL categories the loader converts (pivotrl.bfcl.data: SINGLE_TURN_CATEGORIES + MULTI_TURN_CATEGORIES).
-BFCLCategory = Literal["multi_turn_base", "simple_python", "multiple", "parallel", "parallel_multiple"]
+BFCLCategory = Literal[
+    "multi_turn_base", "multi_turn_miss_param", "multi_turn_long_context", "simple_python", "multiple", "parallel",
+    "parallel_multiple", "live_simple", "live_multiple", "live_parallel", "live_parallel_multiple", "simple_java",
+    "simple_javascript", "irrelevance", "live_irrelevance",
+]
+#: Categories of the pinned wheel that are refused, each with its one-line reason
+#: (pivotrl.bfcl.data.REFUSED_CATEGORIES holds the same reasons; a test checks they agree).
+BFCL_REFUSED = {
+    "multi_turn_miss_func": "a function is withheld until a later turn and pivotrl's trajectories hold one tool list",
+    "live_relevance": "no ground truth: BFCL only checks that some call is made",
+    "format_sensitivity": "not records: an index of other categories' ids under varied prompt formats",
+    "memory": "needs BFCL's memory backends and its agentic checker",
+    "web_search": "needs live web search",
+}
 
 
 class BFCLSource(Section):
     kind: Literal["bfcl"] = Field("bfcl", description="Source type: BFCL categories from the pinned bfcl-eval wheel.")
     categories: list[BFCLCategory] = Field(
         min_length=1,
-        description="BFCL category names: multi_turn_base (multi-turn, executed in BFCL's simulators), "
-                    "simple_python, multiple, parallel, parallel_multiple.",
+        description="BFCL category names: multi_turn_base, multi_turn_miss_param, multi_turn_long_context "
+                    "(multi-turn, executed in BFCL's simulators), simple_python, multiple, parallel, "
+                    "parallel_multiple, live_simple, live_multiple, live_parallel, live_parallel_multiple, "
+                    "simple_java, simple_javascript, irrelevance, live_irrelevance (docs/data.md).",
     )
     limit_per_category: Int | None = Field(
         None, ge=1, description="Keep only the first N records of each category (null = all)."
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refused(cls, data: Any) -> Any:
+        cats = data.get("categories") if isinstance(data, Mapping) else None
+        for c in cats if isinstance(cats, list) else []:
+            if isinstance(c, str) and c in BFCL_REFUSED:
+                raise ValueError(f"BFCL category {c!r} is not supported: {BFCL_REFUSED[c]}")
+        return data
 
 
 class ChatSource(Section):

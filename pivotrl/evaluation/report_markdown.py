@@ -65,7 +65,8 @@ def _results_tables(rows: list[dict[str, Any]], statistics: Mapping[str, Any] | 
 
 _COUNT_NAMES = {"candidates": "candidates", "kept": "kept", "all_fail": "all fail", "all_pass": "all pass",
                 "above_threshold": "above λ_diff", "skipped_too_long": "too long",
-                "skipped_verifier_error": "verifier error"}
+                "skipped_verifier_error": "verifier error", "accepted_samples": "accepted probes",
+                "accepted_not_demonstrated": "accepted, not the demonstrated calls"}
 
 
 def _value(v: Any) -> str:
@@ -195,7 +196,8 @@ def report_markdown(report: Mapping[str, Any], rows: list[dict[str, Any]], plots
             lines += ["", f"![training reward per step with its rolling mean and 95% interval]({plots['reward_curve']})"]
     if learning_lines:
         lines += ["", *learning_lines]
-    lines += speed_lines(training["speed"] if training else {}, report.get("warm_start_speed") or {})
+    lines += speed_lines(training["speed"] if training else {}, report.get("warm_start_speed") or {},
+                         report.get("generation_speed") or {})
     lines += ["", "## Known limits", ""]
     lines += [f"- {limit}" for limit in report["known_limits"]]
     lines.append("")

@@ -8,7 +8,9 @@ Outputs:
 - ``probes/<key>/probes.parquet``: one row per probed state — ``state_id``, ``category``,
   ``turn_index``, ``prompt_tokens``, ``rewards`` (m floats, JSON), ``mu``, ``var``,
   ``action_tokens_mean``, ``samples`` (the m texts, JSON), ``reasons`` (verifier reasons, JSON),
-  ``sample_tokens`` (the m action lengths in tokens, JSON) — every sample is kept, so pass rates
+  ``sample_tokens`` (the m action lengths in tokens, JSON; a ``reasons`` entry ``"equivalent"`` is an
+  accepted probe whose calls differ from the demonstration's, counted in ``stats.json`` as
+  ``accepted_not_demonstrated``) — every sample is kept, so pass rates
   for another m or λ_diff can be re-derived without new rollouts (:func:`rederive_pivots`),
   ``status`` ("ok" | "too_long" | "verifier_error"), ``reason`` (why a state was skipped),
   ``decision`` (see ``pivotrl.pivots.filter.pivot_decision``; empty unless status is "ok") and
@@ -21,6 +23,7 @@ Outputs:
 from __future__ import annotations
 
 import json
+import logging
 from collections import Counter
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
@@ -35,6 +38,8 @@ from pivotrl.pipeline.results import ReferenceResult
 if TYPE_CHECKING:
     from pivotrl.config import RunConfig
 from pivotrl.rollout.scoring import ScoredState, sample_and_score, verifier_retries  # noqa: F401 (re-export)
+
+log = logging.getLogger(__name__)
 
 #: 2: each state's samples are seeded by (probing seed, state id), not by its position in a batch,
 #: so a state probes the same in any shard; the table keeps every sample's length.
@@ -91,6 +96,7 @@ def probe_states(
     prompt_kwargs: dict[str, Any] | None = None,
     batch_size: int = 16,
     progress: bool = True,
+    cache_dir: str | None = None,
 ) -> pd.DataFrame:
     """Sample ``num_probes`` actions per state from ``engine`` and score them.
 
@@ -116,6 +122,9 @@ def probe_states(
 
     from pivotrl.core.progress import Progress
 
+    from pivotrl.runtime.generation import generation_peak, since, snapshot
+
+    before, gen, peak = snapshot(engine), None, None
     with Progress("probing", len(encoded), "states", enabled=progress) as bar:
         for b in range(0, len(encoded), batch_size):
             chunk = encoded[b : b + batch_size]
@@ -123,7 +132,14 @@ def probe_states(
             scored = sample_and_score(engine, verifier, [s for s, _ in chunk], [ids for _, ids in chunk], sampling,
                                       seeds=[state_seed(base, s.state_id) for s, _ in chunk])
             rows.extend(_probe_row(g) for g in scored)
+            gen = since(engine, before)  # generation MFU so far (pivotrl.runtime.generation)
+            if gen is not None and gen.requests:
+                peak = peak or generation_peak(gen, cache_dir)
+                for name, value in gen.counters(peak).items():
+                    bar.set_counter(name, value)
             bar.update(len(chunk), samples=sum(len(g.samples) for g in scored))
+    if gen is not None and gen.requests and progress:
+        log.info(gen.line("probing", peak))
     order = {s.state_id: i for i, s in enumerate(states)}
     rows.sort(key=lambda r: order[r["state_id"]])
     return pd.DataFrame(rows, columns=PROBE_COLUMNS)
@@ -198,6 +214,20 @@ def apply_pivot_filter(probe_df: pd.DataFrame, lambda_diff: float) -> pd.DataFra
     return df
 
 
+def accepted_counts(frame: pd.DataFrame) -> dict[str, int]:
+    """``accepted_samples`` (probes with reward 1) and ``accepted_not_demonstrated``: those whose call
+    list differs from the demonstration's yet were accepted (reason
+    :data:`~pivotrl.verifiers.base.NOT_DEMONSTRATED`: the execution verifier's functional
+    equivalence), read from the ``reasons`` column."""
+    from pivotrl.verifiers.base import count_not_demonstrated
+
+    accepted = other = 0
+    for rewards, reasons in zip(frame["rewards"], frame["reasons"]):
+        accepted += sum(1 for r in json.loads(rewards) if r == 1.0)
+        other += count_not_demonstrated(json.loads(reasons))
+    return {"accepted_samples": int(accepted), "accepted_not_demonstrated": int(other)}
+
+
 def pivot_stats(probe_df: pd.DataFrame, lambda_diff: float) -> dict[str, Any]:
     """Counts of the filter: candidates, all-fail, all-pass, above threshold, kept, skipped;
     per category and per turn index; the μ̂ histogram (bins of width 1/m over [0, 1])."""
@@ -214,6 +244,7 @@ def pivot_stats(probe_df: pd.DataFrame, lambda_diff: float) -> dict[str, Any]:
             "kept": int(c.get("kept", 0)),
             "skipped_too_long": int(c.get("skipped_too_long", 0)),
             "skipped_verifier_error": int(c.get("skipped_verifier_error", 0)),
+            **accepted_counts(frame),
         }
 
     m = max((len(json.loads(r)) for r in ok["rewards"]), default=1)
@@ -249,6 +280,12 @@ def stats_markdown(stats: dict[str, Any]) -> str:
     lines += ["", f"Verifier retries (tool requests repeated after a crash or timeout): "
               f"{stats.get('verifier_retries', 0)}; states dropped after their retries ran out: "
               f"{stats['total']['skipped_verifier_error']}"]
+    total = stats["total"]
+    if "accepted_not_demonstrated" in total:
+        per = "; ".join(f"{name}: {c['accepted_not_demonstrated']}" for name, c in stats["per_category"].items())
+        lines += ["", f"Accepted probes whose calls differ from the demonstration's (rewarded by execution, "
+                      f"same state and outputs): {total['accepted_not_demonstrated']} of "
+                      f"{total['accepted_samples']} accepted ({per})"]
     return "\n".join(lines) + "\n"
 
 

@@ -36,8 +36,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from pivotrl.core.errors import TrainingError
+from pivotrl.runtime.generation import generation_peak, since, snapshot
 from pivotrl.training.checkpoints import broadcast
 from pivotrl.training.rank_engines import refresh_delta, refresh_step, rollout_step
+from pivotrl.verifiers.base import count_not_demonstrated
 
 if TYPE_CHECKING:
     from pivotrl.config import RunConfig
@@ -170,12 +172,16 @@ def run_rl_loop(trainer: Any, engine: Any, verifier: Any, pivots: Sequence[Any],
         hosts: the ranks that own an engine (``pivotrl.training.rank_engines.engine_host_ranks``;
             default rank 0 alone).
 
-    Each row: step (1-based), pivots, groups, dropped_groups, verifier_retries, the trainer's
+    Each row: step (1-based), pivots, groups, dropped_groups, verifier_retries,
+    accepted_not_demonstrated (this batch's accepted actions whose call list differs from the
+    demonstration's, :data:`pivotrl.verifiers.base.NOT_DEMONSTRATED`), the trainer's
     metrics (reward_mean, kl, ...), rollout_s, step_time_s, refresh_s (writing the weights — the
     shared-memory block or the HF export — plus the engine's reload, on rank 0), refresh_max_abs_delta and
     refresh_mean_abs_delta (engine vs trainer log-probs of a fixed action, nats per token; the
     largest over the engines of a pool, whose per-engine columns the module docstring lists),
-    rollout_tokens (tokens generated for the step's trained groups), and the columns of
+    rollout_tokens (tokens generated for the step's trained groups), the rollout's generation on
+    this rank (``gen_*``: prompt/prefilled/generated tokens, TFLOP, seconds, MFU;
+    :meth:`pivotrl.runtime.generation.GenerationTotals.metrics`), and the columns of
     ``hooks.evaluate`` at the steps ``training.eval_every`` names (see :class:`LoopHooks`).
 
     Raises:
@@ -222,8 +228,11 @@ def run_rl_loop(trainer: Any, engine: Any, verifier: Any, pivots: Sequence[Any],
                               **{f"refilter_{k}": v for k, v in counts.items()}}
             keep = set(active)
             idx = [i for i in schedule[step] if i in keep]
+            gen_before = snapshot(engine)
             batch, served = rollout_step(engine, verifier, pivots, prompts, idx, cfg, step, rank=rank,
                                          world=world, hosts=hosts)
+            gen = since(engine, gen_before)  # this rank's engines' rollout generation (pivotrl.runtime.generation)
+            gen_peak = generation_peak(gen, cfg.run.local_cache()) if gen is not None and gen.requests else None
             groups, dropped, retries = batch.groups, batch.dropped, batch.retries
             t_roll = time.time() - t0
             metrics = trainer.train_step(groups) if groups else {}
@@ -254,11 +263,18 @@ def run_rl_loop(trainer: Any, engine: Any, verifier: Any, pivots: Sequence[Any],
             shutil.rmtree(work / f"policy-{step - 1}", ignore_errors=True)
             row = {"step": step + 1, "pivots": len(idx), "groups": len(groups), "dropped_groups": dropped,
                    "verifier_retries": retries,
+                   # accepted actions whose calls differ from the demonstration's (execution verifier)
+                   "accepted_not_demonstrated": sum(count_not_demonstrated([r.reason for r in res])
+                                                    for _, _, res in batch.scored),
                    **{k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))},
                    "rollout_s": round(t_roll, 3), "step_time_s": round(time.time() - t0, 3),
                    "refresh_s": round(t_write + timing.get("reload_s", 0.0), 4),
                    "refresh_max_abs_delta": d_max, "refresh_mean_abs_delta": d_mean, **engines_row, **refiltered,
-                   "rollout_tokens": sum(len(a) for g in groups for a in g.actions)}  # generated, trained groups
+                   "rollout_tokens": sum(len(a) for g in groups for a in g.actions),  # generated, trained groups
+                   **(gen.metrics(gen_peak) if gen is not None else {})}
+            if gen is not None and gen.requests:
+                for name, value in gen.counters(gen_peak).items():
+                    bar.set_counter(name, value)
             if step == 0:
                 row.update(before)
             if lead and tr.eval_every and ((step + 1) % tr.eval_every == 0 or step + 1 == len(schedule)):

@@ -25,12 +25,14 @@ from pivotrl.core.registry import Registry
 from pivotrl.format.tool_parsers import get_tool_parser
 
 __all__ = [
+    "NOT_DEMONSTRATED",
     "SHARED_OPTIONS",
     "VERIFIERS",
     "AutoVerifier",
     "ParsedAction",
     "Verifier",
     "VerifierResult",
+    "count_not_demonstrated",
     "demo_calls",
     "get_verifier",
     "parse_actions",
@@ -53,6 +55,16 @@ class VerifierResult:
     @classmethod
     def reject(cls, reason: str) -> "VerifierResult":
         return cls(0.0, False, reason)
+
+
+#: The reason of an accepted action whose call list differs from the demonstration's (the
+#: ``execution`` verifier: another call list that reaches the same state and outputs).
+NOT_DEMONSTRATED = "equivalent"
+
+
+def count_not_demonstrated(reasons: Sequence[str]) -> int:
+    """How many of these verdict reasons are accepted actions that differ from the demonstration."""
+    return sum(1 for r in reasons if r == NOT_DEMONSTRATED)
 
 
 @runtime_checkable

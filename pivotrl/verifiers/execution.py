@@ -10,6 +10,10 @@ An action is accepted iff executing its calls from the turn state's environment 
 So ``cd(folder='document/')`` is accepted where the demonstration has ``cd(folder='document')``
 (the simulator strips the trailing slash: same directory, same output), while a call that differs
 only in its visible output (``ls(a=True)`` vs ``ls()`` in a directory with hidden files) is not.
+An accepted action whose call list is the demonstration's has reason ``"match"``; one whose call
+list differs (another spelling, order or set of calls with the same effect) has reason
+``"equivalent"`` (:data:`~pivotrl.verifiers.base.NOT_DEMONSTRATED`), so the actions rewarded only
+because execution is compared can be counted (probe table, training metrics, report).
 
 Execution happens in a :class:`~pivotrl.envs.sandbox.SandboxPool` worker, never in the caller's
 process. All m actions of one state go in ONE request: the worker rebuilds the state once by
@@ -32,7 +36,7 @@ from pivotrl.envs.sandbox import SandboxError, SandboxPool
 from pivotrl.core.errors import DataError, ToolExecutionError, VerifierError
 from pivotrl.runtime.faults import FaultInjector
 from pivotrl.core.retry import RetryStats, call_with_retries
-from pivotrl.verifiers.base import VERIFIERS, VerifierResult, demo_calls, kind_check, parse_actions
+from pivotrl.verifiers.base import NOT_DEMONSTRATED, VERIFIERS, VerifierResult, demo_calls, kind_check, parse_actions
 
 __all__ = ["ExecutionVerifier", "execute_candidates"]
 
@@ -126,7 +130,10 @@ class ExecutionVerifier:
                 pending[key].append(i)
         if candidates:
             verdicts = self._execute(state, demo, candidates)
+            demo_key = canonical_json([ToolCall(c.name, dict(c.arguments)).to_dict() for c in demo])
             for key, verdict in zip(pending, verdicts):
+                if verdict.accepted and key != demo_key:  # same effect, another call list
+                    verdict = VerifierResult.accept(NOT_DEMONSTRATED)
                 for i in pending[key]:
                     results[i] = verdict
         done = [r for r in results if r is not None]
