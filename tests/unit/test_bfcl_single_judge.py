@@ -19,7 +19,10 @@ import pandas as pd
 import pytest
 
 from pivotrl.format.actions import format_action, format_call
-from pivotrl.bfcl.data import SINGLE_TURN_CATEGORIES, load_bfcl
+from pivotrl.bfcl.data import load_bfcl
+
+#: The four Python categories this file covers (the others: tests/integration/test_bfcl_categories.py).
+SINGLE_TURN_CATEGORIES = ("simple_python", "multiple", "parallel", "parallel_multiple")
 from pivotrl.bfcl.wheel import ensure_bfcl
 from pivotrl.data.schema import ToolCall
 from pivotrl.data.states import extract_turn_states
