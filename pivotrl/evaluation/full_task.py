@@ -254,14 +254,19 @@ def evaluate_full_tasks(
     parser = action_parser(tokenizer, format, tool_parser)
     base_seed = sampling.seed if sampling.seed is not None else seed
     from pivotrl.core.progress import Progress
+    from pivotrl.runtime.generation import since, snapshot
 
+    before = snapshot(engine)
     with Progress("evaluation", sum(len(r.turns) for r in runs), "turns") as bar:
         _play(runs, engine, tokenizer, budget, encode_opts, sampling, base_seed, max_steps_per_turn, parser, bar,
               on_model_call)
+        gen = since(engine, before)  # tokens, TFLOP, seconds of the generation (pivotrl.runtime.generation)
+        for name, value in (gen.counters(None) if gen is not None and gen.requests else {}).items():
+            bar.set_counter(name, value)
     df = pd.DataFrame([r.row() for r in runs], columns=_COLUMNS)
     df["first_failed_turn"] = df["first_failed_turn"].astype("Int64")  # <NA> on success
-    return df, task_summary(df, max_steps_per_turn=max_steps_per_turn, sampling=sampling, seed=seed,
-                        max_context=max_context, judge=judge)
+    return df, {**task_summary(df, max_steps_per_turn=max_steps_per_turn, sampling=sampling, seed=seed,
+                               max_context=max_context, judge=judge), **(gen.metrics(None) if gen is not None else {})}
 
 
 def _play(runs: list[_TaskRun], engine: Any, tokenizer: Any, budget: int, encode_opts: dict[str, Any],

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 from collections import Counter
 from typing import Any, Sequence
 
@@ -21,6 +22,8 @@ from pivotrl.rollout.base import SamplingConfig
 from pivotrl.rollout.scoring import sample_and_score_groups
 
 __all__ = ["evaluate_local", "evaluate_local_groups"]
+
+log = logging.getLogger(__name__)
 
 _COLUMNS = [
     "state_id", "trajectory_id", "turn_index", "category", "status", "n_samples", "n_accepted",
@@ -43,6 +46,7 @@ def evaluate_local(
     tool_parser: str = "pythonic",
     batch_size: int = 64,
     label: str = "local evaluation",
+    cache_dir: str | None = None,
 ) -> tuple[pd.DataFrame, dict[str, Any]]:
     """Fraction of sampled actions the verifier accepts at each held-out state.
 
@@ -60,6 +64,8 @@ def evaluate_local(
         n: samples per state (m ≥ 1); overrides ``sampling.n`` when given.
         max_context: the engine's context window, tokens.
         label: what the progress lines call this evaluation (e.g. which states, which policy).
+        cache_dir: the cache folder whose ``calibration.json`` gives the generation MFU's peak
+            (:mod:`pivotrl.runtime.generation`); None: no MFU.
         tool_style, max_tool_output_chars: passed to the renderer, as in training.
         batch_size: prompts per ``generate`` call (≥ 1).
 
@@ -71,7 +77,10 @@ def evaluate_local(
         "parse_error"), tokens_generated, reasons ({reason: count} over the samples).
         ``summary``: n_states (evaluated), n_too_long, n_verifier_error, n_samples, n_accepted, accuracy (accepted
         samples / samples), mean_state_accuracy, any_accepted_rate (states with ≥ 1 accepted
-        sample / states), parse_error_rate (per sample), tokens_generated, temperature, n.
+        sample / states), parse_error_rate (per sample), tokens_generated, temperature, n, and,
+        from an engine with a generation meter, the ``gen_*`` numbers of the engine pass
+        (:meth:`pivotrl.runtime.generation.GenerationTotals.metrics`: prompt and prefilled tokens,
+        generated tokens, TFLOP, seconds, tokens/s, MFU; the pass's, shared by every job served in it).
 
     Raises:
         ConfigError: n < 1, batch_size < 1, or max_context not above sampling.max_tokens.
@@ -84,7 +93,7 @@ def evaluate_local(
         sampling = dataclasses.replace(sampling, n=n)
     return evaluate_local_groups(engine, tokenizer, [(states, sampling)], verifier, max_context=max_context,
                                  tool_style=tool_style, max_tool_output_chars=max_tool_output_chars, format=format,
-                                 tool_parser=tool_parser, batch_size=batch_size, label=label)[0]
+                                 tool_parser=tool_parser, batch_size=batch_size, label=label, cache_dir=cache_dir)[0]
 
 
 def evaluate_local_groups(
@@ -100,6 +109,7 @@ def evaluate_local_groups(
     tool_parser: str = "pythonic",
     batch_size: int = 64,
     label: str = "local evaluation",
+    cache_dir: str | None = None,
 ) -> list[tuple[pd.DataFrame, dict[str, Any]]]:
     """:func:`evaluate_local` for several ``(states, sampling)`` jobs at once (e.g. the held-out
     states greedy and with m samples, the stop decisions, the out-of-domain states), each job
@@ -126,11 +136,22 @@ def evaluate_local_groups(
               for a in range(0, len(todo), batch_size)]
 
     from pivotrl.core.progress import Progress
+    from pivotrl.runtime.generation import generation_peak, since, snapshot
 
     total = sum(len(todo) for _, todo in prepared)
+    before = snapshot(engine)
     with Progress(label, total, "states", enabled=bool(total)) as bar:
+        # States counted as the engine finishes them inside its pass; scored after it.
         scored = sample_and_score_groups(engine, verifier, [
-            ([jobs[j][0][i] for i, _ in chunk], [ids for _, ids in chunk], jobs[j][1]) for j, chunk in groups])
+            ([jobs[j][0][i] for i, _ in chunk], [ids for _, ids in chunk], jobs[j][1]) for j, chunk in groups],
+            on_done=bar.update)
+        gen = since(engine, before)
+        peak = generation_peak(gen, cache_dir)
+        gen_metrics = gen.metrics(peak) if gen is not None else {}
+        if gen is not None and gen.requests:
+            for name, value in gen.counters(peak).items():
+                bar.set_counter(name, value)
+            log.info(gen.line(label, peak))
         for (j, chunk), group in zip(groups, scored):
             rows = prepared[j][0]
             for (i, _), g in zip(chunk, group):
@@ -140,8 +161,8 @@ def evaluate_local_groups(
                     rows[i].update(status="verifier_error", n_samples=0, n_accepted=0, accuracy=float("nan"),
                                    parse_errors=0, tokens_generated=sum(len(x.token_ids) for x in g.samples),
                                    reasons={"verifier_error": len(g.samples)}, samples="[]")
-            bar.update(len(chunk))
-    return [_summarise(rows, len(states), sampling) for (rows, _), (states, sampling) in zip(prepared, jobs)]
+    return [{**_summarise(rows, len(states), sampling), **gen_metrics}
+            for (rows, _), (states, sampling) in zip(prepared, jobs)]
 
 
 def _encode(tokenizer: Any, states: Sequence[TurnState], sampling: SamplingConfig, max_context: int,

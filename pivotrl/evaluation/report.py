@@ -24,7 +24,7 @@ from pivotrl.evaluation.report_data import (
     POLICIES, POLICY_ALIASES, histogram, jsonable, mu_values, policy_row, prompt_lengths, reward_series,
 )
 from pivotrl.evaluation.report_markdown import report_markdown
-from pivotrl.evaluation.report_speed import training_speed, warm_start_speed
+from pivotrl.evaluation.report_speed import generation_speed, training_speed, warm_start_speed
 from pivotrl.storage.files import atomic_file
 
 __all__ = ["KNOWN_LIMITS", "POLICIES", "POLICY_ALIASES", "build_report", "published_markdown"]
@@ -141,6 +141,7 @@ def build_report(
             "speed": training_speed(metrics_df),
         },
         "warm_start_speed": warm_start_speed(meta),
+        "generation_speed": generation_speed(metrics_df, rows),
         "probes": None if mus is None else {
             "n_candidates": len(mus),
             "mu_mean": sum(mus) / len(mus) if mus else None,

@@ -56,6 +56,9 @@ def policy_row(name: str, res: Mapping[str, Any] | None) -> dict[str, Any]:
         "turns_passed": full.get("turns_passed"),
         "turns_total": full.get("turns_total"),
         "format_error_rate": _num(full.get("format_error_rate")),
+        # The local evaluation's generation (pivotrl.runtime.generation; the engine pass's, seeds averaged).
+        **{f"local_{k}": _num(local.get(k)) for k in ("gen_prefill_tokens", "gen_tokens", "gen_tflop", "gen_s",
+                                                      "gen_tokens_per_s", "gen_peak_gflops", "gen_mfu") if k in local},
     }
 
 

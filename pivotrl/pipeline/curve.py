@@ -61,11 +61,13 @@ def heldout_curve_hook(cfg: RunConfig, store: ArtifactStore, probe: ProbeResult,
     def evaluate(step: int) -> dict[str, float]:
         _, summary = evaluate_local(engine, tokenizer, states, verifier, sampling=sampling,
                                     max_context=cfg.model.max_context, label=f"held-out curve after step {step}",
-                                    **prompt_kwargs(cfg))
+                                    cache_dir=str(cfg.run.local_cache()), **prompt_kwargs(cfg))
         n, k = int(summary.get("n_samples") or 0), int(summary.get("n_accepted") or 0)
         log.info("held-out accuracy after step %d: %d/%d", step, k, n)
         out = {"heldout_n": float(n), "heldout_accepted": float(k),
                "heldout_tokens": float(summary.get("tokens_generated") or 0)}
+        # The curve's generation (pivotrl.runtime.generation): heldout_gen_tokens, heldout_gen_mfu, ...
+        out.update({f"heldout_{k}": float(v) for k, v in summary.items() if k.startswith("gen_")})
         if n:  # no NaN for the trackers: a step where nothing could be evaluated has no accuracy
             out["heldout_accuracy"] = k / n
         return out

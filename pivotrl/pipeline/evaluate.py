@@ -112,7 +112,8 @@ class StateParts:
 
 
 def _lkw(cfg: RunConfig) -> dict[str, Any]:
-    return {"max_context": cfg.model.max_context - cfg.rollout.max_tokens, **prompt_kwargs(cfg)}
+    return {"max_context": cfg.model.max_context - cfg.rollout.max_tokens, **prompt_kwargs(cfg),
+            "cache_dir": str(cfg.run.local_cache())}  # the generation MFU's calibrated peak
 
 
 def policy_task_frames(cfg: RunConfig, engine: Any, tok: Any, tasks: Sequence[Any], bfcl_root: Path,

@@ -166,7 +166,8 @@ def probe_shard(cfg: RunConfig, store: ArtifactStore, demos: Mapping[str, Any], 
                     frames.append(probe_states(
                         engine, tok, group, verifier, num_probes=cfg.probing.num_probes, sampling=sampling,
                         max_context=cfg.model.max_context, max_tokens=cfg.rollout.max_tokens,
-                        prompt_kwargs=prompt_kwargs(cfg), progress=cfg.scale_out.probe_shard_size is None))
+                        prompt_kwargs=prompt_kwargs(cfg), progress=cfg.scale_out.probe_shard_size is None,
+                        cache_dir=str(cfg.run.local_cache())))
                 finally:
                     close_quietly(verifier)
         finally:

@@ -139,23 +139,35 @@ def make_engine(
     return factory(model_dir, dtype=dtype, max_model_len=max_model_len, **kwargs)
 
 
-def generate_groups(engine: Any, groups: Sequence[tuple[Sequence[list[int]], SamplingConfig]]
-                    ) -> list[list[list[Generation]]]:
+def generate_groups(engine: Any, groups: Sequence[tuple[Sequence[list[int]], SamplingConfig]],
+                    on_done: Callable[[int], Any] | None = None) -> list[list[list[Generation]]]:
     """Several batches of prompts, each with its own sampling settings, as
     ``[engine.generate(prompts, sampling) for prompts, sampling in groups]`` would sample them (each
     prompt seeded by its position in its own batch).
 
     An engine with a ``generate_groups`` method serves them together (vLLM: one scheduler pass, so
     a batch of short greedy answers fills the tail of a batch of m samples); any other engine gets
-    one ``generate`` call per batch.
+    one ``generate`` call per batch. ``on_done(k)``: called as k more prompts have all their
+    samples (vLLM: each prompt as it finishes inside the pass; otherwise each batch).
 
     Returns:
         ``[len(groups)][len(prompts)][n]`` generations.
     """
     own = getattr(engine, "generate_groups", None)
     if callable(own):
-        return own(groups)
-    return [engine.generate(prompts, sampling) for prompts, sampling in groups]
+        import inspect
+
+        takes = on_done is not None and "on_done" in inspect.signature(own).parameters
+        out = own(groups, on_done=on_done) if takes else own(groups)
+        if on_done is not None and not takes:
+            on_done(sum(len(prompts) for prompts, _ in groups))
+        return out
+    out = []
+    for prompts, sampling in groups:
+        out.append(engine.generate(prompts, sampling))
+        if on_done is not None:
+            on_done(len(prompts))
+    return out
 
 
 def check_prompts(prompts: Sequence[list[int]], vocab_size: int, max_model_len: int) -> None:

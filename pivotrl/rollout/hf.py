@@ -37,6 +37,8 @@ from pivotrl.rollout.base import (
     normalise_dtype,
 )
 from pivotrl.rollout.decode_attention import DECODE_ATTENTION, register_decode_attention
+from pivotrl.runtime.generation import GenerationMeter
+from pivotrl.runtime.mfu import ModelShape
 
 
 def sample_seed(base: int, prompt_index: int, sample_index: int) -> int:
@@ -107,6 +109,12 @@ class TransformersEngine:
         self.max_model_len = int(max_model_len or getattr(config, "max_position_embeddings", 2048))
         self.vocab_size = int(config.vocab_size)
         self.eos_token_ids = _eos_ids(self.model, tokenizer)
+        try:
+            shape = ModelShape.of_model(self.model)
+        except (ValueError, AttributeError, TypeError):
+            shape = None
+        self.meter = GenerationMeter(shape, torch.get_num_threads(),
+                                     str(next(self.model.parameters()).dtype).removeprefix("torch."))
 
     # ------------------------------------------------------------------ generate
 
@@ -147,16 +155,22 @@ class TransformersEngine:
         if seeds is not None:
             if len(seeds) != len(prompts):
                 raise ConfigError(f"generate: {len(seeds)} seeds for {len(prompts)} prompts")
-            return [self._generate_one(list(map(int, prompt)), sampling, int(seed), 0, stop_fn)
-                    for prompt, seed in zip(prompts, seeds)]
+            with self.meter.timed():
+                return self._metered(prompts, [self._generate_one(list(map(int, prompt)), sampling, int(seed), 0, stop_fn)
+                                               for prompt, seed in zip(prompts, seeds)])
         if positions is not None and len(positions) != len(prompts):
             raise ConfigError(f"generate: {len(positions)} positions for {len(prompts)} prompts")
         base_seed = sampling.seed if sampling.seed is not None else int(torch.randint(0, 2**62, (1,)).item())
         at = range(len(prompts)) if positions is None else [int(x) for x in positions]
-        return [
-            self._generate_one(list(map(int, prompt)), sampling, base_seed, i, stop_fn)
-            for i, prompt in zip(at, prompts)
-        ]
+        with self.meter.timed():
+            return self._metered(prompts, [self._generate_one(list(map(int, prompt)), sampling, base_seed, i, stop_fn)
+                                           for i, prompt in zip(at, prompts)])
+
+    def _metered(self, prompts: Sequence[list[int]], gens: list[list[Generation]]) -> list[list[Generation]]:
+        """Feed the generation meter (every prompt prefilled whole: no prefix cache) and pass ``gens`` on."""
+        for prompt, group in zip(prompts, gens):
+            self.meter.record(len(prompt), 0, [len(g.token_ids) for g in group])
+        return gens
 
     def _generate_one(
         self, prompt: list[int], sampling: SamplingConfig, base_seed: int, index: int, stop_fn: StopFn | None

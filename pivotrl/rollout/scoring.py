@@ -19,7 +19,7 @@ Pure core: imports neither an engine backend nor Prefect.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from pivotrl.core.errors import VerifierError
 from pivotrl.rollout.base import generate_groups
@@ -110,10 +110,12 @@ def sample_and_score(engine: Any, verifier: Any, states: Sequence[Any], prompts:
 
 
 def sample_and_score_groups(engine: Any, verifier: Any,
-                            groups: Sequence[tuple[Sequence[Any], Sequence[list[int]], Any]]) -> list[list[ScoredState]]:
+                            groups: Sequence[tuple[Sequence[Any], Sequence[list[int]], Any]],
+                            on_done: Callable[[int], Any] | None = None) -> list[list[ScoredState]]:
     """:func:`sample_and_score` for several batches ``(states, prompts, sampling)`` at once, each
     sampled as its own ``engine.generate(prompts, sampling)`` call would sample it, all served by
-    one :func:`pivotrl.rollout.base.generate_groups` call (vLLM: one scheduler pass).
+    one :func:`pivotrl.rollout.base.generate_groups` call (vLLM: one scheduler pass; ``on_done(k)``
+    as k more prompts finish sampling, see there).
 
     Returns:
         One list of :class:`ScoredState` per group, in input order.
@@ -125,7 +127,7 @@ def sample_and_score_groups(engine: Any, verifier: Any,
         if len(states) != len(prompts):
             raise ValueError(f"sample_and_score_groups: {len(states)} states, {len(prompts)} prompts")
     ids = [[list(p) for p in prompts] for _, prompts, _ in groups]
-    gens = iter(generate_groups(engine, [(p, g[2]) for p, g in zip(ids, groups) if p]))
+    gens = iter(generate_groups(engine, [(p, g[2]) for p, g in zip(ids, groups) if p], on_done))
     return [_score(verifier, g[0], p, next(gens)) if p else [] for p, g in zip(ids, groups)]
 
 

@@ -19,8 +19,9 @@ from __future__ import annotations
 import gc
 import math
 import os
+import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 from unittest import mock
 
 from pivotrl.core.errors import ConfigError, ModelError
@@ -37,6 +38,7 @@ from pivotrl.rollout.base import (
 from pivotrl.rollout.hf import sample_seed
 from pivotrl.rollout.vllm_placement import engine_cpu_bind, is_cpu_platform, visible_devices
 from pivotrl.rollout.vllm_worker import refresh_tied_head, reload_shared
+from pivotrl.runtime.generation import GenerationMeter, shape_of_checkpoint
 
 __all__ = ["VLLMEngine"]
 
@@ -138,6 +140,9 @@ class VLLMEngine:
         self.vocab_size = int(self.llm.llm_engine.model_config.get_vocab_size())
         hf_config = self.llm.llm_engine.model_config.hf_config
         self.tied_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
+        # Generation MFU (pivotrl.runtime.generation): fed from every request output in _collect.
+        self.meter = GenerationMeter(shape_of_checkpoint(self.model_dir, hf_config), bind_threads(self.cpu_bind),
+                                     normalise_dtype(dtype))
 
     def generate(
         self,
@@ -163,15 +168,19 @@ class VLLMEngine:
         from vllm.inputs import TokensPrompt
 
         params = self._params(prompts, sampling, seeds, positions)
-        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(map(int, p))) for p in prompts], params,
-                                    use_tqdm=False)
-        return self._collect(outputs, stop_fn)
+        with self.meter.timed():
+            outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(map(int, p))) for p in prompts], params,
+                                        use_tqdm=False)
+            return self._collect(outputs, stop_fn)
 
-    def generate_groups(self, groups: Sequence[tuple[Sequence[list[int]], SamplingConfig]]) -> list[list[list[Generation]]]:
+    def generate_groups(self, groups: Sequence[tuple[Sequence[list[int]], SamplingConfig]],
+                        on_done: Callable[[int], Any] | None = None) -> list[list[list[Generation]]]:
         """Several batches, each with its own sampling settings, in one scheduler pass: the same
         generations as ``[self.generate(prompts, sampling) for prompts, sampling in groups]`` (each
         prompt seeded by its position in its own batch), but the short batches fill the tail of
-        the long ones instead of each batch waiting for its own slowest sample.
+        the long ones instead of each batch waiting for its own slowest sample. ``on_done(1)`` is
+        called as each prompt's samples finish, inside the pass (vLLM's progress hook: the same
+        scheduler loop, so the same tokens).
 
         Returns:
             ``[len(groups)][len(prompts)][n]`` generations.
@@ -183,7 +192,9 @@ class VLLMEngine:
             params += self._params(prompts, sampling, None, None)
             requests += [TokensPrompt(prompt_token_ids=list(map(int, p))) for p in prompts]
             sizes.append(len(prompts))
-        gens = self._collect(self.llm.generate(requests, params, use_tqdm=False) if requests else [], None)
+        with self.meter.timed():
+            ticks = _Ticks(on_done) if on_done is not None else False
+            gens = self._collect(self.llm.generate(requests, params, use_tqdm=ticks) if requests else [], None)
         out, at = [], 0
         for size in sizes:
             out.append(gens[at : at + size])
@@ -221,6 +232,8 @@ class VLLMEngine:
         """vLLM's request outputs → ``[len(outputs)][n]`` generations (``stop_fn`` applied)."""
         results: list[list[Generation]] = []
         for out in outputs:
+            self.meter.record(len(out.prompt_token_ids), getattr(out, "num_cached_tokens", None),
+                              [len(c.token_ids) for c in out.outputs])
             gens = []
             for comp in sorted(out.outputs, key=lambda c: c.index):
                 ids = list(comp.token_ids)
@@ -319,3 +332,47 @@ class VLLMEngine:
         del llm
         gc.collect()
         self._release_cpus()
+
+
+def bind_threads(bind: str | None) -> int:
+    """CPUs named by a ``VLLM_CPU_OMP_THREADS_BIND`` value ("0-3", "0,2", ranks split by "|"); with
+    none, the CPUs this process may run on."""
+    if not bind or bind in ("auto", "all", "nobind"):
+        return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    n = 0
+    for part in bind.replace("|", ",").split(","):
+        lo, _, hi = part.strip().partition("-")
+        if lo.isdigit():
+            n += int(hi) - int(lo) + 1 if hi.isdigit() else 1
+    return max(n, 1)
+
+
+class _Ticks:
+    """A stand-in for the ``tqdm`` class vLLM's ``LLM.generate(use_tqdm=...)`` accepts: called with
+    an iterable it returns it (prompt rendering); called with ``total=`` it returns a bar whose
+    ``update`` (once per finished request) calls ``on_done(1)``."""
+
+    def __init__(self, on_done: Callable[[int], Any]) -> None:
+        self.on_done = on_done
+
+    def __call__(self, iterable: Any = None, **_: Any) -> Any:
+        return iterable if iterable is not None else _TickBar(self.on_done)
+
+
+class _TickBar:
+    def __init__(self, on_done: Callable[[int], Any]) -> None:
+        self.on_done, self.n, self.postfix, self._t0 = on_done, 0, "", time.monotonic()
+
+    @property
+    def format_dict(self) -> dict[str, float]:
+        return {"elapsed": max(time.monotonic() - self._t0, 1e-9)}
+
+    def update(self, n: int = 1) -> None:
+        self.n += n
+        self.on_done(1)
+
+    def refresh(self) -> None:
+        return None
+
+    def close(self) -> None:
+        return None

@@ -357,3 +357,21 @@ def test_decode_attention_matches_sdpa(tok, prompts) -> None:
         ps, actions = [prompts[0], prompts[1], [0, 5, 6]], [[40, 41, 42], [7], [8, 9, 10, 11, 12]]
         for x, y in zip(e_plain.score(ps, actions), e_fast.score(ps, actions)):
             assert max_abs_diff(x, y) <= 1e-5
+
+
+@pytest.mark.vllm
+def test_vllm_generate_groups_counts_prompts_in_the_pass_and_meters_same_tokens(vllm_setup, prompts) -> None:
+    eng = vllm_setup[0]
+    groups = [(prompts, SamplingConfig(n=2, temperature=1.0, max_tokens=8, seed=5)),
+              (prompts[:1], SamplingConfig(n=1, temperature=0.0, max_tokens=4, seed=5))]
+    plain = eng.generate_groups(groups)
+    before = eng.meter.totals()
+    done: list[int] = []
+    counted = eng.generate_groups(groups, on_done=done.append)
+    assert [[[g.token_ids for g in row] for row in grp] for grp in counted] == \
+        [[[g.token_ids for g in row] for row in grp] for grp in plain]
+    assert done == [1] * (len(prompts) + 1)
+    gen = eng.meter.totals().minus(before)
+    assert gen.requests == len(prompts) + 1 and gen.prompt_tokens == sum(map(len, prompts)) + len(prompts[0])
+    assert gen.generated_tokens == sum(len(g.token_ids) for grp in counted for row in grp for g in row)
+    assert gen.prefill_tokens <= gen.prompt_tokens and gen.flops > 0 and gen.seconds > 0
