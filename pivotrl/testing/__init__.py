@@ -10,6 +10,9 @@ Typical use in a test::
     tok = tiny_tokenizer()
     model = tiny_llama(tok, seed=0)
     ckpt = save_tiny_checkpoint(tmp_path / "ckpt")   # model + tokenizer, HF format
+
+:mod:`pivotrl.testing.grammar` sets the same model's weights so that it writes from a small grammar
+(e.g. well-formed hermes tool calls with random arguments): ``save_grammar_checkpoint``.
 """
 
 from __future__ import annotations
@@ -253,12 +256,17 @@ def comparable_report(result: dict[str, Any], roots: "list[str | os.PathLike[str
     return report, md.replace(digest, "<config hash>").replace(digest[:12], "<config hash>")
 
 
+from pivotrl.testing.grammar import grammar_llama, grammar_tokenizer, save_grammar_checkpoint  # noqa: E402
+
 __all__ = [
     "CHAT_TEMPLATE",
     "comparable_report",
     "FAMILIES",
+    "grammar_llama",
+    "grammar_tokenizer",
     "IM_END",
     "IM_START",
+    "save_grammar_checkpoint",
     "save_tiny_checkpoint",
     "tiny_llama",
     "tiny_chat_tokenizer",

@@ -1,7 +1,9 @@
 """Sharded probing through the real Prefect flow: a shard whose tool executions keep failing ends
 Failed naming the states it could not decide, and the next run executes only that shard (and only
 those states); on a real local Ray cluster (head + 2 one-CPU worker nodes on 127.0.0.1) the sharded
-flow gives the in-process probe table and pivot set."""
+flow gives the in-process probe table and pivot set. With a policy that writes well-formed hermes
+calls (pivotrl.testing.grammar), accepted and rejected by the verifier, the in-process, thread-sharded
+and Ray-sharded runs give one non-empty pivot set."""
 
 from __future__ import annotations
 
@@ -348,3 +350,89 @@ def test_losing_the_drivers_own_raylet_reruns_the_lost_shards_then_fails_naming_
     assert len(rounds) == 3  # one subflow run for the failed run, two (a rerun) for the retried one
     probes, pivots = _tables(ArtifactStore(str(tmp_path / "retried")), out)
     assert len(probes) > 0 and set(probes["trajectory_id"]) >= set(pivots["trajectory_id"])
+
+
+# ------------------------------------------------------------------ a pivot set of parsed tool calls
+#: Hermes calls from a small grammar (pivotrl.testing.grammar): ``math.factorial`` or
+#: ``triangle_properties.get`` (1/2 each) with a last argument of 5 or 6 (1/2 each). The pivot split's
+#: ``simple_python_1`` (factorial of 5) and ``multiple_0`` (sides 5, 4, 3) accept a quarter of them,
+#: the other states none; their trajectories fall in different shards.
+_FACTORIAL = '<tool_call>\n{"name": "math.factorial", "arguments": {"number": '
+_TRIANGLE = '<tool_call>\n{"name": "triangle_properties.get", "arguments": {"side2": 4, "side3": 3, "side1": '
+_CLOSE = "}}\n</tool_call>"
+CALL_GRAMMAR = {"": {_FACTORIAL: 1, _TRIANGLE: 1}, _FACTORIAL: {"5": 1, "6": 1}, _TRIANGLE: {"5": 1, "6": 1},
+                "5": {_CLOSE: 1}, "6": {_CLOSE: 1}}
+#: The hermes format under Qwen2.5's template; 8 probes a state so that both accepting states mix.
+HERMES_CALLS = ("prompt.format=chat_template", "prompt.tool_parser=hermes", "probing.num_probes=8",
+                "quality.include_stop_decisions=false")
+
+
+@pytest.fixture(scope="module")
+def hermes_caller(tmp_path_factory) -> Path:
+    """The tiny Llama that writes :data:`CALL_GRAMMAR`, with a Qwen2.5-like tokenizer and template."""
+    from pivotrl.testing import save_grammar_checkpoint, tiny_chat_tokenizer
+
+    template = (REPO / "tests" / "fixtures" / "chat_templates" / "qwen2.5.jinja").read_text()
+    return save_grammar_checkpoint(tmp_path_factory.mktemp("caller") / "hermes", CALL_GRAMMAR,
+                                   tokenizer=tiny_chat_tokenizer("qwen2.5", template))
+
+
+def test_parsed_calls_give_one_pivot_set_in_process_on_threads_and_on_ray(hermes_caller, ray_cluster, tmp_path,
+                                                                          monkeypatch):
+    """Probing whose samples are well-formed hermes calls, accepted or rejected by the argument
+    verifier: the in-process unsharded stage, the sharded flow on threads (2 shards, each in a child
+    process) and on the Ray cluster (4 shards over its 2 workers) write the same probe table (rows,
+    samples, rewards, μ̂, σ̂²) and the same non-empty pivot set, under the same keys."""
+    import shutil
+
+    from prefect.testing.utilities import prefect_test_harness
+
+    from pivotrl.flows.nightly import probe_only
+    from pivotrl.pipeline.probe_stage import plan_probe_shards
+
+    def overrides(root: Path, *extra: str) -> list[str]:
+        return _overrides(root, hermes_caller, *HERMES_CALLS, *extra)
+
+    cfg = load_config(str(REPO / "configs" / "smoke.yaml"), overrides(tmp_path / "local"))
+    store0 = ArtifactStore(cfg.run.storage_root)
+    demos = build_demonstrations(cfg, store0)
+    ref = stages.stage_reference(cfg, store0, demos)
+    probe0 = stages.stage_probe(cfg, store0, demos, ref)
+    probes0, pivots0 = _tables(store0, probe0)
+    ok = probes0[probes0["status"] == "ok"]
+    rewards = [r for rs in ok["rewards"] for r in json.loads(rs)]
+    reasons = {r for rs in ok["reasons"] for r in json.loads(rs)}
+    samples = [s for ss in ok["samples"] for s in json.loads(ss)]
+    assert all(s.startswith("<tool_call>\n{") and s.endswith(_CLOSE) for s in samples)  # the grammar's calls
+    assert 1.0 in rewards and 0.0 in rewards and {"match", "wrong_tool"} <= reasons
+    assert any(r.startswith("wrong_value") for r in reasons)  # a well-formed call with a wrong argument
+    assert len(pivots0) >= 2 and (pivots0["var"] > 0).all() and (pivots0["mu"] < 1).all()
+
+    runs = {"threads": ["scale_out.probe_shard_size=4", "scale_out.max_parallel_shards=2"],
+            "ray": ["scale_out.probe_shard_size=2", "scale_out.task_runner=ray", "scale_out.ray_cpus_per_shard=1",
+                    f"scale_out.ray_address={ray_cluster.address}"]}
+    for name in runs:  # the demonstrations and the reference as published in-process: only probing runs
+        for published in ("demos", "reference"):
+            shutil.copytree(tmp_path / "local" / published, tmp_path / name / published)
+    monkeypatch.setenv("PREFECT_HOME", str(tmp_path / "prefect"))
+    with prefect_test_harness(server_startup_timeout=120):
+        outs = {name: probe_only(config_path=str(REPO / "configs" / "smoke.yaml"),
+                                 overrides=overrides(tmp_path / name, *extra)) for name, extra in runs.items()}
+    for name, out in outs.items():
+        probe = ProbeResult.of(out)
+        assert (probe.probes_key, probe.pivots_key) == (probe0.probes_key, probe0.pivots_key), name
+        store = ArtifactStore(str(tmp_path / name))
+        probes, pivots = _tables(store, out)
+        pd.testing.assert_frame_equal(probes, probes0)
+        pd.testing.assert_frame_equal(pivots, pivots0)
+        assert out["stats"] == probe0.stats, name
+        # Every shard of the plan wrote its own table under this flow's root (its manifest names the
+        # shard and its trajectories), and the pivots came from more than one shard.
+        cfg_n = load_config(str(REPO / "configs" / "smoke.yaml"), overrides(tmp_path / name, *runs[name]))
+        plan = plan_probe_shards(cfg_n, store, demos, ref)
+        assert len(plan["shards"]) == {"threads": 2, "ray": 4}[name]
+        for shard in plan["shards"]:
+            manifest = store.read_manifest(f"{shard['key']}/probes.parquet")
+            assert (manifest.extra["shard"], manifest.extra["trajectories"]) == (shard["index"], shard["trajectories"])
+        holding = {s["index"] for s in plan["shards"] for t in pivots0["trajectory_id"] if t in s["trajectories"]}
+        assert len(holding) >= 2, name
