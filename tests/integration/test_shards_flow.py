@@ -119,14 +119,14 @@ def test_failed_shard_is_failed_then_retried_alone(expert_model, clean_run, tmp_
         out = probe_only(config_path=str(REPO / "configs" / "smoke.yaml"),
                          overrides=_overrides(root, expert_model, *sharded))
         second = list(asyncio.run(_shard_runs()).values())[1]
-        assert sorted(r.state.name for r in second) == ["Cached", "Completed"]
-        redone = next(r for r in second if r.state.name == "Completed")
-        # The shard tasks' persisted results, under the run root (one per shard: a failed run has none).
-        results = [json.loads(json.loads(p.read_text())["result"])
-                   for p in (root / ".prefect-results").glob("pivotrl-probe-shard-*")]
-        assert sorted(r["index"] for r in results) == [0, 1]
-        result = next(r for r in results if r["index"] == 0)
-        assert result["index"] == 0 and result["probed"] == len(undecided)  # the drill's trajectory sorts first
+        assert sorted(r.state.name for r in second) == ["Completed", "Completed"]
+        # The shard artifacts: the failed run published only its finished shard (1); the rerun both,
+        # shard 1 reused from the store (no process) and shard 0 computed again.
+        rows = asyncio.run(_shard_rows("probe"))
+        assert [r["index"] for r in rows[:1]] == [1] and len(rows) == 3
+        assert sorted((r["index"], r["reused"]) for r in rows[1:]) == [(0, False), (1, True)]
+        result = next(r for r in rows[1:] if r["index"] == 0)
+        assert result["probed"] == len(undecided)  # the drill's trajectory sorts first
     store = ArtifactStore(str(root))
     probes, pivots = _tables(store, out)
     clean_probes, clean_pivots = _tables(clean_store, clean_probe)
@@ -193,9 +193,17 @@ def test_launch_train_prepare_writes_the_nightly_flows_probe_table(expert_model,
     pd.testing.assert_frame_equal(a[1], b[1])
 
 
-def _results(root: Path, pattern: str) -> list[dict[str, Any]]:
-    """The persisted results of the shard task runs under ``root`` whose cache key matches ``pattern``."""
-    return [json.loads(json.loads(p.read_text())["result"]) for p in (root / ".prefect-results").glob(pattern)]
+async def _shard_rows(stage: str) -> list[dict[str, Any]]:
+    """The rows of the shard table artifacts ``<stage>-shard-<index>`` (one per shard task run:
+    ``pivotrl.tasks.publish.shard``), oldest first."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+
+    async with get_client() as client:
+        artifacts = await client.read_artifacts(
+            artifact_filter=ArtifactFilter(key=ArtifactFilterKey(like_=f"{stage}-shard-")))
+    return [row for a in sorted(artifacts, key=lambda a: a.created)
+            for row in (json.loads(a.data) if isinstance(a.data, str) else a.data)]
 
 
 @pytest.fixture(scope="module")
@@ -245,34 +253,37 @@ def test_ray_task_runner_gives_the_in_process_probe_table_and_report(ray_cluster
         out = probe_only(config_path=str(REPO / "configs" / "smoke.yaml"), overrides=[
             f"run.storage_root={root}", *smoke, "scale_out.task_runner=ray", f"scale_out.ray_address={ray_cluster.address}",
             "scale_out.probe_shard_size=2", "scale_out.ray_cpus_per_shard=1"])
+        probe_rows = asyncio.run(_shard_rows("probe"))
         ev = evaluate_stage(None, eval_config, eval_inputs)
-        first = _results(eval_root, "pivotrl-eval-shard-*")
+        first = asyncio.run(_shard_rows("eval"))
         ArtifactStore(str(eval_root)).delete(next(s["key"] for s in first if s["index"] == 0))  # one task shard's output
         ArtifactStore(str(eval_root)).delete(ev["eval_key"])
         ev_again = evaluate_stage(None, eval_config, eval_inputs)
         reruns = list(asyncio.run(_shard_runs("pivotrl-eval-shards", "eval-shard")).values())
+        again = asyncio.run(_shard_rows("eval"))[len(first):]
     roots = [tmp_path / "local", eval_root]
     assert comparable_report(ev, roots) == comparable_report(ev_again, roots) == comparable_report(ev0.to_dict(), roots)
-    assert [sorted(r.state.name for r in runs) for runs in reruns] == [["Completed", "Completed"], ["Cached", "Completed"]]
-    assert sorted((s["index"], s["part"]) for s in first) == [(0, "tasks"), (1, "states")]
+    assert [sorted(r.state.name for r in runs) for runs in reruns] == [["Completed", "Completed"]] * 2
+    assert sorted((s["index"], s["part"], s["reused"]) for s in first) == [(0, "tasks", False), (1, "states", False)]
+    assert sorted((s["index"], s["reused"]) for s in again) == [(0, False), (1, True)]  # only the deleted shard ran
     workers = {n["NodeID"] for n in ray_cluster.nodes() if n["Resources"].get("CPU") == 1}
-    assert {s["worker"]["node"] for s in _results(eval_root, "pivotrl-eval-shard-*")} <= workers
+    assert {s["worker_node"] for s in first + again if not s["reused"]} <= workers
     store = ArtifactStore(str(root))
     probes, pivots = _tables(store, out)
     probes0, pivots0 = _tables(store0, probe0)
     pd.testing.assert_frame_equal(probes, probes0)
     pd.testing.assert_frame_equal(pivots, pivots0)
     assert out["stats"] == probe0.stats
-    shards = [json.loads(json.loads(p.read_text())["result"]) for p in (root / ".prefect-results").glob("pivotrl-probe-shard-*")]
-    assert sorted(s["index"] for s in shards) == [0, 1, 2, 3]
+    shards = probe_rows
+    assert sorted((s["index"], s["reused"]) for s in shards) == [(i, False) for i in range(4)]
     # The shards ran on both worker nodes (never on the CPU-less head), one engine per worker process,
     # kept warm for that worker's next shard.
     nodes = {n["NodeID"]: n for n in ray_cluster.nodes()}
-    used = {s["worker"]["node"] for s in shards}
+    used = {s["worker_node"] for s in shards}
     assert len(used) == 2 and all(nodes[n]["Resources"].get("CPU") == 1 for n in used)
     per_pid: dict[int, list[bool]] = {}
     for s in sorted(shards, key=lambda s: s["index"]):
-        per_pid.setdefault(s["worker"]["pid"], []).append(s["engine_reused"])
+        per_pid.setdefault(s["worker_pid"], []).append(s["engine_reused"])
     assert sum(not r for rs in per_pid.values() for r in rs) == len(per_pid)  # one engine built per process
     assert sum(r for rs in per_pid.values() for r in rs) == 4 - len(per_pid) >= 1
 
@@ -337,16 +348,18 @@ def test_losing_the_drivers_own_raylet_reruns_the_lost_shards_then_fails_naming_
         with pytest.raises(ShardsFailed) as lost:
             probe_only(config_path=str(REPO / "configs" / "smoke.yaml"), overrides=[
                 f"run.storage_root={tmp_path / 'once'}", *ray, "scale_out.shard_retries=0"])
+        before = len(asyncio.run(_shard_rows("probe")))
         out = probe_only(config_path=str(REPO / "configs" / "smoke.yaml"), overrides=[
             f"run.storage_root={tmp_path / 'retried'}", *ray, "scale_out.shard_retries=1"])
         rounds = asyncio.run(_shard_runs())
+        retried = asyncio.run(_shard_rows("probe"))[before:]
     assert 0 in lost.value.lost and lost.value.failed == []
     assert "lost their Ray worker or node in each of 1 rounds" in str(lost.value)
     assert "shard 0 (" in str(lost.value) and "Crashed" in str(lost.value)
     drill = json.loads(next((tmp_path / "retried").rglob("node-loss-drill.json")).read_text())
     assert not Path(f"/proc/{drill['raylet']}").exists()  # the first round's raylet was killed
-    shards = _results(tmp_path / "retried", "pivotrl-probe-shard-*")
-    assert sorted(s["index"] for s in shards) == [0, 1]  # both shards finished, shard 0 in the second round
+    # both shards computed, shard 0 in the second round (shard 1, finished in the first, reused there)
+    assert sorted(s["index"] for s in retried if not s["reused"]) == [0, 1]
     assert len(rounds) == 3  # one subflow run for the failed run, two (a rerun) for the retried one
     probes, pivots = _tables(ArtifactStore(str(tmp_path / "retried")), out)
     assert len(probes) > 0 and set(probes["trajectory_id"]) >= set(pivots["trajectory_id"])
