@@ -383,7 +383,8 @@ def _sample(logits: Any, sampling: SamplingConfig, generator: Any) -> int:
         before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs  # mass strictly above each token
         sorted_probs = sorted_probs.masked_fill(before >= sampling.top_p, 0.0)
         probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
-    return int(torch.multinomial(probs, 1, generator=generator))
+    # drawn on the CPU, where the per-sample generators live: the same tokens on every device
+    return int(torch.multinomial(probs.cpu(), 1, generator=generator))
 
 
 def _cut_at_stop(text: str, stops: Sequence[str]) -> str:

@@ -268,8 +268,8 @@ class PivotRLTrainer:
                 if ref is None or old is None:
                     raise TrainingError(f"micro-batch {j} lost its π_ref/π_old log-probs (internal error)")
                 t = logprobs.shape[1]
-                ref = torch.nn.functional.pad(ref, (0, t - ref.shape[1])).to(logprobs.dtype)
-                adv = torch.cat([advantages[i] for i in mb]).to(logprobs.dtype)  # (B,)
+                ref = torch.nn.functional.pad(ref, (0, t - ref.shape[1])).to(logprobs.device, logprobs.dtype)
+                adv = torch.cat([advantages[i] for i in mb]).to(logprobs.device, logprobs.dtype)  # (B,)
                 loss, m = pivotrl_loss(
                     logprobs,
                     old,

@@ -132,14 +132,19 @@ def test_two_engines_serve_the_batch_and_are_refreshed_and_verified_every_step(c
     rows1 = run_rl_loop(trainer1, single, EvenVerifier(), pivots, PROMPTS, schedule, _settings(), tmp_path / "work1",
                         progress=False)
     assert _same_part(rows) == _same_part(rows1) and "engines" not in rows1[0]
+    # one rank: the pool's generation counters are the single engine's (the same prompts, the same tokens)
+    counts = ("gen_prompt_tokens", "gen_prefill_tokens", "gen_tokens", "gen_tflop")
+    assert [[r[k] for k in counts] for r in rows] == [[r[k] for k in counts] for r in rows1]
+    assert all(r["gen_tokens"] > 0 for r in rows)
     single.close()
 
 
 def _same_part(rows: list[dict]) -> list[dict]:
-    """The rows without times, the hardware used (threads × ranks) and engine columns: what one engine
-    or several must agree on."""
-    skip = ("rollout_s", "step_time_s", "tokens_per_s", "trainer_s", "refresh_s", "mfu", "threads", "peak_gflops", "engines", "refresh_verified_engines", "_e0", "_e1")
-    return [{k: v for k, v in r.items() if not k.endswith(skip)} for r in rows]
+    """The rows without times, the hardware used (threads × ranks), engine columns and the generation
+    counters (``gen_*``: a rank counts its own engines' work only): what one engine or several must
+    agree on."""
+    skip = ("rollout_s", "step_time_s", "tokens_per_s", "trainer_s", "refresh_s", "gen_s", "mfu", "threads", "peak_gflops", "engines", "refresh_verified_engines", "_e0", "_e1")
+    return [{k: v for k, v in r.items() if not k.endswith(skip) and not k.startswith("gen_")} for r in rows]
 
 
 @pytest.mark.integration
