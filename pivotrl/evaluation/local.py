@@ -161,8 +161,11 @@ def evaluate_local_groups(
                     rows[i].update(status="verifier_error", n_samples=0, n_accepted=0, accuracy=float("nan"),
                                    parse_errors=0, tokens_generated=sum(len(x.token_ids) for x in g.samples),
                                    reasons={"verifier_error": len(g.samples)}, samples="[]")
-    return [{**_summarise(rows, len(states), sampling), **gen_metrics}
-            for (rows, _), (states, sampling) in zip(prepared, jobs)]
+    out = []
+    for (rows, _), (states, sampling) in zip(prepared, jobs):
+        table, summary = _summarise(rows, len(states), sampling)
+        out.append((table, {**summary, **gen_metrics}))  # the pass's generation, on each of its jobs
+    return out
 
 
 def _encode(tokenizer: Any, states: Sequence[TurnState], sampling: SamplingConfig, max_context: int,
