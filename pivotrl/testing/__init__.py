@@ -131,7 +131,7 @@ def tiny_tokenizer() -> Any:
         bos_token=IM_START,
         eos_token=IM_END,
         pad_token=IM_END,
-        model_max_length=2048,
+        model_max_length=4096,
         clean_up_tokenization_spaces=False,
     )
     tok.chat_template = CHAT_TEMPLATE
@@ -165,7 +165,7 @@ def tiny_chat_tokenizer(family: str, chat_template: str) -> Any:
     fam = FAMILIES[family]
     backend = Tokenizer.from_str(_trained_tokenizer_json(tuple(fam["special"])))
     tok = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token=fam["bos"], eos_token=fam["eos"],
-                                  pad_token=fam["pad"], model_max_length=2048, clean_up_tokenization_spaces=False)
+                                  pad_token=fam["pad"], model_max_length=4096, clean_up_tokenization_spaces=False)
     tok.chat_template = chat_template
     tok.generation_stop_ids = [tok.convert_tokens_to_ids(t) for t in fam["stop"]]
     return tok
@@ -175,7 +175,7 @@ def tiny_llama_config(tokenizer: Any, **overrides: Any) -> Any:
     """The ``LlamaConfig`` of :func:`tiny_llama`; ``overrides`` replace any field.
 
     Defaults: 2 layers, hidden 128, 2 attention heads of size 64, 1 KV head, MLP 256,
-    tied embeddings, 2048 positions, vocabulary = ``len(tokenizer)``.
+    tied embeddings, 4096 positions, vocabulary = ``len(tokenizer)``.
     """
     from transformers import LlamaConfig
 
@@ -187,7 +187,7 @@ def tiny_llama_config(tokenizer: Any, **overrides: Any) -> Any:
         num_attention_heads=2,
         num_key_value_heads=1,
         head_dim=64,
-        max_position_embeddings=2048,
+        max_position_embeddings=4096,
         rms_norm_eps=1e-5,
         rope_theta=10000.0,
         tie_word_embeddings=True,

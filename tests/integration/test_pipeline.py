@@ -85,6 +85,29 @@ def test_smoke_pipeline_end_to_end(smoke_run):
 
 
 @pytest.mark.integration
+def test_smoke_run_scores_stop_decisions_in_probing_and_evaluation(smoke_run):
+    """Stop decisions (the turn whose right action is to answer in text) are scored end to end:
+    probed on the pivot split, and measured on the held-out split by the evaluation
+    (``stop_decisions_greedy``) for every policy, not only counted as too long."""
+    cfg, store, demos, _, probe, _, ev = smoke_run
+    cand = store.read_parquet(f"{demos['key']}/candidates.parquet")
+    stop = cand[candidate_kind_column(cand) == "stop"]
+    # Probing: every stop decision of the pivot split fits and is scored.
+    probes = store.read_parquet(f"{probe.probes_key}/probes.parquet")
+    probed = probes[probes["state_id"].isin(set(stop["state_id"]))]
+    assert len(probed) == int((stop["split"] == "pivot").sum()) == 4 and (probed["status"] == "ok").all()
+    # Evaluation: the held-out split's 4 stop decisions, the 2 shortest within model.max_context.
+    assert ev.report["meta"]["stop_decision_states"] == int((stop["split"] == "heldout").sum()) == 4
+    local = store.read_parquet(f"{ev.eval_key}/local.parquet")
+    rows = local[local["kind"] == "stop_decisions_greedy"]
+    assert set(rows["policy"]) == {"base", "reference", "pivotrl"} and len(ev.report["results"]) == 3
+    for name, g in rows.groupby("policy"):
+        assert sorted(g["status"]) == ["ok", "ok", "too_long", "too_long"] and (g["n_samples"] > 0).sum() == 2, name
+    for name, res in ev.report["results"].items():
+        assert (res["local_stop"]["n_states"], res["local_stop"]["n_too_long"]) == (2, 2), name
+
+
+@pytest.mark.integration
 def test_second_run_reuses_every_artifact(smoke_run):
     cfg, store, demos, ref, probe, train, ev = smoke_run
     before = {k: store.read_manifest(k).created_at for k in (
