@@ -37,7 +37,8 @@ test-fast: $(STAMP)
 run: $(STAMP)
 	$(BIN)/pivotrl run --config $(CONFIG) $(ARGS)
 
-# Every stage end to end on a tiny random model (about a minute on 2 cores); creates the model once.
+# Every stage end to end on a tiny random model (a few minutes on 2 cores, benchmarks/RESULTS.md §4);
+# creates the model once.
 SMOKE_MODEL := runs/models/tiny
 smoke: $(STAMP)
 	test -f $(SMOKE_MODEL)/config.json || $(BIN)/python -c "from pivotrl.testing import save_tiny_checkpoint as s; s('$(SMOKE_MODEL)')"

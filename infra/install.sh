@@ -16,7 +16,7 @@ $PIP install --quiet --upgrade "pip==25.3"
 
 # torch is installed first and pinned exactly: an unpinned or ranged request lets the resolver
 # pick a multi-GB CUDA build. On machines without a local CPU wheel, set
-# PIP_EXTRA_INDEX_URL to PyTorch's CPU wheel index (see README).
+# PIP_EXTRA_INDEX_URL to PyTorch's CPU wheel index (see docs/running.md).
 $PIP install --quiet "torch==2.13.0"
 
 if [ "$EXTRA" = "cpu" ]; then

@@ -88,7 +88,8 @@ def _apply_override(data: dict[str, Any], override: str) -> None:
     try:
         value = yaml.safe_load(raw) if raw.strip() else None
     except yaml.YAMLError as e:
-        raise ConfigError(f"override {override!r}: value is not valid YAML ({e})") from None
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise ConfigError(f"override {override!r}: value is not valid YAML ({problem})") from None
 
     tp: Any = RunConfig
     node: Any = data
