@@ -107,14 +107,17 @@ class StageMemory:
 def _task_runs(flow_run_id: Any) -> tuple[list[dict[str, Any]], float]:
     """Task runs of a flow run (name, state, run seconds) and the flow run's own total_run_time."""
     from prefect import get_client
-    from prefect.client.schemas.filters import (FlowRunFilter, FlowRunFilterId, LogFilter, LogFilterTaskRunId,
-                                                LogFilterTextSearch)
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, LogFilter, LogFilterTaskRunId
 
+    from prefect.logging.handlers import APILogHandler
+
+    APILogHandler().flush()  # the task runs' log lines reach the API before they are read
     with get_client(sync_client=True) as client:
         runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
         flow_run = client.read_flow_run(flow_run_id)
-        logs = client.read_logs(log_filter=LogFilter(task_run_id=LogFilterTaskRunId(any_=[r.id for r in runs]),
-                                                     text=LogFilterTextSearch(query='"no stage process started"')))
+        logs, page = [], LogFilter(task_run_id=LogFilterTaskRunId(any_=[r.id for r in runs]))
+        while batch := client.read_logs(log_filter=page, limit=200, offset=len(logs)):
+            logs += batch  # paged: the server's text search needs SQL functions SQLite lacks
     reused = {log.task_run_id for log in logs if "no stage process started" in log.message}
     out = [{"task": r.name.rsplit("-", 1)[0], "state": r.state_name, "reused": "yes" if r.id in reused else "no",
             "run_s": r.total_run_time.total_seconds(), "start": r.start_time} for r in runs]

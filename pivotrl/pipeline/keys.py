@@ -83,7 +83,8 @@ CACHED: dict[str, Callable[..., Any]] = {
     "train": cached_train, "evaluate": lambda cfg, store, demos, ref, probe, train: cached_evaluate(
         cfg, store, demos, ref, train),
     "sft_baseline": cached_sft_baseline, "e2e_baseline": cached_e2e_baseline,
-    "compare_evaluate": cached_compare_evaluate,
+    "compare_evaluate": lambda cfg, store, demos, ref, probe, train, sft, e2e: cached_compare_evaluate(
+        cfg, store, demos, ref, train, sft, e2e),
 }
 
 

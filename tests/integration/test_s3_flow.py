@@ -130,7 +130,7 @@ def _digest(store: ArtifactStore, key: str) -> str:
     """sha256 of the payload at ``key``; for payloads with volatile fields, of the masked payload."""
     name = key.rsplit("/", 1)[-1]
     raw = store.read_bytes(key)
-    if name.endswith(".json") and name in ("report.json", "summary.json") or name.endswith(".sft.json"):
+    if name.endswith(".json") and name in ("report.json", "summary.json", "reference.json") or name.endswith(".sft.json"):
         masked = json.dumps(_mask(json.loads(raw), store.root_url), sort_keys=True).encode()
         return "masked:" + hashlib.sha256(masked).hexdigest()
     if name == "metrics.parquet":
