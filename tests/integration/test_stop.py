@@ -50,10 +50,15 @@ class Run:
         self.lines: list[str] = []
         self._q: queue.Queue[str] = queue.Queue()
         self.seen: dict[tuple[int, float], psutil.Process] = {}
-        self.cmdlines: list[str] = []
+        self._cmdline: dict[tuple[int, float], str] = {}
         self._done = threading.Event()
         threading.Thread(target=self._read, daemon=True).start()
         threading.Thread(target=self._watch, daemon=True).start()
+
+    @property
+    def cmdlines(self) -> list[str]:
+        """The command line of every process seen in the tree (the last one read while it ran)."""
+        return list(self._cmdline.values())
 
     def _read(self) -> None:
         for line in self.proc.stdout:
@@ -66,9 +71,10 @@ class Run:
             try:
                 for p in root.children(recursive=True):
                     key = (p.pid, p.create_time())
-                    if key not in self.seen:
-                        self.seen[key] = p
-                        self.cmdlines.append(" ".join(p.cmdline()))
+                    self.seen.setdefault(key, p)
+                    # read again on every pass: a child seen between fork and exec still shows its
+                    # parent's command line
+                    self._cmdline[key] = " ".join(p.cmdline())
             except psutil.Error:
                 pass
             time.sleep(0.1)
