@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import logging
 import os
 import shutil
 import subprocess
@@ -104,22 +105,35 @@ class StageMemory:
             self._stop.wait(self.poll_s)
 
 
+class ReusedTasks(logging.Handler):
+    """The names of the task runs that logged reusing their stage ("no stage process started",
+    :func:`pivotrl.tasks.stages.run_once`), read from Prefect's task-run loggers in this process."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.names: set[str] = set()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if "no stage process started" in record.getMessage():
+            self.names.add(str(getattr(record, "task_run_name", "")))
+
+    def __enter__(self) -> "ReusedTasks":
+        logging.getLogger("prefect.task_runs").addHandler(self)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        logging.getLogger("prefect.task_runs").removeHandler(self)
+
+
 def _task_runs(flow_run_id: Any) -> tuple[list[dict[str, Any]], float]:
     """Task runs of a flow run (name, state, run seconds) and the flow run's own total_run_time."""
     from prefect import get_client
-    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, LogFilter, LogFilterTaskRunId
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 
-    from prefect.logging.handlers import APILogHandler
-
-    APILogHandler().flush()  # the task runs' log lines reach the API before they are read
     with get_client(sync_client=True) as client:
         runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
         flow_run = client.read_flow_run(flow_run_id)
-        logs, page = [], LogFilter(task_run_id=LogFilterTaskRunId(any_=[r.id for r in runs]))
-        while batch := client.read_logs(log_filter=page, limit=200, offset=len(logs)):
-            logs += batch  # paged: the server's text search needs SQL functions SQLite lacks
-    reused = {log.task_run_id for log in logs if "no stage process started" in log.message}
-    out = [{"task": r.name.rsplit("-", 1)[0], "state": r.state_name, "reused": "yes" if r.id in reused else "no",
+    out = [{"task": r.name.rsplit("-", 1)[0], "name": r.name, "state": r.state_name,
             "run_s": r.total_run_time.total_seconds(), "start": r.start_time} for r in runs]
     out.sort(key=lambda r: (r["start"] is None, r["start"] or 0))
     return out, flow_run.total_run_time.total_seconds()
@@ -179,7 +193,8 @@ def main(argv: list[str] | None = None, work: Path | None = None) -> int:
 
     runs = []
     flow_log = work / "flow-output.log"  # the stage processes' streamed output, kept out of the tables
-    with StageMemory(args.poll_s) as mem, open(flow_log, "w") as log_file, contextlib.redirect_stdout(log_file):
+    with StageMemory(args.poll_s) as mem, open(flow_log, "w") as log_file, contextlib.redirect_stdout(log_file), \
+            ReusedTasks() as reused:
         for i in range(args.runs):
             la = load1()
             t0 = time.perf_counter()
@@ -188,6 +203,8 @@ def main(argv: list[str] | None = None, work: Path | None = None) -> int:
             if not state.is_completed():
                 raise SystemExit(f"flow run {i} ended {state.name}: {state.message}")
             tasks, flow_total = _task_runs(state.state_details.flow_run_id)
+            for t in tasks:
+                t["reused"] = "yes" if t["name"] in reused.names else "no"
             runs.append({"wall_s": wall, "flow_run_time_s": flow_total, "tasks": tasks, "load": la,
                          "load_end": load1()})
             print(f"flow run {i}: {wall:.1f} s", file=sys.stderr, flush=True)

@@ -222,7 +222,9 @@ def accepted_counts(frame: pd.DataFrame) -> dict[str, int]:
     from pivotrl.verifiers.base import count_not_demonstrated
 
     accepted = other = 0
-    for rewards, reasons in zip(frame["rewards"], frame["reasons"]):
+    # a table written before the reasons column existed counts no equivalent actions
+    reasons_col = frame["reasons"] if "reasons" in frame else ["[]"] * len(frame)
+    for rewards, reasons in zip(frame["rewards"], reasons_col):
         accepted += sum(1 for r in json.loads(rewards) if r == 1.0)
         other += count_not_demonstrated(json.loads(reasons))
     return {"accepted_samples": int(accepted), "accepted_not_demonstrated": int(other)}

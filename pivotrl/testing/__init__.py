@@ -241,6 +241,15 @@ def save_tiny_checkpoint(directory: str | os.PathLike[str], seed: int = 0, token
     return target
 
 
+def _without_keys(obj: Any, prefix: str) -> Any:
+    """``obj`` with every mapping key that starts with ``prefix`` removed, at any depth."""
+    if isinstance(obj, dict):
+        return {k: _without_keys(v, prefix) for k, v in obj.items() if not str(k).startswith(prefix)}
+    if isinstance(obj, list):
+        return [_without_keys(v, prefix) for v in obj]
+    return obj
+
+
 def comparable_report(result: dict[str, Any], roots: "list[str | os.PathLike[str]]") -> tuple[dict[str, Any], str]:
     """``(report.json, report.md)`` of an evaluation result dict (``EvalResult.to_dict()``, local
     root) without what names the run rather than its numbers: ``meta.config_hash`` (a sharded run's
@@ -250,7 +259,13 @@ def comparable_report(result: dict[str, Any], roots: "list[str | os.PathLike[str
 
     report = copy.deepcopy(result["report"])
     digest = report["meta"].pop("config_hash")
+    # what the evaluation's own engine measured (wall time, and prefix-cache hits that depend on how
+    # the items were batched): how fast, not what was found
+    speed = report.get("generation_speed") or {}
+    report["generation_speed"] = {k: v for k, v in speed.items() if not k.startswith("evaluation:")}
+    report = _without_keys(report, "local_gen_")
     md = Path(result["report_md"].removeprefix("file://")).read_text(encoding="utf-8")
+    md = "\n".join(ln for ln in md.splitlines() if not ln.startswith("| generation, evaluation:"))
     for root in sorted((str(r) for r in roots), key=len, reverse=True):
         md = md.replace(root, "<root>")
     return report, md.replace(digest, "<config hash>").replace(digest[:12], "<config hash>")

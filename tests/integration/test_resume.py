@@ -49,7 +49,9 @@ CHILD = textwrap.dedent(
 
 #: metrics that measure time, not training
 TIMING = ("step_time_s", "tokens_per_s", "rollout_s", "trainer_s", "policy_tokens_per_s", "ref_tokens_per_s",
-          "mfu", "refresh_s")
+          "mfu", "refresh_s",
+          # the rollout engine's generation wall time and what derives from it (pivotrl.runtime.generation)
+          "gen_s", "gen_tokens_per_s", "gen_mfu", "heldout_gen_s", "heldout_gen_tokens_per_s", "heldout_gen_mfu")
 
 
 @pytest.fixture(scope="module")

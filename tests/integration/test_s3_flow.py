@@ -39,7 +39,9 @@ REPO = Path(__file__).resolve().parents[2]
 BUCKET = "pivotrl-flow"
 #: Keys (JSON) and columns (Parquet) that hold times, throughputs, temporary paths or the config hash.
 VOLATILE = {"time_s", "tokens_per_s", "out_dir", "wall_s", "config_hash", "step_time_s", "rollout_s",
-            "trainer_s", "mfu", "refresh_s", "policy_tokens_per_s", "ref_tokens_per_s"}
+            "trainer_s", "mfu", "refresh_s", "policy_tokens_per_s", "ref_tokens_per_s",
+            # the rollout engine's generation wall time and what derives from it (pivotrl.runtime.generation)
+            "s", *(f"{p}gen_{k}" for p in ("", "heldout_", "local_") for k in ("s", "tokens_per_s", "mfu"))}
 #: The client gives up quickly on a stopped server, so the store's own retry policy does the waiting.
 FAST_FAIL = {"config_kwargs": {"connect_timeout": 1, "read_timeout": 1, "retries": {"max_attempts": 1}}}
 
@@ -130,7 +132,8 @@ def _digest(store: ArtifactStore, key: str) -> str:
     """sha256 of the payload at ``key``; for payloads with volatile fields, of the masked payload."""
     name = key.rsplit("/", 1)[-1]
     raw = store.read_bytes(key)
-    if name.endswith(".json") and name in ("report.json", "summary.json", "reference.json") or name.endswith(".sft.json"):
+    if (name in ("report.json", "summary.json", "reference.json") or name.endswith(".sft.json")
+            or key.startswith("eval/shards/") and name.endswith(".json")):
         masked = json.dumps(_mask(json.loads(raw), store.root_url), sort_keys=True).encode()
         return "masked:" + hashlib.sha256(masked).hexdigest()
     if name == "metrics.parquet":
@@ -143,7 +146,7 @@ def _digest(store: ArtifactStore, key: str) -> str:
         lines = raw.decode().replace(store.root_url, "<root>").splitlines()
         # The speed table's rows (seconds, tokens/s, MFU) are measurements, not results.
         kept = [ln for ln in lines if not re.search("|".join(sorted(VOLATILE)), ln)
-                and not ln.startswith(("| warm start (forward+backward)", "| PivotRL trainer"))]
+                and not ln.startswith(("| warm start (forward+backward)", "| PivotRL trainer", "| generation, "))]
         return "masked:" + hashlib.sha256("\n".join(kept).encode()).hexdigest()
     if name.endswith(".pt"):  # torch.save writes a random serialization id into every archive
         return "torch-archive"
