@@ -118,11 +118,22 @@ class ReusedTasks(logging.Handler):
             self.names.add(str(getattr(record, "task_run_name", "")))
 
     def __enter__(self) -> "ReusedTasks":
-        logging.getLogger("prefect.task_runs").addHandler(self)
+        # The benchmark keeps Prefect at WARNING; the task loggers pass INFO to this handler alone.
+        logger = logging.getLogger("prefect.task_runs")
+        self._saved = (logger.level, [(h, h.level) for h in logger.handlers])
+        for h in logger.handlers:
+            h.setLevel(max(h.level, logger.getEffectiveLevel()))
+        logger.setLevel(logging.INFO)
+        logger.addHandler(self)
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        logging.getLogger("prefect.task_runs").removeHandler(self)
+        logger = logging.getLogger("prefect.task_runs")
+        logger.removeHandler(self)
+        level, handlers = self._saved
+        logger.setLevel(level)
+        for h, lvl in handlers:
+            h.setLevel(lvl)
 
 
 def _task_runs(flow_run_id: Any) -> tuple[list[dict[str, Any]], float]:

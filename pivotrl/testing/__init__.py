@@ -262,10 +262,11 @@ def comparable_report(result: dict[str, Any], roots: "list[str | os.PathLike[str
     # what the evaluation's own engine measured (wall time, and prefix-cache hits that depend on how
     # the items were batched): how fast, not what was found
     speed = report.get("generation_speed") or {}
-    report["generation_speed"] = {k: v for k, v in speed.items() if not k.startswith("evaluation:")}
+    report["generation_speed"] = {k: {m: x for m, x in v.items() if m not in ("s", "tokens_per_s", "mfu")}
+                                  for k, v in speed.items() if not k.startswith("evaluation:")}
     report = _without_keys(report, "local_gen_")
     md = Path(result["report_md"].removeprefix("file://")).read_text(encoding="utf-8")
-    md = "\n".join(ln for ln in md.splitlines() if not ln.startswith("| generation, evaluation:"))
+    md = "\n".join(ln for ln in md.splitlines() if not ln.startswith("| generation, "))
     for root in sorted((str(r) for r in roots), key=len, reverse=True):
         md = md.replace(root, "<root>")
     return report, md.replace(digest, "<config hash>").replace(digest[:12], "<config hash>")

@@ -41,7 +41,9 @@ BUCKET = "pivotrl-flow"
 VOLATILE = {"time_s", "tokens_per_s", "out_dir", "wall_s", "config_hash", "step_time_s", "rollout_s",
             "trainer_s", "mfu", "refresh_s", "policy_tokens_per_s", "ref_tokens_per_s",
             # the rollout engine's generation wall time and what derives from it (pivotrl.runtime.generation)
-            "s", *(f"{p}gen_{k}" for p in ("", "heldout_", "local_") for k in ("s", "tokens_per_s", "mfu"))}
+            "s"}
+#: ... and the generation timings under any prefix (gen_s, heldout_before_gen_mfu...).
+GENERATION_TIMING = re.compile(r"gen_(s|tokens_per_s|mfu)$")
 #: The client gives up quickly on a stopped server, so the store's own retry policy does the waiting.
 FAST_FAIL = {"config_kwargs": {"connect_timeout": 1, "read_timeout": 1, "retries": {"max_attempts": 1}}}
 
@@ -120,7 +122,7 @@ def _run_in_process(cfg: RunConfig) -> dict[str, Any]:
 
 def _mask(obj: Any, root: str) -> Any:
     if isinstance(obj, dict):
-        return {k: _mask(v, root) for k, v in obj.items() if k not in VOLATILE}
+        return {k: _mask(v, root) for k, v in obj.items() if k not in VOLATILE and not GENERATION_TIMING.search(k)}
     if isinstance(obj, list):
         return [_mask(v, root) for v in obj]
     if isinstance(obj, str):
@@ -140,7 +142,7 @@ def _digest(store: ArtifactStore, key: str) -> str:
         import pandas as pd
 
         df = pd.read_parquet(io.BytesIO(raw))
-        df = df[[c for c in df.columns if c not in VOLATILE]]
+        df = df[[c for c in df.columns if c not in VOLATILE and not GENERATION_TIMING.search(c)]]
         return "masked:" + hashlib.sha256(df.to_json(orient="records", double_precision=12).encode()).hexdigest()
     if name == "report.md":
         lines = raw.decode().replace(store.root_url, "<root>").splitlines()
