@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -241,12 +242,18 @@ def save_tiny_checkpoint(directory: str | os.PathLike[str], seed: int = 0, token
     return target
 
 
-def _without_keys(obj: Any, prefix: str) -> Any:
-    """``obj`` with every mapping key that starts with ``prefix`` removed, at any depth."""
+#: Keys of what an engine measured rather than found: generation wall time and what derives from it
+#: (``gen_s``, ``heldout_gen_mfu``...), and the local evaluation's generation counters (``local_gen_*``:
+#: prefix-cache hits depend on how the items were batched).
+_MEASURED = re.compile(r"gen_(s|tokens_per_s|mfu)$|^local_gen_")
+
+
+def _without_measured(obj: Any) -> Any:
+    """``obj`` without the :data:`_MEASURED` keys, at any depth."""
     if isinstance(obj, dict):
-        return {k: _without_keys(v, prefix) for k, v in obj.items() if not str(k).startswith(prefix)}
+        return {k: _without_measured(v) for k, v in obj.items() if not _MEASURED.search(str(k))}
     if isinstance(obj, list):
-        return [_without_keys(v, prefix) for v in obj]
+        return [_without_measured(v) for v in obj]
     return obj
 
 
@@ -264,7 +271,7 @@ def comparable_report(result: dict[str, Any], roots: "list[str | os.PathLike[str
     speed = report.get("generation_speed") or {}
     report["generation_speed"] = {k: {m: x for m, x in v.items() if m not in ("s", "tokens_per_s", "mfu")}
                                   for k, v in speed.items() if not k.startswith("evaluation:")}
-    report = _without_keys(report, "local_gen_")
+    report = _without_measured(report)
     md = Path(result["report_md"].removeprefix("file://")).read_text(encoding="utf-8")
     md = "\n".join(ln for ln in md.splitlines() if not ln.startswith("| generation, "))
     for root in sorted((str(r) for r in roots), key=len, reverse=True):

@@ -171,7 +171,8 @@ def _manifest_hashes(store: ArtifactStore) -> dict[str, tuple[str, str, dict[str
     for key in store.list():
         if key.endswith(MANIFEST_SUFFIX):
             m = store.read_manifest(key[: -len(MANIFEST_SUFFIX)])
-            volatile = m.kind in ("report", "training_metrics", "policy_checkpoint", "reference_checkpoint")
+            volatile = m.kind in ("report", "training_metrics", "policy_checkpoint", "reference_checkpoint",
+                                  "eval_shard_states", "eval_shard_tasks")  # carry the generation timings
             out[m.key] = (m.kind, "volatile" if volatile else m.sha256,
                           {n: r.get("sha256") for n, r in m.inputs.items() if n not in ("metrics",)})
     return out
