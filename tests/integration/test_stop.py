@@ -73,8 +73,9 @@ class Run:
                     key = (p.pid, p.create_time())
                     self.seen.setdefault(key, p)
                     # read again on every pass: a child seen between fork and exec still shows its
-                    # parent's command line
-                    self._cmdline[key] = " ".join(p.cmdline())
+                    # parent's command line; a process that has exited shows none (kept as last read)
+                    if cmd := " ".join(p.cmdline()):
+                        self._cmdline[key] = cmd
             except psutil.Error:
                 pass
             time.sleep(0.1)
