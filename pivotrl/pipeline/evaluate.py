@@ -47,6 +47,52 @@ def eval_key(cfg: RunConfig, demos: Mapping[str, Any], ref: ReferenceResult | Ma
                                    "quality": cfg.quality.model_dump(mode="json"), "code": stage_code_digest("evaluate")})[:16]
 
 
+#: Where one policy's part of an evaluation shard lives: ``<prefix>/<16 hex>`` (:func:`policy_part_key`).
+PARTS_PREFIX = "eval/shards/by-policy"
+
+#: Tokenizer files whose bytes :func:`tokenizer_hash` covers (whichever a checkpoint has).
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                    "vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json")
+
+
+def tokenizer_hash(model_dir: str | Path) -> str:
+    """sha256 hex over the tokenizer files of ``model_dir`` (names and bytes, in name order): the
+    evaluation renders every policy's prompts with π_ref's tokenizer."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for name in _TOKENIZER_FILES:
+        path = Path(model_dir) / name
+        if path.is_file():
+            digest.update(f"{name}\0{path.stat().st_size}\0".encode())
+            digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+def policy_weights(ref: ReferenceResult, train: TrainResult) -> dict[str, str]:
+    """Policy name → the identity of its weights, in :data:`POLICIES` order: the base model's and
+    π_ref's checkpoint hashes, the trained run's key (π_ref's hash when nothing was trained)."""
+    return {"base": f"checkpoint:{ref.base_hash}", "reference": f"checkpoint:{ref.ref_hash}",
+            "pivotrl": f"train:{train.train_key}" if train.policy_key else f"checkpoint:{ref.ref_hash}"}
+
+
+def policy_part_key(cfg: RunConfig, demos: Mapping[str, Any], ref: ReferenceResult, weights: str,
+                    items: Mapping[str, Any], tokenizer: str) -> str:
+    """``eval/shards/by-policy/<16 hex>``: the content key of one policy's results on one shard's
+    items (:func:`policy_task_frames` or :func:`policy_state_results`), which depend on nothing
+    else: the policy's weights (:func:`policy_weights`), the items (``items``: the part, the task or
+    state ids and what else decides them, e.g. the pivot set), the demonstrations, the tokenizer
+    that renders the prompts (:func:`tokenizer_hash`), the evaluation, prompt, rollout, model,
+    verifier, quality and fault settings, the run's seed (engines, selection) and the evaluate
+    stage's code. Not the training settings: a run that changes only those finds the base model's
+    and π_ref's parts under the same keys and reuses them. ``cfg`` with its dtype resolved."""
+    return f"{PARTS_PREFIX}/" + content_hash({
+        "weights": weights, "items": dict(items), "demos": demos["key"], "tokenizer": tokenizer,
+        "evaluation": cfg.evaluation.model_dump(mode="json"), "prompt": prompt_identity(cfg, ref),
+        **{s: getattr(cfg, s).model_dump(mode="json") for s in ("rollout", "model", "verifier", "quality", "faults")},
+        "seed": cfg.run.seed, "code": stage_code_digest("evaluate")})[:16]
+
+
 def heldout_tasks(cfg: RunConfig, store: ArtifactStore, demos: Mapping[str, Any], limit: int | None = None) -> list[Any]:
     """The held-out tasks played from scratch: held-out trajectories with a tool environment,
     sorted by id, the first ``limit`` (default ``evaluation.num_tasks``)."""

@@ -21,6 +21,10 @@ the code, plus the shard's task ids; the states shard adds the pivot set and pro
 - ``eval/shards/<key>/local.parquet``, ``pivots.parquet``, ``reprobe.parquet`` and, last,
   ``states.json``: the states shard (local accuracy on held-out states, stop decisions,
   out-of-domain states and the pivot set; the pivot set re-probed under the trained policy);
+- ``eval/shards/by-policy/<key>/``: one policy's part of a shard (``full_task.parquet``, or the
+  states tables and ``states.json``), under :func:`pivotrl.pipeline.evaluate.policy_part_key` (the
+  policy's weights, the items, the evaluation settings and code; not the trained run): what a
+  shard reuses of an earlier run's evaluation, e.g. the base model and π_ref after a training change;
 - the merged report under ``eval/<ekey>/`` (:func:`pivotrl.pipeline.evaluate.write_report`).
 
 The functions here are the pure pipeline; ``pivotrl.tasks.eval_shards`` wraps them as Prefect tasks.
@@ -31,6 +35,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from pathlib import Path
 from typing import Any, Mapping
 
 import pandas as pd
@@ -43,8 +48,8 @@ from pivotrl.runtime.models import load_tokenizer
 from pivotrl.pipeline.common import close_quietly, make_verifier
 from pivotrl.pipeline.demos import cache_dir
 from pivotrl.pipeline.evaluate import (
-    POLICIES, EvalStates, StateParts, eval_key, eval_policies, eval_result, heldout_tasks, policy_state_results,
-    policy_task_frames, reprobe_pivots, write_report,
+    POLICIES, EvalStates, StateParts, eval_key, eval_policies, eval_result, heldout_tasks, policy_part_key,
+    policy_state_results, policy_task_frames, policy_weights, reprobe_pivots, tokenizer_hash, write_report,
 )
 from pivotrl.pipeline.results import EvalResult, ProbeResult, ReferenceResult, TrainResult
 from pivotrl.pipeline.warm_engine import close_warm_engines, shard_engine
@@ -111,8 +116,18 @@ def eval_shard(cfg: RunConfig, store: ArtifactStore, demos: Mapping[str, Any], r
     tables; a shard whose output exists is not evaluated again. ``warm_engine``: keep the engine
     in this process for the next shard (Ray workers).
 
+    Each policy's results on the shard's items are an artifact of their own under
+    :func:`~pivotrl.pipeline.evaluate.policy_part_key` (the policy's weights, the items, the
+    evaluation's settings and code, not the training settings): a policy whose part exists is read
+    back and not evaluated again (e.g. the base model and π_ref after a change of training settings);
+    a part computed now is written, then read back as a reused one is, so the shard's tables are
+    the same either way. No engine is built when every policy's part exists.
+
     Returns {"index", "key", "part", "uri", "tasks" (count), "evaluated" (computed now),
-    "engine_reused" (the warm engine of an earlier shard served this one)}.
+    "engine_reused" (the warm engine of an earlier shard served this one), "policies" (name →
+    {"part": its key, "computed": evaluated now, "requests": prompts the engine served for it, None
+    without a generation meter, "weights": the policy's weights identity)}; ``policies`` is also
+    in the output's manifest (``policy_parts``), which is the parts' lineage record.
     """
     cfg = with_resolved_dtype(cfg)
     ref, probe, train = _typed(ref, probe, train)
@@ -121,44 +136,116 @@ def eval_shard(cfg: RunConfig, store: ArtifactStore, demos: Mapping[str, Any], r
         return hit
     out = _shard_out(store, shard)
     t0 = time.time()
-    bfcl_root = ensure_bfcl(cache_dir(cfg))
-    policies = eval_policies(cfg, store, ref, train)
-    tok = load_tokenizer(policies["reference"])
-    states, verifier, tasks = None, None, []
-    if shard["part"] == "tasks":
-        by_id = {t.id: t for t in heldout_tasks(cfg, store, demos)}
-        tasks = [by_id[i] for i in shard["tasks"]]
-    else:
-        states = EvalStates.select(cfg, store, demos, probe)
-        verifier = make_verifier(cfg, bfcl_root, tok)
-    engine, out["engine_reused"] = shard_engine(cfg, policies["base"], warm_engine, any_weights=True)
+    work = _PolicyWork(cfg, store, demos, ref, probe, train, shard, warm_engine)
     frames: list[pd.DataFrame] = []
-    parts = StateParts(states.counts() if states is not None else {})
+    parts = StateParts(work.states.counts() if work.states is not None else {})
     try:
-        for name, mdir in policies.items():
-            if name != "base" or out["engine_reused"]:  # a warm engine holds the last shard's last policy
-                engine.load_weights(str(mdir))
-            if states is None:
-                frames += policy_task_frames(cfg, engine, tok, tasks, bfcl_root, name)
+        for name in work.policies:
+            pkey = work.part_key(name)
+            if not store.exists(f"{pkey}/{work.record}"):
+                work.compute(name, pkey)
+            if work.states is None:  # read back, computed now or reused: the same tables either way
+                frames.append(store.read_parquet(f"{pkey}/full_task.parquet").assign(policy=name))
             else:
-                policy_state_results(cfg, engine, tok, states, verifier, name, parts)
-        if states is not None:
-            parts.reprobe = reprobe_pivots(cfg, engine, tok, states.pivots, verifier)  # the trained policy: last
+                mine = _read_states(store, pkey)
+                parts.results[name] = next(iter(mine.results.values()))
+                parts.local_frames += [f.assign(policy=name) for f in mine.local_frames]
+                parts.pivot_frames += [f.assign(policy=name) for f in mine.pivot_frames]
+                parts.reprobe = mine.reprobe if mine.reprobe is not None else parts.reprobe
     finally:
-        if not warm_engine:
-            engine.close()
-        close_quietly(verifier)
+        work.close()
+    out["engine_reused"], out["policies"] = work.engine_reused, work.done
     facts = {"shard": shard["index"], "part": shard["part"], "tasks": list(shard["tasks"]),
-             "policies": sorted(policies), "train_key": train.train_key}
-    if states is None:
+             "policies": sorted(work.policies), "train_key": train.train_key, "policy_parts": work.done}
+    if work.states is None:
         store.write_artifact(shard["output"], pd.concat(frames, ignore_index=True), kind="eval_shard_tasks",
                              config={"evaluation": cfg.evaluation.model_dump(mode="json")}, extra=facts)
-        done = f"{len(tasks)} tasks"
+        done = f"{len(shard['tasks'])} tasks"
     else:
         _write_states(store, shard["key"], parts, cfg, facts)
         done = ", ".join(f"{v} {k.replace('_', ' ')}" for k, v in parts.counts.items()) or "no states"
-    log.info("evaluation shard %d (%s): %s in %.1f s", shard["index"], shard["part"], done, time.time() - t0)
+    reused = [n for n, d in work.done.items() if not d["computed"]]
+    log.info("evaluation shard %d (%s): %s in %.1f s%s", shard["index"], shard["part"], done, time.time() - t0,
+             f" ({', '.join(reused)} reused from the store)" if reused else "")
     return {**out, "evaluated": True}
+
+
+class _PolicyWork:
+    """One shard's per-policy parts: their keys, and the evaluation of a policy whose part is
+    missing (the engine, verifier and BFCL data made on first need)."""
+
+    def __init__(self, cfg: RunConfig, store: ArtifactStore, demos: Mapping[str, Any], ref: ReferenceResult,
+                 probe: ProbeResult, train: TrainResult, shard: Mapping[str, Any], warm: bool) -> None:
+        self.cfg, self.store, self.warm = cfg, store, warm
+        self.policies = eval_policies(cfg, store, ref, train)
+        self.tok = load_tokenizer(self.policies["reference"])
+        self.states: EvalStates | None = None
+        self.tasks: list[Any] = []
+        if shard["part"] == "tasks":
+            by_id = {t.id: t for t in heldout_tasks(cfg, store, demos)}
+            self.tasks = [by_id[i] for i in shard["tasks"]]
+            items: dict[str, Any] = {"part": "tasks", "tasks": list(shard["tasks"])}
+            self.record = "full_task.parquet"
+        else:
+            self.states = EvalStates.select(cfg, store, demos, probe)
+            items = {"part": "states", "pivots": probe.pivots_key, "probing": cfg.probing.model_dump(mode="json"),
+                     **{k: [s.state_id for s in getattr(self.states, k)] for k in ("local", "stop", "ood", "pivots")}}
+            self.record = "states.json"
+        tok_hash = tokenizer_hash(self.policies["reference"])
+        self.weights = weights = policy_weights(ref, train)
+        # The pivot set re-probed under the trained policy belongs to that policy's states part.
+        self._keys = {name: policy_part_key(cfg, demos, ref, weights[name], {
+            **items, "reprobe": self.states is not None and name == "pivotrl"}, tok_hash) for name in self.policies}
+        self.done: dict[str, dict[str, Any]] = {n: {"part": k, "weights": weights[n], "computed": False,
+                                                    "requests": 0} for n, k in self._keys.items()}
+        self.engine: Any = None
+        self.engine_reused, self._fresh = False, False
+        self._verifier: Any = None
+        self._bfcl: Path | None = None
+
+    def part_key(self, name: str) -> str:
+        return self._keys[name]
+
+    def compute(self, name: str, pkey: str) -> None:
+        """Evaluate policy ``name`` on the shard's items and write its part under ``pkey``."""
+        from pivotrl.runtime.generation import snapshot
+
+        cfg, mdir = self.cfg, self.policies[name]
+        if self._bfcl is None:
+            self._bfcl = ensure_bfcl(cache_dir(cfg))
+        if self.engine is None:
+            self.engine, self.engine_reused = shard_engine(cfg, self.policies["base"], self.warm, any_weights=True)
+            self._fresh = not self.engine_reused  # built on the base model, nothing sampled yet
+        if not (self._fresh and Path(mdir) == Path(self.policies["base"])):
+            self.engine.load_weights(str(mdir))  # a warm engine holds the last shard's last policy
+        self._fresh = False
+        before = snapshot(self.engine)
+        facts = {"policy": name, "weights": self.weights[name]}
+        if self.states is None:
+            df = pd.concat(policy_task_frames(cfg, self.engine, self.tok, self.tasks, self._bfcl, name),
+                           ignore_index=True)
+            self._note(name, before)
+            self.store.write_parquet(f"{pkey}/full_task.parquet", df)
+            return
+        if self._verifier is None:
+            self._verifier = make_verifier(cfg, self._bfcl, self.tok)
+        mine = StateParts(self.states.counts())
+        policy_state_results(cfg, self.engine, self.tok, self.states, self._verifier, name, mine)
+        if name == "pivotrl":
+            mine.reprobe = reprobe_pivots(cfg, self.engine, self.tok, self.states.pivots, self._verifier)
+        self._note(name, before)
+        _write_states(self.store, pkey, mine, cfg, {**facts, **self.done[name]}, manifest=False)
+
+    def _note(self, name: str, before: Any) -> None:
+        from pivotrl.runtime.generation import since
+
+        gen = since(self.engine, before)
+        self.done[name].update(computed=True, requests=None if gen is None else gen.requests)
+
+    def close(self) -> None:
+        if self.engine is not None and not self.warm:
+            self.engine.close()
+        close_quietly(self._verifier)
 
 
 def _with_json(df: pd.DataFrame, to: Any) -> pd.DataFrame:
@@ -166,8 +253,11 @@ def _with_json(df: pd.DataFrame, to: Any) -> pd.DataFrame:
     return df.assign(reasons=df["reasons"].map(to)) if "reasons" in df else df
 
 
-def _write_states(store: ArtifactStore, key: str, parts: StateParts, cfg: RunConfig, facts: dict[str, Any]) -> None:
-    """The states shard's tables, then ``states.json`` (its completion record) with a manifest."""
+def _write_states(store: ArtifactStore, key: str, parts: StateParts, cfg: RunConfig, facts: dict[str, Any], *,
+                  manifest: bool = True) -> None:
+    """The states shard's (or one policy's part's) tables, then ``states.json`` (its completion
+    record) with a manifest; a policy's part (``manifest`` False) keeps ``facts`` in the record
+    instead (the shard's manifest names its parts)."""
     store.write_parquet(f"{key}/local.parquet", _with_json(pd.concat(parts.local_frames), json.dumps))
     if parts.pivot_frames:
         store.write_parquet(f"{key}/pivots.parquet", _with_json(
@@ -176,6 +266,9 @@ def _write_states(store: ArtifactStore, key: str, parts: StateParts, cfg: RunCon
         store.write_parquet(f"{key}/reprobe.parquet", parts.reprobe)
     record = {"counts": parts.counts, "results": parts.results, "pivot_frames": len(parts.pivot_frames),
               "reprobe": parts.reprobe is not None}
+    if not manifest:
+        store.write_bytes(f"{key}/states.json", json.dumps({**record, "facts": facts}).encode())
+        return
     store.write_artifact(f"{key}/states.json", json.dumps(record).encode(), kind="eval_shard_states",  # NaN stays NaN
                          config={"evaluation": cfg.evaluation.model_dump(mode="json")}, extra=facts)
 

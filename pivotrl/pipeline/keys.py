@@ -17,7 +17,9 @@ probe              :func:`pivotrl.pipeline.probe.pivot_set_key` of
 train              :func:`pivotrl.pipeline.train.train_key` (``training``, ``rollout``,
                    ``verifier``, the pivot set's content hash, π_ref's hash)
 evaluate           :func:`pivotrl.pipeline.evaluate.eval_key` (``evaluation``, ``rollout``,
-                   ``quality``, the trained run's key)
+                   ``quality``, the trained run's key); inside it each policy's part of a
+                   shard has its own :func:`~pivotrl.pipeline.evaluate.policy_part_key` (the
+                   policy's weights, not the trained run), reused across training changes
 sft_baseline       :func:`pivotrl.pipeline.compare.sft_baseline_key` (``compare``, ``prompt``,
                    the learning rate, π_ref's hash, the PivotRL run's key)
 e2e_baseline       :func:`pivotrl.pipeline.compare.e2e_baseline_key` (``compare``, ``training``,
