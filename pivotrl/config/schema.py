@@ -71,6 +71,11 @@ class RunConfig(Section):
                 "warm_start.max_len", self.warm_start.max_len,
                 f"must be ≤ model.max_context = {self.model.max_context}",
             )
+        if self.training.nnodes > 1 and self.training.node_launch == "ray" and self.scale_out.ray_address is None:
+            raise bound_error("scale_out.ray_address", None,
+                              f"training.nnodes = {self.training.nnodes} with node_launch 'ray' places the trainer "
+                              "nodes on a Ray cluster: give its address ('auto' on a cluster node, 'HOST:6379'), "
+                              "or set training.node_launch: manual")
         self._engine_layout()
         return self
 

@@ -160,6 +160,22 @@ class TrainingSection(Section):
     )
     master_addr: str = Field("127.0.0.1", min_length=1, description="Address of rank 0 for the rendezvous.")
     master_port: Int = Field(29500, ge=1, le=65535, description="TCP port of rank 0 for the rendezvous.")
+    node_launch: Literal["ray", "manual"] = Field(
+        "ray", description=(
+            "With nnodes > 1, who starts each node's ranks: 'ray' (the train stage places one torchrun per node "
+            "on the Ray cluster of scale_out.ray_address, one placement-group bundle per node, and restarts "
+            "them from the last checkpoint when a node is lost) or 'manual' (a person or a job scheduler runs "
+            "infra/multinode/launch_train.py on every node; the run then finds the trained policy)."),
+        json_schema_extra={"why": "the nightly flow can only train on several machines if it can start them"},
+    )
+    ray_cpus_per_node: Float = Field(
+        1.0, gt=0, description="node_launch 'ray': CPUs each trainer node's bundle asks Ray for (its ranks' threads).")
+    ray_gpus_per_node: Float = Field(
+        0.0, ge=0, description="node_launch 'ray': GPUs each trainer node's bundle asks Ray for (nproc_per_node on GPU nodes).")
+    node_failure_retries: Int = Field(
+        2, ge=0, description=(
+            "node_launch 'ray': times the process group is placed again after a trainer node (or its Ray "
+            "worker) is lost; every attempt resumes from the latest published checkpoint."))
 
     @model_validator(mode="after")
     def _layout(self) -> "TrainingSection":
@@ -176,6 +192,10 @@ class TrainingSection(Section):
             )
         if self.launcher == "inprocess" and self.world_size > 1:
             raise bound_error("launcher", self.launcher, "inprocess runs one process; use torchrun or deepspeed")
+        if self.nnodes > 1 and self.node_launch == "ray" and self.launcher != "torchrun":
+            raise bound_error("launcher", self.launcher, "node_launch 'ray' starts each node's ranks with torchrun "
+                              "(the DeepSpeed engine trains either way); set training.launcher: torchrun, or "
+                              "training.node_launch: manual to start the nodes yourself")
         if self.launcher == "deepspeed" and self.nnodes > 1 and not self.hostfile:
             raise bound_error("hostfile", self.hostfile, "the deepspeed launcher needs a hostfile for more than one node")
         return self
@@ -264,6 +284,11 @@ class FaultsSection(Section):
     )
     kill_trainer_at_step: Int | None = Field(
         None, ge=1, description="Kill the trainer after this step to test resuming (null = off)."
+    )
+    kill_trainer_node_at_step: Int | None = Field(
+        None, ge=1, description=(
+            "With training.node_launch 'ray': the last trainer node is lost after this many steps (its raylet "
+            "and ranks are killed) to test that the run places the nodes again and resumes (null = off).")
     )
     tool_failure_trajectories: list[str] = Field(
         default_factory=list,

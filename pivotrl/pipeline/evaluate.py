@@ -29,7 +29,7 @@ from pivotrl.config import RunConfig, config_hash
 from pivotrl.core.hashing import content_hash
 from pivotrl.pipeline.common import local_checkpoint, prompt_kwargs, sampling_for
 from pivotrl.pipeline.demos import cache_dir, read_histories, read_trajectories
-from pivotrl.pipeline.reference import prompt_identity, reference_dir
+from pivotrl.pipeline.reference import base_model_dir, prompt_identity, reference_dir
 from pivotrl.pipeline.results import EvalResult, ProbeResult, ReferenceResult, TrainResult
 from pivotrl.provenance.rollouts import record_evaluation
 from pivotrl.storage import ArtifactStore
@@ -106,7 +106,7 @@ POLICIES = ("base", "reference", "pivotrl")
 
 def eval_policies(cfg: RunConfig, store: ArtifactStore, ref: ReferenceResult, train: TrainResult) -> dict[str, Path]:
     """Policy name → local checkpoint directory, in :data:`POLICIES` order."""
-    return {"base": Path(ref.base_dir), "reference": reference_dir(cfg, store, ref),
+    return {"base": base_model_dir(cfg, ref), "reference": reference_dir(cfg, store, ref),
             "pivotrl": local_checkpoint(store, train.policy_key, cache_dir(cfg)) if train.policy_key
             else reference_dir(cfg, store, ref)}
 

@@ -163,8 +163,32 @@ def reference_dir(cfg: RunConfig, store: ArtifactStore, ref: ReferenceResult | M
     warm-started checkpoint (downloaded into the run's cache if the store is remote)."""
     ref = ReferenceResult.of(ref)
     if ref.ref_key is None:
-        return Path(ref.base_dir)
+        return base_model_dir(cfg, ref)
     return local_checkpoint(store, ref.ref_key, cache_dir(cfg))
+
+
+def base_model_dir(cfg: RunConfig, ref: ReferenceResult | Mapping[str, Any]) -> Path:
+    """The base model's directory on this machine. ``ref.base_dir`` is where the reference stage
+    resolved it, on the machine that ran that stage: it is used as is when it lies in this
+    machine's cache, or when ``model.source`` names a local directory (a hub id is kept too);
+    otherwise (a trainer node or a shard worker with its own cache) ``model.source`` is resolved
+    again into this machine's cache, so no node reads another machine's disk.
+
+    Raises ModelError when the model resolved here is not the one the run keyed (its hash differs
+    from ``ref.base_hash``)."""
+    from pivotrl.core.errors import ModelError
+    from pivotrl.runtime.models import checkpoint_hash
+
+    ref = ReferenceResult.of(ref)
+    there, cache = Path(ref.base_dir), cache_dir(cfg).expanduser().resolve()
+    if not there.is_absolute() or there.resolve().is_relative_to(cache) or Path(cfg.model.source).expanduser().is_dir():
+        return there
+    here = resolve_base_model(cfg, cache)
+    if checkpoint_hash(here) != ref.base_hash:
+        raise ModelError(f"model.source {cfg.model.source} resolved on this machine to {here}, whose hash differs "
+                         f"from the base model the run was keyed with ({ref.base_hash[:12]}); every node must see the "
+                         "same model")
+    return here
 
 
 def _jsonable(x: Any) -> Any:

@@ -46,31 +46,49 @@ def train_key(cfg: RunConfig, store: ArtifactStore, probe: ProbeResult, ref: Ref
                                     "seed": cfg.run.seed, "code": stage_code_digest("train")})[:16]
 
 
-def _launch_ranks(cfg: RunConfig, probe: ProbeResult, ref: ReferenceResult, threads: int) -> TrainResult:
-    """Run the train stage as ``training.nproc_per_node`` ranks of this machine under
-    ``training.launcher`` (torchrun or the DeepSpeed launcher; :mod:`pivotrl.training.launch`,
-    entry ``rl_stage``), their output on this process's; rank 0's result is returned. Each rank
-    gets ``threads // nproc_per_node`` (≥ 1) OpenMP threads.
+def _launch_ranks(cfg: RunConfig, store: ArtifactStore, probe: ProbeResult, ref: ReferenceResult,
+                  threads: int) -> TrainResult:
+    """Run the train stage as a process group (:mod:`pivotrl.training.launch`, entry ``rl_stage``)
+    and return rank 0's result.
 
-    Raises ConfigError for ``training.nnodes > 1``: the other nodes' ranks are started on those
-    nodes (``infra/multinode/launch_train.py``), and a later run finds the trained policy.
+    One machine (``training.nnodes == 1``): ``nproc_per_node`` ranks here under
+    ``training.launcher``, their output on this process's, ``threads // nproc_per_node`` (≥ 1)
+    OpenMP threads each. Several (``node_launch: ray``): the launch spec is published to the run's
+    storage (``launch/rl_stage-<hash>.json``, as ``infra/multinode/launch_train.py prepare`` does)
+    and one torchrun per node is placed on the Ray cluster of ``scale_out.ray_address``
+    (:mod:`pivotrl.training.ray_nodes`: a lost node restarts the group from the latest checkpoint).
+
+    Raises ConfigError for ``node_launch: manual`` with ``nnodes > 1``: those nodes are started by
+    hand (``infra/multinode/launch_train.py``), and a later run finds the trained policy.
     Raises TrainingError when the ranks fail.
     """
     from pivotrl.training.launch import LaunchConfig, launch
 
     tr = cfg.training
-    if tr.nnodes > 1:
+    spec = {"config": cfg.model_dump(mode="json"), "inputs": {"probe": probe.to_dict(), "reference": ref.to_dict()}}
+    if tr.nnodes > 1 and tr.node_launch == "manual":
         raise ConfigError(
-            f"training.nnodes = {tr.nnodes}: the train stage runs on every node, started there "
-            "(infra/multinode/launch_train.py prepare, then node on each; see infra/README.md); a run "
-            "after that finds the trained policy. This run starts the ranks of one machine only.")
+            f"training.nnodes = {tr.nnodes} with node_launch 'manual': the train stage runs on every node, started "
+            "there (infra/multinode/launch_train.py prepare, then node on each; see infra/README.md); a run after "
+            "that finds the trained policy. Set training.node_launch: ray to let the run start the nodes.")
+    if tr.nnodes > 1:
+        from pivotrl.training.ray_nodes import launch_on_ray
+
+        key = f"launch/rl_stage-{content_hash(spec)[:16]}.json"
+        store.write_json(key, spec)
+        log.info("train: launch spec %s; placing %d nodes on the Ray cluster %s", store.url(key), tr.nnodes,
+                 cfg.scale_out.ray_address)
+        per_rank = max(1, int(tr.ray_cpus_per_node) // tr.nproc_per_node)
+        return TrainResult.of(launch_on_ray(
+            address=str(cfg.scale_out.ray_address), nnodes=tr.nnodes, nproc_per_node=tr.nproc_per_node,
+            cpus_per_node=tr.ray_cpus_per_node, gpus_per_node=tr.ray_gpus_per_node, spec_root=store.root_url,
+            spec_key=key, storage_options=dict(cfg.run.storage_options), omp_num_threads=per_rank,
+            retries=tr.node_failure_retries))
     lc = LaunchConfig.of(tr, omp_num_threads=max(1, threads // tr.nproc_per_node))
     log.info("train: starting %d ranks with %s", tr.nproc_per_node, tr.launcher)
     with tempfile.TemporaryDirectory(prefix=f"pivotrl-ranks-p{os.getpid()}-", dir=cache_dir(cfg)) as tmp:
         out = Path(tmp) / "result.json"
-        spec = {"config": cfg.model_dump(mode="json"), "output": str(out),
-                "inputs": {"probe": probe.to_dict(), "reference": ref.to_dict()}}
-        launch(lc, entry="rl_stage", spec=spec, workdir=tmp, stream=True)
+        launch(lc, entry="rl_stage", spec={**spec, "output": str(out)}, workdir=tmp, stream=True)
         return TrainResult.of(json.loads(out.read_text()))
 
 
@@ -121,7 +139,7 @@ def stage_train(cfg: RunConfig, store: ArtifactStore, probe: ProbeResult | Mappi
         check_pivot_set(cfg, probe, 0)  # raises unless training.allow_empty_pivots
         return _empty(cfg, store, probe, tkey)
     if tr.launcher != "inprocess" and "RANK" not in os.environ:  # this process starts the ranks
-        return _launch_ranks(configured, probe, ref, threads=int(os.environ.get("OMP_NUM_THREADS", "1")))
+        return _launch_ranks(configured, store, probe, ref, threads=int(os.environ.get("OMP_NUM_THREADS", "1")))
     cache = cache_dir(cfg)
     pivots = frame_to_states(pivot_frame)
     rdir = reference_dir(cfg, store, ref)
@@ -301,10 +319,22 @@ def _empty(cfg: RunConfig, store: ArtifactStore, probe: ProbeResult, tkey: str) 
 
 
 def _maybe_kill(cfg: RunConfig, store: ArtifactStore, tkey: str, step: int) -> None:
-    """Fault injection: SIGKILL this process once at ``faults.kill_trainer_at_step``."""
+    """Fault injection before step ``step`` (0-based, on every rank), once per run (a marker in the
+    store): at ``faults.kill_trainer_at_step`` rank 0 SIGKILLs itself; at
+    ``faults.kill_trainer_node_at_step`` the ranks of the last node of a process group placed by Ray
+    SIGKILL that node's raylet and themselves (the node is lost)."""
+    from pivotrl.training.ray_nodes import RAYLET_PID_ENV
+
     at = cfg.faults.kill_trainer_at_step
     marker = f"{tkey}/faults/killed-at-{at}"
-    if at is not None and step == at and not store.exists(marker):
+    if at is not None and step == at and int(os.environ.get("RANK", "0")) == 0 and not store.exists(marker):
         store.write_text(marker, "killed\n")
         os.kill(os.getpid(), signal.SIGKILL)
-
+    node_at = cfg.faults.kill_trainer_node_at_step
+    last_node = int(os.environ.get("GROUP_RANK", "0")) == cfg.training.nnodes - 1 > 0
+    if node_at is not None and step == node_at and last_node and RAYLET_PID_ENV in os.environ:
+        marker = f"{tkey}/faults/node-lost-at-{node_at}"
+        if not store.exists(marker):
+            store.write_text(marker, "node lost\n")
+            os.kill(int(os.environ[RAYLET_PID_ENV]), signal.SIGKILL)
+            os.kill(os.getpid(), signal.SIGKILL)

@@ -14,7 +14,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Mapping
 
 
 class RayCluster:
@@ -22,8 +22,16 @@ class RayCluster:
     driver) and ``workers`` worker nodes of one CPU each, every node a ``ray start --block``
     process in its own session, so that stopping them stops exactly this cluster."""
 
-    def __init__(self, workers: int = 2, cpus_per_worker: int = 1) -> None:
+    def __init__(self, workers: int = 2, cpus_per_worker: int = 1,
+                 worker_env: Callable[[int], Mapping[str, str]] | None = None) -> None:
+        """``worker_env(i)``: extra environment of the i-th worker node started (0, 1, …; also those
+        :meth:`add_worker` adds later), inherited by every process that node runs, e.g. its own
+        ``PIVOTRL_CACHE_DIR`` and ``TMPDIR`` so that the nodes of one machine share no folder
+        (``PWD``: the node's working directory)."""
         import tempfile
+
+        self.worker_env = worker_env
+        self.started = 0  # worker nodes started so far
 
         self.tmp = tempfile.mkdtemp(prefix="pvray", dir="/tmp")  # short: Ray's socket paths
         with socket.socket() as s:
@@ -59,9 +67,12 @@ class RayCluster:
         """Start one more worker node of ``cpus`` CPUs and wait until the cluster counts it (e.g. to
         replace a node a test has lost)."""
         have = sum(x.get("Resources", {}).get("CPU", 0) for x in self.nodes())
+        env = {**self._env, **(self.worker_env(self.started) if self.worker_env else {})}
+        self.started += 1
+        cwd = env.pop("PWD", None)  # the node's working directory, when its environment names one
         self.procs.append(subprocess.Popen(
-            [self._ray, "start", f"--address={self.address}", f"--num-cpus={cpus}", *self._common], env=self._env,
-            start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+            [self._ray, "start", f"--address={self.address}", f"--num-cpus={cpus}", *self._common], env=env,
+            cwd=cwd, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         self._wait(lambda n: sum(x.get("Resources", {}).get("CPU", 0) for x in n) >= have + cpus)
 
     def nodes(self) -> list[dict[str, Any]]:

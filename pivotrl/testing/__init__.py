@@ -272,7 +272,10 @@ def comparable_report(result: dict[str, Any], roots: "list[str | os.PathLike[str
     report["generation_speed"] = {k: {m: x for m, x in v.items() if m not in ("s", "tokens_per_s", "mfu")}
                                   for k, v in speed.items() if not k.startswith("evaluation:")}
     report = _without_measured(report)
-    md = Path(result["report_md"].removeprefix("file://")).read_text(encoding="utf-8")
+    import fsspec
+
+    with fsspec.open(result["report_md"], "r", encoding="utf-8") as f:  # a local path or a storage URL
+        md = f.read()
     md = "\n".join(ln for ln in md.splitlines() if not ln.startswith("| generation, "))
     for root in sorted((str(r) for r in roots), key=len, reverse=True):
         md = md.replace(root, "<root>")

@@ -126,7 +126,7 @@ class LoopHooks:
     """What the caller adds around each step (every hook is optional).
 
     Attributes:
-        before_step: ``(step)`` on rank 0 before step ``step`` (0-based) samples (fault injection).
+        before_step: ``(step)`` on every rank before step ``step`` (0-based) samples (fault injection).
         record_step: ``(step, scored, groups)`` on rank 0 after the update; ``step`` is 1-based,
             ``scored`` is ``[(state_id, generations, verifier results)]`` of the trained groups.
         log_row: ``(row)`` on rank 0 with each step's metrics row (the experiment tracker).
@@ -214,8 +214,7 @@ def run_rl_loop(trainer: Any, engine: Any, verifier: Any, pivots: Sequence[Any],
     try:
         for step in range(start, len(schedule)):
             t0 = time.time()
-            if lead:
-                hooks.before_step(step)
+            hooks.before_step(step)
             refiltered: dict[str, Any] = {}
             if per_epoch and step > 0 and step % per_epoch == 0:
                 counts: dict[str, int] = {}

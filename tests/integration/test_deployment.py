@@ -288,6 +288,10 @@ def test_multinode_launch_spec_goes_through_storage(tmp_path):
     local = json.loads((work / "rl_stage-spec.json").read_text())
     assert local["inputs"] == spec["inputs"] and local["output"] == str(work / "rl_stage-result.json")
 
+    # A config for nodes started by hand with the DeepSpeed launcher (node_launch: manual).
+    manual = load_config(str(REPO / "configs" / "multinode-gpu.yaml"), [
+        "training.launcher=deepspeed", "training.hostfile=configs/hostfile", "training.node_launch=manual"])
+    url = store.write_json("launch/rl_stage-manual.json", {**spec, "config": manual.model_dump(mode="json")})
     cmd = _node_command(url, tmp_path / "node0", "--node-rank", "0")  # the config's launcher: deepspeed
     assert cmd == ["python3", "-m", "deepspeed.launcher.runner", "--hostfile=configs/hostfile", "--num_nodes=2",
                    "--no_ssh", "--node_rank=0", "--num_gpus=8", "--master_addr=node-0", "--master_port=29500",

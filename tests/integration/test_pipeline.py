@@ -260,20 +260,22 @@ def test_training_stage_two_ranks_matches_one_rank(smoke_run, tmp_path, placemen
 
 
 def test_multinode_gpu_config_validates_and_renders_its_launch_command():
+    """The GPU cluster config: two nodes of eight ranks, started by the train stage on the Ray
+    cluster (one torchrun per node); the manual path renders the same per-node command."""
     from pivotrl.training.launch import LaunchConfig, render_launch_command
 
     cfg = load_config(str(REPO / "configs" / "multinode-gpu.yaml"))
     tr = cfg.training
     assert (tr.nnodes, tr.nproc_per_node, tr.world_size) == (2, 8, 16)
-    cmd = render_launch_command(LaunchConfig.of(tr), entry="rl_stage", spec_path="spec.json", python="python")
-    line = shlex.join(cmd)
-    assert line.startswith("python -m deepspeed.launcher.runner --hostfile=configs/hostfile --num_nodes=2")
-    assert line.endswith("-m pivotrl.pipeline.rl_stage --spec spec.json") or "pivotrl/pipeline/rl_stage" in line \
-        or "pivotrl.pipeline.rl_stage" in line
-    tcmd = render_launch_command(LaunchConfig.of(tr, launcher="torchrun", hostfile=None),
-                                 entry="rl_stage", spec_path="spec.json", python="python")
+    assert (tr.launcher, tr.node_launch, tr.ray_gpus_per_node, cfg.scale_out.ray_address) == ("torchrun", "ray", 8.0, "auto")
+    tcmd = render_launch_command(LaunchConfig.of(tr, node_rank=1), entry="rl_stage", spec_path="spec.json", python="python")
     assert tcmd[:3] == ["python", "-m", "torch.distributed.run"]
-    assert "--nnodes=2" in tcmd and "--nproc-per-node=8" in tcmd and "--master-addr=node-0" in tcmd
+    assert "--nnodes=2" in tcmd and "--nproc-per-node=8" in tcmd and "--node-rank=1" in tcmd
+    assert tcmd[-4:] == ["-m", "pivotrl.pipeline.rl_stage", "--spec", "spec.json"]
+    dcmd = render_launch_command(LaunchConfig.of(tr, launcher="deepspeed", hostfile="configs/hostfile", no_ssh=True),
+                                 entry="rl_stage", spec_path="spec.json", python="python")
+    assert shlex.join(dcmd).startswith("python -m deepspeed.launcher.runner --hostfile=configs/hostfile --num_nodes=2 "
+                                       "--no_ssh --node_rank=0")
 
 
 def test_pivot_schedule_is_deterministic_and_covers_each_epoch():

@@ -32,7 +32,7 @@ def test_multinode_gpu_config_names_a_real_agent_model_and_renders_its_commands(
     assert tr.pivots_per_batch % tr.world_size == 0 and tr.lr <= 1e-6
     launch = shlex.join(render_launch_command(LaunchConfig.of(tr), entry="rl_stage",
                                               spec_path="spec.json", python="python"))
-    assert launch.startswith("python -m deepspeed.launcher.runner --hostfile=configs/hostfile --num_nodes=2")
+    assert launch.startswith("python -m torch.distributed.run --nnodes=2 --nproc-per-node=8 --node-rank=0")
     serve = shlex.join(serve_command_for(cfg, "s3-export/policy", python="python", host="0.0.0.0"))
     assert serve == ("python -m vllm.entrypoints.openai.api_server --model s3-export/policy --host 0.0.0.0 "
                      "--port 8000 --dtype bfloat16 --enable-auto-tool-choice --tool-call-parser hermes "

@@ -75,8 +75,9 @@ def test_shipped_configs_say_what_they_are_for():
     assert smoke.rollout.engine == "transformers" and smoke.model.dtype == "fp32"
     assert smoke.training.refresh_tolerance == 1e-4  # filled in from model.dtype
     assert (multi.training.nnodes, multi.training.nproc_per_node, multi.training.world_size) == (2, 8, 16)
-    assert multi.training.deepspeed.zero_stage == 3 and multi.training.launcher == "deepspeed"
-    assert multi.model.dtype == "bf16" and multi.training.hostfile
+    assert multi.training.deepspeed.zero_stage == 3
+    assert (multi.training.launcher, multi.training.node_launch, multi.scale_out.ray_address) == ("torchrun", "ray", "auto")
+    assert multi.model.dtype == "bf16" and multi.training.hostfile is None  # Ray places the nodes: no hostfile
     qwen = load_config(str(REPO / "configs" / "qwen2.5-coder-0.5b.yaml"))  # a CPU config: no bf16 warning on AVX2
     assert qwen.model.dtype == "auto" and qwen.training.refresh_tolerance is None  # filled in once resolved
 
@@ -174,7 +175,7 @@ def test_every_problem_is_listed_at_once(tmp_path):
             "training.pivots_per_batch = 6: must be a multiple of micro_batch_groups × world_size = 4",
         ),
         (
-            ["training.launcher=deepspeed", "training.nnodes=2", "training.world_size=2"],
+            ["training.launcher=deepspeed", "training.nnodes=2", "training.world_size=2", "training.node_launch=manual"],
             "training.hostfile = null: the deepspeed launcher needs a hostfile for more than one node",
         ),
         (["rollout.max_tokens=8192"], "rollout.max_tokens = 8192: must be < model.max_context = 8192"),

@@ -22,7 +22,9 @@ def test_the_documented_example_hostfile_fits_the_multinode_config():
 
 def test_pivotrl_config_refuses_a_hostfile_that_does_not_exist(monkeypatch, tmp_path):
     monkeypatch.chdir(tmp_path)  # configs/hostfile is relative to the working directory
-    out = CliRunner().invoke(app, ["config", "--config", MULTI])
+    manual = ["--set", "training.launcher=deepspeed", "--set", "training.hostfile=configs/hostfile",
+              "--set", "training.node_launch=manual"]  # nodes started by hand with the DeepSpeed launcher
+    out = CliRunner().invoke(app, ["config", "--config", MULTI, *manual])
     assert out.exit_code == 2
     assert out.output.splitlines() == [
         f"config error: training.hostfile = 'configs/hostfile': no such file (a relative path, resolved against the "
@@ -30,7 +32,7 @@ def test_pivotrl_config_refuses_a_hostfile_that_does_not_exist(monkeypatch, tmp_
         f"copy {HOSTFILE_EXAMPLE} to configs/hostfile and list your 2 node(s)"]
     (tmp_path / "configs").mkdir()
     (tmp_path / "configs" / "hostfile").write_text((REPO / HOSTFILE_EXAMPLE).read_text())
-    out = CliRunner().invoke(app, ["config", "--config", MULTI])
+    out = CliRunner().invoke(app, ["config", "--config", MULTI, *manual])
     assert out.exit_code == 0, out.output
     assert "hostfile: configs/hostfile" in out.output
 

@@ -303,21 +303,28 @@ def test_the_step_log_line_says_how_many_engines_were_verified() -> None:
 
 
 def test_a_train_stage_over_several_nodes_is_not_run_as_one_machines_ranks(tmp_path):
-    """``training.nnodes > 1``: the train stage of ``pivotrl run`` does not start one machine's
-    ranks as if they were all (it ran one process for any launcher before); it names the per-node
-    launch."""
+    """``training.nnodes > 1``: the train stage never starts one machine's ranks as if they were all.
+    With ``node_launch: ray`` (the default) the config must name the Ray cluster that places the
+    nodes; with ``manual`` the stage names the per-node launch."""
     from pivotrl.config import load_config
     from pivotrl.core.errors import ConfigError
     from pivotrl.pipeline.results import ProbeResult, ReferenceResult
     from pivotrl.pipeline.train import _launch_ranks
+    from pivotrl.storage import ArtifactStore
 
     REPO = Path(__file__).resolve().parents[2]
-
-    cfg = load_config(str(REPO / "configs" / "smoke.yaml"),
-                      [f"run.storage_root={tmp_path / 'root'}", f"run.cache_dir={tmp_path / 'cache'}",
-                       "training.launcher=torchrun", "training.nnodes=2", "training.nproc_per_node=1",
-                       "training.world_size=2"])
+    nodes = [f"run.storage_root={tmp_path / 'root'}", f"run.cache_dir={tmp_path / 'cache'}",
+             "training.launcher=torchrun", "training.nnodes=2", "training.nproc_per_node=1", "training.world_size=2"]
+    with pytest.raises(ConfigError, match=r"scale_out.ray_address = null: training.nnodes = 2 with node_launch 'ray'"):
+        load_config(str(REPO / "configs" / "smoke.yaml"), nodes)
+    with pytest.raises(ConfigError, match=r"training.launcher = 'deepspeed': node_launch 'ray' starts each node's ranks "
+                                          r"with torchrun"):
+        load_config(str(REPO / "configs" / "smoke.yaml"), [*nodes, "training.launcher=deepspeed",
+                                                            "training.hostfile=hosts", "scale_out.ray_address=auto"])
+    cfg = load_config(str(REPO / "configs" / "smoke.yaml"), [*nodes, "training.node_launch=manual"])
     probe = ProbeResult(probes_key="probes/x", probes="", pivots_key="pivots/x", pivots="", stats={}, summary_md="")
     ref = ReferenceResult(base_dir=str(tmp_path), base_hash="h", ref_key=None, ref_hash="h")
-    with pytest.raises(ConfigError, match=r"training.nnodes = 2: .*infra/multinode/launch_train.py"):
-        _launch_ranks(cfg, probe, ref, threads=2)
+    with pytest.raises(ConfigError, match=r"training.nnodes = 2 with node_launch 'manual': .*infra/multinode/launch_train.py"):
+        _launch_ranks(cfg, ArtifactStore(str(tmp_path / "root")), probe, ref, threads=2)
+
+
