@@ -110,21 +110,14 @@ class Cluster:
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    import s3fs
+    import shutil
 
-    from test_s3_flow import S3Server
+    from test_s3_flow import s3_environment
 
     from pivotrl.testing import save_tiny_checkpoint
 
-    server = S3Server()
     base = Path(tempfile.mkdtemp(prefix="pvc", dir="/tmp"))  # short: Ray's socket paths live under it
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("AWS_ACCESS_KEY_ID", "testing")
-        mp.setenv("AWS_SECRET_ACCESS_KEY", "testing")
-        mp.setenv("AWS_ENDPOINT_URL_S3", server.endpoint)
-        mp.delenv("AWS_PROFILE", raising=False)
-        s3fs.S3FileSystem.clear_instance_cache()
-        s3fs.S3FileSystem(skip_instance_cache=True).mkdir(BUCKET)
+    with s3_environment(BUCKET) as (server, mp):
         # The model lives on the storage server too: no node reads it from the driver's disk.
         tiny = save_tiny_checkpoint(tmp_path_factory.mktemp("cluster-model") / "tiny")
         ArtifactStore(f"s3://{BUCKET}/models").put_dir(str(tiny), "tiny")
@@ -142,12 +135,8 @@ def cluster(tmp_path_factory):
                 yield c
         finally:
             c.stop()
-            s3fs.S3FileSystem.clear_instance_cache()
-            server.stop()
             time.sleep(1)
             assert c.ray.leftovers() == []
-            import shutil
-
             shutil.rmtree(base, ignore_errors=True)
 
 

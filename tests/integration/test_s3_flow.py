@@ -9,6 +9,7 @@ wall-clock times, temporary paths, the run root's URL or the config hash (which 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import json
@@ -23,7 +24,7 @@ import time
 import urllib.request
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import pytest
 
@@ -85,25 +86,33 @@ class S3Server:
             self.proc.wait()
 
 
-@pytest.fixture(scope="module")
-def s3():
-    """The S3 server with credentials and endpoint in the environment only (never in configs)."""
-    import s3fs  # noqa: F401  (a declared dependency: missing, this fails)
+@contextlib.contextmanager
+def s3_environment(bucket: str) -> Iterator[tuple[S3Server, pytest.MonkeyPatch]]:
+    """A started S3 server with its endpoint and test credentials in the environment only (never in
+    configs) and ``bucket`` created; stopped on exit. Yields the server and the monkeypatch that set
+    the environment (for more settings undone with it)."""
+    import s3fs  # a declared dependency: missing, this fails
+
     server = S3Server()
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("AWS_ACCESS_KEY_ID", "testing")
         mp.setenv("AWS_SECRET_ACCESS_KEY", "testing")
         mp.setenv("AWS_ENDPOINT_URL_S3", server.endpoint)
         mp.delenv("AWS_PROFILE", raising=False)
-        import s3fs
-
         s3fs.S3FileSystem.clear_instance_cache()
-        s3fs.S3FileSystem(skip_instance_cache=True).mkdir(BUCKET)
+        s3fs.S3FileSystem(skip_instance_cache=True).mkdir(bucket)
         try:
-            yield server
+            yield server, mp
         finally:
             s3fs.S3FileSystem.clear_instance_cache()
             server.stop()
+
+
+@pytest.fixture(scope="module")
+def s3():
+    """The S3 server with credentials and endpoint in the environment only (never in configs)."""
+    with s3_environment(BUCKET) as (server, _):
+        yield server
 
 
 def _config(root: str, model: Path, *extra: str) -> RunConfig:
