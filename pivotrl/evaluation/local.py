@@ -20,6 +20,7 @@ from pivotrl.core.errors import ConfigError, StateTooLongError
 from pivotrl.format.prompts import encode_state
 from pivotrl.rollout.base import SamplingConfig
 from pivotrl.rollout.scoring import sample_and_score_groups
+from pivotrl.verifiers.base import NOT_DEMONSTRATED
 
 __all__ = ["evaluate_local", "evaluate_local_groups"]
 
@@ -77,7 +78,8 @@ def evaluate_local(
         "parse_error"), tokens_generated, reasons ({reason: count} over the samples).
         ``summary``: n_states (evaluated), n_too_long, n_verifier_error, n_samples, n_accepted, accuracy (accepted
         samples / samples), mean_state_accuracy, any_accepted_rate (states with ≥ 1 accepted
-        sample / states), parse_error_rate (per sample), tokens_generated, temperature, n, and,
+        sample / states), parse_error_rate (per sample), n_accepted_not_demonstrated (accepted
+        samples whose calls differ from the demonstration's), tokens_generated, temperature, n, and,
         from an engine with a generation meter, the ``gen_*`` numbers of the engine pass
         (:meth:`pivotrl.runtime.generation.GenerationTotals.metrics`: prompt and prefilled tokens,
         generated tokens, TFLOP, seconds, tokens/s, MFU; the pass's, shared by every job served in it).
@@ -215,6 +217,9 @@ def _summarise(rows: dict[int, dict[str, Any]], n_states: int, sampling: Samplin
         "mean_state_accuracy": float(ok["accuracy"].mean()) if len(ok) else float("nan"),
         "any_accepted_rate": float((ok["n_accepted"] > 0).mean()) if len(ok) else float("nan"),
         "parse_error_rate": int(ok["parse_errors"].sum()) / n_samples if n_samples else 0.0,
+        # accepted samples whose call list differs from the demonstration's (the functional
+        # verifier's equivalent actions: what imitating the one demonstrated action never teaches)
+        "n_accepted_not_demonstrated": int(sum(int((r or {}).get(NOT_DEMONSTRATED, 0)) for r in ok["reasons"])),
         "tokens_generated": int(ok["tokens_generated"].sum()),
         "temperature": float(sampling.temperature),
         "n": int(sampling.n),

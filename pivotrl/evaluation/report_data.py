@@ -44,6 +44,7 @@ def policy_row(name: str, res: Mapping[str, Any] | None) -> dict[str, Any]:
         "local_samples": local.get("n_samples"),
         "local_states": local.get("n_states"),
         "local_too_long": local.get("n_too_long"),
+        "local_accepted_not_demonstrated": local.get("n_accepted_not_demonstrated"),
         "local_pivot_set_accuracy": _num(pivots.get("accuracy")),
         "local_pivot_set_accepted": pivots.get("n_accepted"),
         "local_pivot_set_samples": pivots.get("n_samples"),

@@ -60,6 +60,12 @@ def _results_tables(rows: list[dict[str, Any]], statistics: Mapping[str, Any] | 
                 cells.append("n/a" if r.get("local_too_long") is None else str(r["local_too_long"]))
             lines.append("| " + " | ".join(cells) + " |")
         lines.append("")
+    other = [r for r in rows if r.get("local_accepted_not_demonstrated") is not None]
+    if other:
+        lines += ["Accepted held-out actions that are not the demonstrated calls (the verifier found them "
+                  "equivalent by execution; imitation of the demonstration never teaches them): " + ", ".join(
+                      f"{r['policy']} {r['local_accepted_not_demonstrated']} of {r['local_accepted']}" for r in other)
+                  + ".", ""]
     return lines
 
 

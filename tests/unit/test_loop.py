@@ -4,6 +4,7 @@ and a toy verifier (pivotrl.training.loop), and the one undecided-state policy o
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -80,6 +81,40 @@ def test_local_evaluation_counts_an_undecided_state_instead_of_failing(engine, c
                                     sampling=SamplingConfig(n=2, max_tokens=6, seed=0), max_context=256)
     assert list(df["status"]) == ["ok", "verifier_error"]
     assert summ["n_states"] == 1 and summ["n_verifier_error"] == 1 and summ["n_samples"] == 2
+
+
+def test_local_evaluation_counts_accepted_actions_that_are_not_the_demonstrated_calls(engine, ckpt: Path,
+                                                                                    monkeypatch) -> None:
+    """Held-out states scored by a verifier that accepts every action, some as equivalent to the
+    demonstration rather than equal to it: the summary counts those, the report says how many of
+    each policy's accepted actions they are."""
+    from transformers import AutoTokenizer
+
+    import pivotrl.evaluation.local as local
+    from pivotrl.evaluation.report_data import policy_row
+    from pivotrl.evaluation.report_markdown import _results_tables
+    from pivotrl.verifiers.base import NOT_DEMONSTRATED
+
+    class Equivalent:
+        def score(self, state, actions):
+            return [VerifierResult.accept(NOT_DEMONSTRATED if len(a) % 2 == 0 else "match") for a in actions]
+
+    tok = AutoTokenizer.from_pretrained(str(ckpt))
+    prompts = dict(zip(["a", "b"], PROMPTS))
+    monkeypatch.setattr(local, "encode_state", lambda state, tokenizer, max_len, **kw: prompts[state.state_id])
+    states = [SimpleNamespace(state_id=sid, trajectory_id="t", turn_index=i, category="c")
+              for i, sid in enumerate(prompts)]
+    df, summ = local.evaluate_local(engine, tok, states, Equivalent(),
+                                    sampling=SamplingConfig(n=4, max_tokens=6, seed=0, temperature=1.0), max_context=256)
+    texts = [s["text"] for cell in df["samples"] for s in json.loads(cell)]
+    even = sum(1 for t in texts if len(t) % 2 == 0)
+    assert summ["n_accepted"] == len(texts) == 8
+    assert summ["n_accepted_not_demonstrated"] == even and 0 < even < 8  # both kinds drawn at this seed
+    rows = [policy_row("pivotrl", {"local": summ}), policy_row("base", {"local": {**summ, "n_accepted": 5,
+                                                                                  "n_accepted_not_demonstrated": 0}})]
+    text = "\n".join(_results_tables(rows, None))
+    assert (f"not the demonstrated calls (the verifier found them equivalent by execution; imitation of the "
+            f"demonstration never teaches them): pivotrl {even} of 8, base 0 of 5.") in text
 
 
 def _settings(*overrides: str):
