@@ -139,6 +139,7 @@ def resolve_base_model(cfg: RunConfig, cache: Path) -> Path:
 
     base_dir = Path(resolve_model(cfg.model.source, cache))
     if base_dir.is_dir():
+        base_dir = base_dir.absolute()  # recorded for later stages, which may run in another directory
         verify_checkpoint(base_dir)  # a truncated checkpoint fails here, naming the file
     if cfg.prompt.chat_template:
         from pivotrl.format.chat_format import attach_chat_template

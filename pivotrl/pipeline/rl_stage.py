@@ -29,6 +29,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--spec", required=True)
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    from pivotrl.pipeline.processes import watch_parent
+
+    # torchrun starts each rank in a session of its own: a rank whose launcher is gone (Ctrl-C, a lost
+    # node) ends with its engine and verifier workers instead of waiting in a rendezvous forever.
+    watch_parent()
     spec = json.loads(Path(args.spec).read_text())
 
     result = run_stage("train", spec["config"], spec["inputs"])

@@ -74,6 +74,7 @@ def _launch_ranks(cfg: RunConfig, store: ArtifactStore, probe: ProbeResult, ref:
     if tr.nnodes > 1:
         from pivotrl.training.ray_nodes import launch_on_ray
 
+        spec["config"] = _node_paths(cfg, store).model_dump(mode="json")
         key = f"launch/rl_stage-{content_hash(spec)[:16]}.json"
         store.write_json(key, spec)
         log.info("train: launch spec %s; placing %d nodes on the Ray cluster %s", store.url(key), tr.nnodes,
@@ -90,6 +91,22 @@ def _launch_ranks(cfg: RunConfig, store: ArtifactStore, probe: ProbeResult, ref:
         out = Path(tmp) / "result.json"
         launch(lc, entry="rl_stage", spec={**spec, "output": str(out)}, workdir=tmp, stream=True)
         return TrainResult.of(json.loads(out.read_text()))
+
+
+def _node_paths(cfg: RunConfig, store: ArtifactStore) -> RunConfig:
+    """``cfg`` as another node reads it: a local storage root and local paths of the model and the chat
+    template made absolute (a node resolves a relative path against its own working directory, where
+    they are not). None of these is part of the train key."""
+    def local(path: str | None) -> str | None:
+        if path is None or "://" in path or path.startswith("pypi:") or not Path(path).expanduser().exists():
+            return path
+        return str(Path(path).expanduser().resolve())
+
+    root = store.root_url if store.root_url.startswith("file://") else cfg.run.storage_root
+    return cfg.model_copy(update={
+        "run": cfg.run.model_copy(update={"storage_root": root}),
+        "model": cfg.model.model_copy(update={"source": local(cfg.model.source)}),
+        "prompt": cfg.prompt.model_copy(update={"chat_template": local(cfg.prompt.chat_template)})})
 
 
 def cached_train(cfg: RunConfig, store: ArtifactStore, probe: ProbeResult | Mapping[str, Any],

@@ -31,6 +31,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shutil
 import signal
 import socket
@@ -101,15 +102,33 @@ def node_share(spec_root: str, spec_key: str, node_rank: int, master_addr: str, 
         cmd = render_launch_command(lc, entry="rl_stage", spec_path=local)
         print(f"node {node_rank}: {' '.join(cmd)}", flush=True)
         t0 = time.time()
-        rc = subprocess.run(cmd, env=env, preexec_fn=_die_with_parent).returncode
+        rc, cause = _run_teed(cmd, env)
         if rc != 0 and os.getppid() != raylet:  # the raylet died under this task: the node is lost
             raise NodeLost(f"trainer node {node_rank}: its Ray node was lost (torchrun exited with {rc})")
         if rc != 0:
-            raise TrainingError(f"trainer node {node_rank}: torchrun exited with {rc} after {time.time() - t0:.0f} s "
-                                "(its ranks' output is in the stage's log)")
+            raise TrainingError(f"trainer node {node_rank}: torchrun exited with {rc} after {time.time() - t0:.0f} s"
+                                + (f"; a rank's error: {cause}" if cause else "") + " (the ranks' output is in the "
+                                "stage's log)")
         return out.read_text() if node_rank == 0 else None
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+_ERROR_LINE = re.compile(r"^(?:[\w.]+\.)?[A-Z]\w*(?:Error|Exception): .+")
+
+
+def _run_teed(cmd: list[str], env: dict[str, str]) -> tuple[int, str | None]:
+    """Run the launcher, its output passed through line by line (Ray forwards it to the stage's log);
+    returns its exit code and the last ``SomethingError: message`` line its ranks printed, if any."""
+    cause = None
+    with subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, errors="replace") as proc:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            print(line, end="", flush=True)
+            if _ERROR_LINE.match(line.strip()) and "ChildFailedError" not in line:
+                cause = line.strip()[:500]
+    return proc.returncode, cause
 
 
 def _lost(exc: BaseException) -> bool:
@@ -153,7 +172,14 @@ def launch_on_ray(*, address: str, nnodes: int, nproc_per_node: int, cpus_per_no
             on_attempt(attempt)
         pg = placement_group([dict(bundle) for _ in range(nnodes)], strategy="STRICT_SPREAD")
         try:
-            ready, _ = ray.wait([pg.ready()], timeout=placement_timeout_s)
+            ready: list[Any] = []
+            waited = 0.0
+            while not ready and waited < placement_timeout_s:
+                ready, _ = ray.wait([pg.ready()], timeout=min(30.0, placement_timeout_s - waited))
+                waited += 30.0
+                if not ready and waited < placement_timeout_s:
+                    log.info("train: waiting for %d nodes with %s each on the Ray cluster (%.0f of %.0f s); alive "
+                             "nodes: %s", nnodes, bundle, waited, placement_timeout_s, _nodes_summary())
             if not ready:
                 raise TrainingError(
                     f"the Ray cluster at {address} could not place {nnodes} trainer nodes of {bundle} on different "
