@@ -66,17 +66,23 @@ def test_sample_and_score_returns_undecided_states_counted_never_scored(engine) 
         sample_and_score(engine, ToyVerifier(), states, PROMPTS[:3], SamplingConfig(n=1))
 
 
+def _prompted_states(monkeypatch, ids: list[str]) -> list[SimpleNamespace]:
+    """Turn states whose prompts are given directly (the renderer is tested on its own; engine and
+    scoring are real): the i-th id gets ``PROMPTS[i]``."""
+    import pivotrl.evaluation.local as local
+
+    prompts = dict(zip(ids, PROMPTS))
+    monkeypatch.setattr(local, "encode_state", lambda state, tokenizer, max_len, **kw: prompts[state.state_id])
+    return [SimpleNamespace(state_id=sid, trajectory_id="t", turn_index=i, category="c") for i, sid in enumerate(ids)]
+
+
 def test_local_evaluation_counts_an_undecided_state_instead_of_failing(engine, ckpt: Path, monkeypatch) -> None:
     from transformers import AutoTokenizer
 
     import pivotrl.evaluation.local as local
 
     tok = AutoTokenizer.from_pretrained(str(ckpt))
-    # Prompts given directly (the renderer is tested on its own); engine and scoring are real.
-    prompts = dict(zip(["a", "undecided-1"], PROMPTS))
-    monkeypatch.setattr(local, "encode_state", lambda state, tokenizer, max_len, **kw: prompts[state.state_id])
-    states = [SimpleNamespace(state_id=sid, trajectory_id="t", turn_index=i, category="c")
-              for i, sid in enumerate(prompts)]
+    states = _prompted_states(monkeypatch, ["a", "undecided-1"])
     df, summ = local.evaluate_local(engine, tok, states, ToyVerifier(),
                                     sampling=SamplingConfig(n=2, max_tokens=6, seed=0), max_context=256)
     assert list(df["status"]) == ["ok", "verifier_error"]
@@ -100,10 +106,7 @@ def test_local_evaluation_counts_accepted_actions_that_are_not_the_demonstrated_
             return [VerifierResult.accept(NOT_DEMONSTRATED if len(a) % 2 == 0 else "match") for a in actions]
 
     tok = AutoTokenizer.from_pretrained(str(ckpt))
-    prompts = dict(zip(["a", "b"], PROMPTS))
-    monkeypatch.setattr(local, "encode_state", lambda state, tokenizer, max_len, **kw: prompts[state.state_id])
-    states = [SimpleNamespace(state_id=sid, trajectory_id="t", turn_index=i, category="c")
-              for i, sid in enumerate(prompts)]
+    states = _prompted_states(monkeypatch, ["a", "b"])
     df, summ = local.evaluate_local(engine, tok, states, Equivalent(),
                                     sampling=SamplingConfig(n=4, max_tokens=6, seed=0, temperature=1.0), max_context=256)
     texts = [s["text"] for cell in df["samples"] for s in json.loads(cell)]
