@@ -40,7 +40,7 @@ from pivotrl.rollout.vllm_placement import engine_cpu_bind, is_cpu_platform, vis
 from pivotrl.rollout.vllm_worker import refresh_tied_head, reload_shared
 from pivotrl.runtime.generation import GenerationMeter, shape_of_checkpoint
 
-__all__ = ["VLLMEngine"]
+__all__ = ["PrefillStats", "VLLMEngine"]
 
 
 class VLLMEngine:
@@ -70,7 +70,12 @@ class VLLMEngine:
             process starts with ``CUDA_VISIBLE_DEVICES`` narrowed to them,
             :func:`~pivotrl.rollout.vllm_placement.visible_devices`),
             e.g. a trainer rank's own GPU (``rollout.engine_placement``); None: vLLM's choice.
-        llm_kwargs: further ``vllm.LLM`` arguments.
+        llm_kwargs: further ``vllm.LLM`` arguments. The engine is built with its statistics on
+            (``disable_log_stats=False``) so that the generation meter counts the prompt tokens each
+            child request computed (:class:`PrefillStats`), with vLLM's own stat loggers (the periodic
+            throughput lines, Prometheus) replaced by that counter, which prints nothing; an explicit
+            ``disable_log_stats=False`` keeps vLLM's loggers beside it, ``True`` turns the counter off
+            (the meter then counts each request's prompt once, :mod:`pivotrl.runtime.generation`).
 
     Raises:
         ModelError: vLLM cannot load the checkpoint. ConfigError: bad dtype or sizes.
@@ -107,6 +112,10 @@ class VLLMEngine:
         # Generator does not use offset") and the engine dies on the first prompt longer than the
         # step's token budget. Prompts are prefilled whole instead (overridable).
         llm_kwargs.setdefault("enable_chunked_prefill", False)
+        # The generation meter's prefill count (PrefillStats) needs the engine's statistics; vLLM's
+        # own stat loggers are kept only where the caller asked for the statistics.
+        keep_vllm_loggers = "disable_log_stats" in llm_kwargs
+        llm_kwargs.setdefault("disable_log_stats", False)
         self.model_dir = str(model_dir)
         self.max_model_len = int(max_model_len)
         bind, self._cpu_claim = None, None
@@ -140,7 +149,10 @@ class VLLMEngine:
         self.vocab_size = int(self.llm.llm_engine.model_config.get_vocab_size())
         hf_config = self.llm.llm_engine.model_config.hf_config
         self.tied_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
-        # Generation MFU (pivotrl.runtime.generation): fed from every request output in _collect.
+        # Generation MFU (pivotrl.runtime.generation): fed from every request output in _collect,
+        # with each child request's prefix-cache hit where the engine's statistics give it.
+        self.prefill_stats = (None if llm_kwargs["disable_log_stats"]
+                              else PrefillStats.attach(self.llm, keep_vllm_loggers))
         self.meter = GenerationMeter(shape_of_checkpoint(self.model_dir, hf_config), bind_threads(self.cpu_bind),
                                      normalise_dtype(dtype))
 
@@ -168,6 +180,7 @@ class VLLMEngine:
         from vllm.inputs import TokensPrompt
 
         params = self._params(prompts, sampling, seeds, positions)
+        self._forget_requests()
         with self.meter.timed():
             outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(map(int, p))) for p in prompts], params,
                                         use_tqdm=False)
@@ -192,6 +205,7 @@ class VLLMEngine:
             params += self._params(prompts, sampling, None, None)
             requests += [TokensPrompt(prompt_token_ids=list(map(int, p))) for p in prompts]
             sizes.append(len(prompts))
+        self._forget_requests()
         with self.meter.timed():
             ticks = _Ticks(on_done) if on_done is not None else False
             gens = self._collect(self.llm.generate(requests, params, use_tqdm=ticks) if requests else [], None)
@@ -232,8 +246,10 @@ class VLLMEngine:
         """vLLM's request outputs → ``[len(outputs)][n]`` generations (``stop_fn`` applied)."""
         results: list[list[Generation]] = []
         for out in outputs:
-            self.meter.record(len(out.prompt_token_ids), getattr(out, "num_cached_tokens", None),
-                              [len(c.token_ids) for c in out.outputs])
+            cached = self.prefill_stats.take(out.request_id) if self.prefill_stats is not None else []
+            if len(cached) != len(out.outputs):  # no statistics: the request's one number (module docstring)
+                cached = getattr(out, "num_cached_tokens", None)
+            self.meter.record(len(out.prompt_token_ids), cached, [len(c.token_ids) for c in out.outputs])
             gens = []
             for comp in sorted(out.outputs, key=lambda c: c.index):
                 ids = list(comp.token_ids)
@@ -274,6 +290,7 @@ class VLLMEngine:
             requests.append(TokensPrompt(prompt_token_ids=[int(t) for t in list(p) + list(a)]))
         params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0, detokenize=False)
         outputs = self.llm.generate(requests, params, use_tqdm=False)
+        self._forget_requests()  # scoring is not generation: not metered
         result = []
         for p, a, out in zip(prompts, actions, outputs):
             entries = out.prompt_logprobs[len(p) :]
@@ -313,6 +330,11 @@ class VLLMEngine:
             self.llm.apply_model(refresh_tied_head)
         self.llm.reset_prefix_cache()
 
+    def _forget_requests(self) -> None:
+        """Drop the statistics of requests no :meth:`_collect` took (a scoring call, a failed call)."""
+        if self.prefill_stats is not None:
+            self.prefill_stats.forget()
+
     def _release_cpus(self) -> None:
         claim = getattr(self, "_cpu_claim", None)
         if claim is not None:
@@ -332,6 +354,72 @@ class VLLMEngine:
         del llm
         gc.collect()
         self._release_cpus()
+
+
+class PrefillStats:
+    """The prompt tokens each request's prefill passes found in vLLM's prefix cache, from the
+    engine's own statistics: a stat logger (the methods of vLLM's ``StatLoggerBase``) that the
+    engine's ``LLMEngine`` feeds every step and that prints nothing.
+
+    vLLM runs an n-sample request as n child requests, each admitted on its own with its own
+    prefix-cache hit; ``RequestOutput.num_cached_tokens`` is that of the child finishing last. The
+    per-request statistics of every finished child (``IterationStats.finished_requests``: the
+    request id the caller sees and ``num_cached_tokens``) give each child's hit: :meth:`take`
+    returns them for one request. :attr:`queries` and :attr:`hits` are the scheduler's prefix-cache
+    counters (``SchedulerStats.prefix_cache_stats``, behind ``vllm:prefix_cache_queries`` and
+    ``vllm:prefix_cache_hits``): over a generate call, queries − hits equals the sum of the
+    children's ``prompt − cached`` (tested; with prefix caching off the scheduler counts nothing
+    while each child's statistics still say 0 cached). A child preempted and resumed counts its
+    first prefill only.
+    """
+
+    def __init__(self) -> None:
+        self.cached: dict[str, list[int]] = {}
+        self.queries = 0
+        self.hits = 0
+
+    @classmethod
+    def attach(cls, llm: Any, keep_vllm_loggers: bool) -> "PrefillStats | None":
+        """A counter fed by ``llm``'s engine (built with ``disable_log_stats=False``), replacing
+        vLLM's stat loggers unless ``keep_vllm_loggers``; None where the engine has no stat-logger
+        manager (another vLLM)."""
+        loggers = getattr(getattr(getattr(llm, "llm_engine", None), "logger_manager", None), "stat_loggers", None)
+        if not isinstance(loggers, list):
+            return None
+        counter = cls()
+        if keep_vllm_loggers:
+            loggers.append(counter)
+        else:
+            loggers[:] = [counter]
+        return counter
+
+    def record(self, scheduler_stats: Any, iteration_stats: Any, mm_cache_stats: Any = None,
+               engine_idx: int = 0) -> None:
+        prefix = getattr(scheduler_stats, "prefix_cache_stats", None)
+        if prefix is not None:
+            self.queries += int(prefix.queries)
+            self.hits += int(prefix.hits)
+        for req in getattr(iteration_stats, "finished_requests", None) or []:
+            self.cached.setdefault(str(req.request_id), []).append(int(req.num_cached_tokens))
+
+    def take(self, request_id: str) -> list[int]:
+        """The cached prompt tokens of each finished child of ``request_id`` (removed from here)."""
+        return self.cached.pop(str(request_id), [])
+
+    def forget(self) -> None:
+        self.cached.clear()
+
+    def log(self) -> None:
+        return None
+
+    def log_engine_initialized(self) -> None:
+        return None
+
+    def record_sleep_state(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+    def record_admission_rejection(self, reason: str) -> None:
+        return None
 
 
 def bind_threads(bind: str | None) -> int:

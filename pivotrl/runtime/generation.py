@@ -9,20 +9,30 @@ and :func:`since` after: the :class:`GenerationTotals` of its own calls, which
 MLflow), :meth:`GenerationTotals.counters` into progress-line counters and
 :meth:`GenerationTotals.line` into one log line.
 
-**Counting, per request** of a prompt of P tokens of which the engine found c in its prefix cache
-(vLLM's ``num_cached_tokens``; engines without a prefix cache: c = 0), with n samples of
-T_1..T_n generated tokens:
+**Counting, per request** of a prompt of P tokens with n samples of T_1..T_n generated tokens,
+prefilled in one or more passes, pass j finding c_j prompt tokens in the engine's prefix cache:
 
-* prefill: P − c tokens run through the body, attending Σ_{t=c+1..P} t (query, key) pairs;
+* prefill: each pass runs P − c_j tokens through the body, attending Σ_{t=c_j+1..P} t (query, key)
+  pairs (the tokens it computes are the prompt's tail from c_j + 1, each attending every key up to
+  its own position: exact for causal attention, no approximation);
 * decode: each sample feeds back its tokens but the last, T_i − 1 tokens, the one at context
   position P + t attending P + t keys;
 * output head: one logits row per generated token, Σ T_i.
 
-Forward FLOPs = :func:`pivotrl.runtime.mfu.forward_flops` of those totals. Work the engine does but
-the counted tokens do not need (a padded batch, a recomputed block, the n − 1 siblings of a
-request re-reading a prompt vLLM already cached) is not model FLOPs: it shows as lower MFU. vLLM
-reports one ``num_cached_tokens`` per request; with n > 1 it is that of the sample that finished
-last, so the prompt's prefill is counted once, from that sample's cache hit.
+Forward FLOPs = :func:`pivotrl.runtime.mfu.forward_flops` of those totals. The passes are the
+engine's: the transformers engine counts one pass per prompt, c = 0 (with
+``reuse_prompt_cache=False`` it computes the prompt once per sample, still counted once); vLLM runs an
+n-sample request as n child requests, each prefilling the prompt after its own prefix-cache hit
+(the first computes the prompt, its siblings hit its full KV blocks and recompute the partial last
+block), and :class:`pivotrl.rollout.vllm.VLLMEngine` reads every child's hit from the engine's own
+per-request statistics, so prefill_tokens is what the engine computed: the scheduler's
+prefix-cache queries − hits over the call (``vllm:prefix_cache_queries`` −
+``vllm:prefix_cache_hits``). Where those statistics are not available (a vLLM built without them,
+an engine started with ``disable_log_stats=True``) it falls back to the one ``num_cached_tokens``
+vLLM reports per request, that of the child finishing last, as one pass: the prompt counted once
+from that child's hit, which under-counts the prefill of n > 1 requests (benchmarks/RESULTS.md §23).
+Work the engine does that no counted token needs (a padded batch, a request recomputed after a
+preemption) is not model FLOPs: it shows as lower MFU.
 
 The wall time is the engine call's (scheduling, sampling, detokenizing included), so MFU here is
 what a stage gets from the engine, not what its kernels reach (``benchmarks/bench_generation.py``
@@ -42,15 +52,28 @@ from typing import Any, Iterator, Sequence
 
 from pivotrl.runtime.mfu import ModelShape, forward_flops, mfu
 
-__all__ = ["GenerationMeter", "GenerationTotals", "generation_peak", "request_flops", "safetensors_params",
-           "shape_of_checkpoint", "since", "snapshot"]
+__all__ = ["GenerationMeter", "GenerationTotals", "generation_peak", "prefill_passes", "request_flops",
+           "safetensors_params", "shape_of_checkpoint", "since", "snapshot"]
 
 
-def request_flops(shape: ModelShape, prompt_len: int, cached: int, sample_lengths: Sequence[int]) -> float:
-    """Forward model FLOPs of one request (see the module docstring)."""
-    p, c = int(prompt_len), max(0, min(int(cached), int(prompt_len)))
-    fed = p - c
-    pairs = p * (p + 1) // 2 - c * (c + 1) // 2
+def prefill_passes(prompt_len: int, cached: int | Sequence[int] | None) -> list[int]:
+    """The prompt tokens found cached by each prefill pass of a request, each clipped to [0, P]:
+    ``cached`` is one number (None: 0) for a prompt prefilled once, or one number per pass."""
+    p = int(prompt_len)
+    if cached is None or isinstance(cached, (int, float)):
+        cached = [int(cached or 0)]
+    return [max(0, min(int(c), p)) for c in cached]
+
+
+def request_flops(shape: ModelShape, prompt_len: int, cached: int | Sequence[int] | None,
+                  sample_lengths: Sequence[int]) -> float:
+    """Forward model FLOPs of one request (see the module docstring); ``cached`` as
+    :func:`prefill_passes` takes it."""
+    p = int(prompt_len)
+    fed, pairs = 0, 0
+    for c in prefill_passes(p, cached):
+        fed += p - c
+        pairs += p * (p + 1) // 2 - c * (c + 1) // 2
     logits = 0
     for n in sample_lengths:
         steps = max(int(n) - 1, 0)
@@ -67,7 +90,8 @@ class GenerationTotals:
     Attributes:
         requests: prompts served; samples: sequences generated (requests × n).
         prompt_tokens: prompt tokens of the requests; prefill_tokens: those computed (after
-            prefix-cache hits); generated_tokens: tokens sampled.
+            prefix-cache hits, in every prefill pass: more than prompt_tokens where an engine
+            computes a prompt once per sample); generated_tokens: tokens sampled.
         flops: forward model FLOPs of both (module docstring); seconds: wall time of the engine calls.
         threads: threads the engine computes with; dtype: its compute dtype ("fp32" | "bf16").
     """
@@ -149,16 +173,18 @@ class GenerationMeter:
         name = {"float32": "fp32", "bfloat16": "bf16"}.get(str(dtype), str(dtype))
         self._totals = GenerationTotals(threads=max(int(threads), 1), dtype=name)
 
-    def record(self, prompt_len: int, cached: int | None, sample_lengths: Sequence[int]) -> None:
-        """Add one finished request: its prompt length, the prompt tokens found cached (None: 0) and
-        its samples' generated lengths."""
-        c = max(0, min(int(cached or 0), int(prompt_len)))
-        flops = request_flops(self.shape, prompt_len, c, sample_lengths) if self.shape is not None else 0.0
+    def record(self, prompt_len: int, cached: int | Sequence[int] | None, sample_lengths: Sequence[int]) -> None:
+        """Add one finished request: its prompt length, the prompt tokens found cached (one number,
+        None: 0, for a prompt prefilled once; one per prefill pass where the engine prefills it
+        several times, e.g. vLLM's child requests) and its samples' generated lengths."""
+        passes = prefill_passes(prompt_len, cached)
+        prefill = sum(int(prompt_len) - c for c in passes)
+        flops = request_flops(self.shape, prompt_len, passes, sample_lengths) if self.shape is not None else 0.0
         with self._lock:
             t = self._totals
             self._totals = replace(t, requests=t.requests + 1, samples=t.samples + len(sample_lengths),
                                    prompt_tokens=t.prompt_tokens + int(prompt_len),
-                                   prefill_tokens=t.prefill_tokens + int(prompt_len) - c,
+                                   prefill_tokens=t.prefill_tokens + prefill,
                                    generated_tokens=t.generated_tokens + sum(int(n) for n in sample_lengths),
                                    flops=t.flops + flops)
 

@@ -374,4 +374,49 @@ def test_vllm_generate_groups_counts_prompts_in_the_pass_and_meters_same_tokens(
     gen = eng.meter.totals().minus(before)
     assert gen.requests == len(prompts) + 1 and gen.prompt_tokens == sum(map(len, prompts)) + len(prompts[0])
     assert gen.generated_tokens == sum(len(g.token_ids) for grp in counted for row in grp for g in row)
-    assert gen.prefill_tokens <= gen.prompt_tokens and gen.flops > 0 and gen.seconds > 0
+    # every prompt was served before: each child request computes its prompt past the full KV
+    # blocks cached (a prompt shorter than one block: all of it, once per sample)
+    block = int(eng.llm.llm_engine.vllm_config.cache_config.block_size)
+    assert gen.prefill_tokens == sum(s.n * (len(p) - (len(p) - 1) // block * block) for ps, s in groups for p in ps)
+    assert gen.flops > 0 and gen.seconds > 0
+
+
+@pytest.mark.vllm
+def test_vllm_meter_counts_the_prefill_of_every_sample_of_a_request(vllm_setup, capfd) -> None:
+    """vLLM runs an n-sample request as n child requests: the first computes a fresh prompt, each
+    sibling hits its full KV blocks and recomputes the partial last block. The meter counts what the
+    engine computed, the scheduler's prefix-cache queries − hits (before: the one num_cached_tokens
+    of the request, 44 of 432 here); a repeated prompt counts only the uncached tail of each child.
+    The statistics print nothing."""
+    import random
+
+    from pivotrl.runtime.generation import request_flops
+
+    eng = vllm_setup[0]
+    block = int(eng.llm.llm_engine.vllm_config.cache_config.block_size)
+    rng = random.Random(20261205)
+    prompt = [rng.randrange(5, eng.vocab_size) for _ in range(block * 2 + 44)]  # 2 full blocks + 44
+    full = (len(prompt) - 1) // block * block  # the prompt tokens a later child finds cached
+    tail = len(prompt) - full
+    stats = eng.prefill_stats
+    assert stats is not None and eng.llm.llm_engine.logger_manager.stat_loggers == [stats]
+    sampling = SamplingConfig(n=4, temperature=1.0, max_tokens=6, seed=11)
+    counted = {}
+    for label, want_cached in (("fresh", [0, full, full, full]), ("repeated", [full] * 4)):
+        before, q0, h0 = eng.meter.totals(), stats.queries, stats.hits
+        gens = eng.generate([prompt], sampling)
+        gen = eng.meter.totals().minus(before)
+        assert (gen.requests, gen.samples, gen.prompt_tokens) == (1, 4, len(prompt)), label
+        assert gen.prefill_tokens == (stats.queries - q0) - (stats.hits - h0), label
+        lengths = [len(g.token_ids) for g in gens[0]]
+        assert gen.flops == pytest.approx(request_flops(eng.meter.shape, len(prompt), want_cached, lengths)), label
+        counted[label] = gen.prefill_tokens
+    # the whole prompt once plus the partial block per sibling; then the partial block per child
+    assert counted == {"fresh": len(prompt) + 3 * tail, "repeated": 4 * tail}
+    if block == 128:  # vLLM CPU's default
+        assert counted == {"fresh": 300 + 3 * 44, "repeated": 4 * 44}
+    assert not stats.cached  # every request's statistics taken
+    capfd.readouterr()
+    eng.llm.llm_engine.do_log_stats()  # what vLLM's loop calls every VLLM_LOG_STATS_INTERVAL seconds
+    out, err = capfd.readouterr()
+    assert "throughput" not in out + err and "Prefix cache" not in out + err

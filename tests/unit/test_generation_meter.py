@@ -31,6 +31,10 @@ def test_request_flops_counts_prefill_after_cache_decode_and_head(tiny) -> None:
     assert got == 2 * shape.n_body * 8 + 2 * v * 128 * 4 + 4 * 2 * 128 * 68
     # no cache, one sample of one token: the prompt only, one logits row
     assert request_flops(shape, 5, 0, [1]) == forward_flops(shape, 5, 1, 15)
+    # two prefill passes (vLLM's child requests): the first computes all 10 tokens, the second the
+    # 2 past its 8 cached ones (positions 9, 10: 19 pairs); the decode as above
+    assert request_flops(shape, 10, [0, 8], [3, 1]) == forward_flops(shape, 10 + 2 + 2, 4, 55 + 19 + 23)
+    assert request_flops(shape, 10, [4], [3, 1]) == request_flops(shape, 10, 4, [3, 1])
 
 
 def test_checkpoint_shape_equals_the_model_shape(tiny, tmp_path) -> None:
@@ -67,6 +71,45 @@ def test_meter_totals_metrics_and_mfu(tiny) -> None:
     pool = Eng()
     pool.engines = [eng, eng]
     assert snapshot(pool).threads == 4 and snapshot(pool).flops == pytest.approx(2 * flops)
+
+
+def test_vllm_engine_meters_each_child_request_from_the_engine_statistics(tiny) -> None:
+    """VLLMEngine._collect takes each child request's cached prompt tokens from PrefillStats (fed
+    by vLLM's engine loop like a stat logger); a request whose children are not all there (no
+    statistics) falls back to the request's one num_cached_tokens."""
+    from types import SimpleNamespace as NS
+
+    from pivotrl.rollout.vllm import PrefillStats, VLLMEngine
+
+    _, model = tiny
+    shape = ModelShape.of_model(model)
+    stats = PrefillStats()
+    # one engine step: request "7" (n = 3) admitted (queries 3 × 300, hits 2 × 256), its children finished
+    stats.record(NS(prefix_cache_stats=NS(queries=900, hits=512)),
+                 NS(finished_requests=[NS(request_id="7", num_cached_tokens=c) for c in (0, 256, 256)]))
+    stats.record(None, None)  # a step without statistics
+    assert (stats.queries, stats.hits, stats.cached) == (900, 512, {"7": [0, 256, 256]})
+    stats.log(), stats.log_engine_initialized(), stats.record_sleep_state(0, 0), stats.record_admission_rejection("x")
+
+    def out(rid, prompt_len, cached, lengths):
+        return NS(request_id=rid, prompt_token_ids=[1] * prompt_len, num_cached_tokens=cached,
+                  outputs=[NS(index=i, token_ids=[5] * n, logprobs=[{5: NS(logprob=-0.5)}] * n, finish_reason="length",
+                              text="x" * n) for i, n in enumerate(lengths)])
+
+    eng = object.__new__(VLLMEngine)
+    eng.meter, eng.prefill_stats = GenerationMeter(shape, threads=1, dtype="float32"), stats
+    gens = eng._collect([out("7", 300, 256, [4, 2, 3]), out("8", 50, 16, [2])], None)
+    assert [[len(g.token_ids) for g in row] for row in gens] == [[4, 2, 3], [2]]
+    gen = eng.meter.totals()
+    # request 7: 300 + 44 + 44 computed (= queries − hits), not the 44 of the last child; request 8
+    # has no statistics: 50 − 16
+    assert (gen.requests, gen.samples, gen.prompt_tokens, gen.prefill_tokens) == (2, 4, 350, 388 + 34)
+    assert gen.flops == pytest.approx(request_flops(shape, 300, [0, 256, 256], [4, 2, 3])
+                                      + request_flops(shape, 50, 16, [2]))
+    assert stats.cached == {}
+    stats.record(None, NS(finished_requests=[NS(request_id="9", num_cached_tokens=0)]))
+    eng._forget_requests()  # a scoring call's requests: not metered, not kept
+    assert stats.cached == {}
 
 
 def test_transformers_engine_feeds_its_meter(tiny) -> None:
