@@ -48,12 +48,12 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterable, Iterator, Sequence
 
 from pivotrl.runtime.mfu import ModelShape, forward_flops, mfu
 
 __all__ = ["GenerationMeter", "GenerationTotals", "generation_peak", "prefill_passes", "request_flops",
-           "safetensors_params", "shape_of_checkpoint", "since", "snapshot"]
+           "safetensors_params", "shape_of_checkpoint", "side_by_side", "since", "snapshot"]
 
 
 def prefill_passes(prompt_len: int, cached: int | Sequence[int] | None) -> list[int]:
@@ -228,6 +228,20 @@ def since(engine: Any, before: GenerationTotals | None) -> GenerationTotals | No
     if now is None or before is None:
         return now
     return now.minus(before)
+
+
+def side_by_side(parts: Iterable[GenerationTotals | None]) -> GenerationTotals | None:
+    """The totals of engines that generated at the same time, e.g. one engine on each host rank in
+    one training step: counts, FLOPs and threads summed, seconds those of the longest (the wall
+    time they shared: generated tokens/s and MFU are of all their threads over that time); None
+    parts (a rank without an engine or a meter) left out; None when no part is left."""
+    use = [p for p in parts if p is not None]
+    if not use:
+        return None
+    out = use[0]
+    for p in use[1:]:
+        out = out.plus(p)
+    return replace(out, seconds=max(p.seconds for p in use))
 
 
 def safetensors_params(model_dir: str | Path) -> tuple[int, set[str]]:

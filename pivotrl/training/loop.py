@@ -36,9 +36,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from pivotrl.core.errors import TrainingError
-from pivotrl.runtime.generation import generation_peak, since, snapshot
+from pivotrl.runtime.generation import generation_peak, side_by_side, since, snapshot
 from pivotrl.training.checkpoints import broadcast
-from pivotrl.training.rank_engines import refresh_delta, refresh_step, rollout_step
+from pivotrl.training.rank_engines import all_gather, refresh_delta, refresh_step, rollout_step
 from pivotrl.verifiers.base import count_not_demonstrated
 
 if TYPE_CHECKING:
@@ -179,8 +179,10 @@ def run_rl_loop(trainer: Any, engine: Any, verifier: Any, pivots: Sequence[Any],
     shared-memory block or the HF export — plus the engine's reload, on rank 0), refresh_max_abs_delta and
     refresh_mean_abs_delta (engine vs trainer log-probs of a fixed action, nats per token; the
     largest over the engines of a pool, whose per-engine columns the module docstring lists),
-    rollout_tokens (tokens generated for the step's trained groups), the rollout's generation on
-    this rank (``gen_*``: prompt/prefilled/generated tokens, TFLOP, seconds, MFU;
+    rollout_tokens (tokens generated for the step's trained groups), the rollout's generation over
+    every host rank's engines (``gen_*``: prompt/prefilled/generated tokens, TFLOP, seconds, MFU;
+    with several host ranks their sum, the seconds of the slowest,
+    :func:`pivotrl.runtime.generation.side_by_side`, the same on every rank;
     :meth:`pivotrl.runtime.generation.GenerationTotals.metrics`), and the columns of
     ``hooks.evaluate`` at the steps ``training.eval_every`` names (see :class:`LoopHooks`).
 
@@ -231,6 +233,11 @@ def run_rl_loop(trainer: Any, engine: Any, verifier: Any, pivots: Sequence[Any],
             batch, served = rollout_step(engine, verifier, pivots, prompts, idx, cfg, step, rank=rank,
                                          world=world, hosts=hosts)
             gen = since(engine, gen_before)  # this rank's engines' rollout generation (pivotrl.runtime.generation)
+            if len(hosts) > 1:
+                # Every host rank's engine sampled its block: the step's generation is theirs together.
+                # Every rank takes part (rollout_step gathered on all of them just before), with None
+                # where a rank has no engine; the same totals then on every rank.
+                gen = side_by_side(all_gather(gen, world))
             gen_peak = generation_peak(gen, cfg.run.local_cache()) if gen is not None and gen.requests else None
             groups, dropped, retries = batch.groups, batch.dropped, batch.retries
             t_roll = time.time() - t0

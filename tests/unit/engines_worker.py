@@ -1,9 +1,11 @@
 """One rank of ``test_engines``' several-rank test: the PivotRL loop with a rollout engine on every
 rank (``hosts=[0, 1]``), under ``torch.distributed.run`` (gloo). Writes ``rank<r>.json`` to the
-output directory: the loop's rows, what this rank's engine counted, and its final log-probs."""
+output directory: the loop's rows, what this rank's engine counted (its generation meter's
+totals included), and its final log-probs."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -30,7 +32,8 @@ def main(ckpt: str, out: str) -> None:
     final = TransformersEngine.score(engine, [PROMPTS[0]], [ACTION])[0]
     Path(out, f"rank{rank}.json").write_text(json.dumps({
         "world": world, "rows": rows, "refreshes": engine.refreshes, "scores": engine.scores,
-        "prompts": engine.prompts, "final_logprobs": [float(x) for x in final]}))
+        "prompts": engine.prompts, "final_logprobs": [float(x) for x in final],
+        "meter": dataclasses.asdict(engine.meter.totals())}))
     engine.close()
 
 

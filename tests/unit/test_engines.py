@@ -200,6 +200,21 @@ def test_an_engine_on_each_of_two_ranks_serves_its_block_and_is_refreshed_and_ve
     want = trainer.old_policy_logprobs(PROMPTS[0], ACTION)
     for r in ranks:
         assert max(abs(x - y) for x, y in zip(r["final_logprobs"], want)) <= 1e-4
+    # The rows' generation counters are both engines' together (not rank 0's block alone), the same
+    # on both ranks: over the run, the sum of the two engines' meters; per step, what the one engine
+    # of the one-process run counted for the whole batch.
+    counts = ("gen_prompt_tokens", "gen_prefill_tokens", "gen_tokens")
+    gen = [[{k: v for k, v in row.items() if k.startswith("gen_")} for row in r["rows"]] for r in ranks]
+    assert gen[0] == gen[1]
+    meters = [r["meter"] for r in ranks]
+    for key, field in zip(counts, ("prompt_tokens", "prefill_tokens", "generated_tokens")):
+        assert sum(row[key] for row in gen[0]) == sum(m[field] for m in meters) > 0, key
+    assert sum(row["gen_tflop"] for row in gen[0]) == pytest.approx(sum(m["flops"] for m in meters) / 1e12)
+    assert [[row[k] for k in counts] for row in gen[0]] == [[row[k] for k in counts] for row in rows1]
+    assert [row["gen_tflop"] for row in gen[0]] == pytest.approx([row["gen_tflop"] for row in rows1])
+    # side by side: the threads of both engines over the slower one's seconds
+    assert all(row["gen_threads"] == sum(m["threads"] for m in meters) for row in gen[0])
+    assert sum(row["gen_s"] for row in gen[0]) <= sum(m["seconds"] for m in meters)
     single.close()
 
 

@@ -73,6 +73,21 @@ def test_meter_totals_metrics_and_mfu(tiny) -> None:
     assert snapshot(pool).threads == 4 and snapshot(pool).flops == pytest.approx(2 * flops)
 
 
+def test_engines_side_by_side_sum_their_counts_over_the_longest_time() -> None:
+    from pivotrl.runtime.generation import GenerationTotals, side_by_side
+
+    a = GenerationTotals(requests=2, samples=8, prompt_tokens=100, prefill_tokens=90, generated_tokens=40,
+                         flops=4e9, seconds=2.0, threads=2, dtype="fp32")
+    b = GenerationTotals(requests=3, samples=12, prompt_tokens=150, prefill_tokens=150, generated_tokens=60,
+                         flops=6e9, seconds=3.0, threads=2, dtype="fp32")
+    both = side_by_side([a, None, b])  # None: a rank without an engine
+    assert (both.requests, both.samples, both.prompt_tokens, both.prefill_tokens, both.generated_tokens) == \
+        (5, 20, 250, 240, 100)
+    assert (both.flops, both.seconds, both.threads) == (1e10, 3.0, 4)
+    assert both.mfu(1.0) == pytest.approx(1e10 / 3.0 / 4e9)  # four threads for three seconds
+    assert side_by_side([a]) == a and side_by_side([None, None]) is None and side_by_side([]) is None
+
+
 def test_vllm_engine_meters_each_child_request_from_the_engine_statistics(tiny) -> None:
     """VLLMEngine._collect takes each child request's cached prompt tokens from PrefillStats (fed
     by vLLM's engine loop like a stat logger); a request whose children are not all there (no
