@@ -14,6 +14,12 @@ a token-level mean over the *global* batch: the same on 1 or many ranks (each ra
 divided by the global token count; see ``deepspeed_utils.data_parallel_loss_scale``). Batches are
 drawn from a per-epoch shuffle seeded by ``seed``; each rank processes its examples in micro-batches
 of ``micro_batch_size`` (right-padded). Same DeepSpeed engine and launch path as the RL trainer.
+
+Budgets (:func:`run_sft`): ``epochs`` passes, or with ``cycle`` an endless stream of seeded epoch
+orders cut into full batches (every example once before any twice), stopped by ``max_steps`` or by
+``max_wall_s``, the wall time of the optimiser steps (exports left out) at the first step past it;
+``snapshot_step`` exports the policy after that step too, so one run gives the policy at a step
+count and at a wall time.
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ import random
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
@@ -115,6 +121,11 @@ def run_sft(
     deepspeed_extra: dict[str, Any] | None = None,
     peak_gflops_per_thread: float | None = None,
     retain_host_memory: bool = True,
+    cycle: bool = False,
+    max_steps: int | None = None,
+    max_wall_s: float | None = None,
+    snapshot_step: int | None = None,
+    snapshot_dir: str | os.PathLike[str] | None = None,
 ) -> dict[str, Any]:
     """Fine-tune ``model_dir`` on ``examples`` and export an HF checkpoint (+ tokenizer) to ``out_dir``.
 
@@ -130,13 +141,25 @@ def run_sft(
             deepspeed_extra (merged over the generated DeepSpeed config), peak_gflops_per_thread
             (the calibrated matmul peak of one thread in ``dtype``, :mod:`pivotrl.runtime.mfu`; None =
             no ``mfu``), retain_host_memory (see :func:`pivotrl.training.deepspeed_utils.build_engine`).
+        cycle: batches are consecutive slices of an endless stream of seeded epoch orders (every batch
+            full; ``epochs`` is not read); needs ``max_steps``.
+        max_steps: stop after this many optimiser steps (with or without ``cycle``).
+        max_wall_s: stop after the first step at which the optimiser steps' wall time (seconds
+            since the first began, exports left out) reaches it, but not before ``snapshot_step``:
+            the policy at that first step is ``out_dir`` (exported then if the run goes on).
+        snapshot_step, snapshot_dir: also export the policy after step ``snapshot_step`` to
+            ``snapshot_dir`` (a run that stops before it exports none).
 
     Returns:
         metrics: ``losses`` (per step, mean NLL per loss token, nats), ``first_loss``,
         ``final_loss``, ``steps``, ``loss_tokens`` (per epoch), ``tokens`` (input tokens processed
         in total), ``time_s``, ``tokens_per_s`` (all forward+backward), ``model_tflop`` (model FLOPs,
         :mod:`pivotrl.runtime.mfu`: 6·n_body per token, 6·n_head per loss position, attention),
-        ``threads`` (torch threads × ranks), with a peak ``peak_gflops`` and ``mfu``; ``out_dir``.
+        ``threads`` (torch threads × ranks), with a peak ``peak_gflops`` and ``mfu``; ``out_dir``;
+        ``step_tokens`` and ``step_time_s`` (per step, cumulative: input tokens of every rank, and
+        the optimiser steps' wall time); ``out_step`` (the step ``out_dir`` holds) and
+        ``wall_step`` (the first step at or past ``max_wall_s``, None without one or when never
+        reached); ``snapshot_step`` (None when no snapshot was exported).
 
     Raises:
         DataError: malformed examples. ConfigError: bad settings. TrainingError: non-finite loss.
@@ -144,6 +167,10 @@ def run_sft(
     for name, value, lo in (("epochs", epochs, 1), ("batch_size", batch_size, 1), ("micro_batch_size", micro_batch_size, 1)):
         if isinstance(value, bool) or not isinstance(value, int) or value < lo:
             raise ConfigError(f"{name} must be an integer >= {lo}, got {value!r}")
+    if cycle and max_steps is None:
+        raise ConfigError("run_sft: cycle needs max_steps (an endless stream of batches)")
+    if (snapshot_step is None) != (snapshot_dir is None):
+        raise ConfigError("run_sft: snapshot_step and snapshot_dir go together")
     _check_examples(examples)
     random.seed(seed)
     torch.manual_seed(seed)
@@ -166,12 +193,46 @@ def run_sft(
     loss_tokens_epoch = sum(int(sum(m[1:])) for _, m in examples)
     from pivotrl.core.progress import Progress
 
-    n_micro_total = epochs * sum(math.ceil(math.ceil(len(examples[i:i + batch_size]) / world) / micro_batch_size)
-                                 for i in range(0, len(examples), batch_size))
+    per_batch = math.ceil(math.ceil(batch_size / world) / micro_batch_size)
+    n_micro_total = (max_steps * per_batch if cycle else
+                     epochs * sum(math.ceil(math.ceil(len(examples[i:i + batch_size]) / world) / micro_batch_size)
+                                  for i in range(0, len(examples), batch_size)))
+    if max_steps is not None:
+        n_micro_total = min(n_micro_total, max_steps * per_batch)
+    tok_dir = tokenizer_dir if tokenizer_dir is not None else model_dir
+    step_tokens: list[float] = []  # this rank's input tokens per step (summed over ranks below)
+    step_time: list[float] = []  # the optimiser steps' wall time so far, per step
+    marks: dict[str, int | None] = {"wall_step": None, "out_step": None, "snapshot_step": None}
+    export_s = 0.0
+
+    def export(target: Any) -> None:
+        nonlocal export_s
+        t = time.perf_counter()
+        export_hf_checkpoint(engine, target, tokenizer_dir=tok_dir)
+        export_s += time.perf_counter() - t
+
+    def after_step(step: int, tokens_so_far: int) -> bool:
+        """Book-keeping after optimiser step ``step`` (1-based); True to stop."""
+        step_tokens.append(float(tokens_so_far))
+        step_time.append(time.perf_counter() - t0 - export_s)
+        if snapshot_step is not None and step == snapshot_step:
+            export(snapshot_dir)
+            marks["snapshot_step"] = step
+        if max_wall_s is not None and marks["wall_step"] is None and _all_agree(step_time[-1] >= max_wall_s, world):
+            marks["wall_step"] = step
+        stop = max_steps is not None and step >= max_steps
+        if marks["wall_step"] is not None:
+            stop = stop or snapshot_step is None or step >= snapshot_step
+            if marks["wall_step"] == step and not stop:  # the policy at the wall time; the run goes on
+                export(out_dir)
+                marks["out_step"] = step
+        return stop
+
     with Progress("warm start", n_micro_total, "micro-batches", enabled=rank == 0) as bar:
-        tokens, flop = _sft_epochs(engine, examples, epochs, batch_size, micro_batch_size, order_rng, losses, bar)
-    elapsed = time.perf_counter() - t0
-    both = torch.tensor([float(tokens), flop], dtype=torch.float64)
+        tokens, flop = _sft_epochs(engine, examples, epochs, batch_size, micro_batch_size, order_rng, losses, bar,
+                                   cycle=cycle, after_step=after_step)
+    elapsed = time.perf_counter() - t0 - export_s
+    both = torch.tensor([float(tokens), flop, *step_tokens], dtype=torch.float64)
     if world > 1:
         torch.distributed.all_reduce(both)
     tok_total, flop_total = both[0], float(both[1])
@@ -180,8 +241,13 @@ def run_sft(
     speed = {"model_tflop": flop_total / 1e12, "threads": threads}
     if util is not None and peak_gflops_per_thread:
         speed.update(peak_gflops=peak_gflops_per_thread * threads, mfu=util)
-    export_hf_checkpoint(engine, out_dir, tokenizer_dir=tokenizer_dir if tokenizer_dir is not None else model_dir)
+    if marks["out_step"] is None:
+        export_hf_checkpoint(engine, out_dir, tokenizer_dir=tok_dir)
+        marks["out_step"] = len(losses)
     return {
+        "step_tokens": [int(x) for x in both[2:].tolist()],
+        "step_time_s": step_time,
+        **marks,
         "losses": losses,
         "first_loss": losses[0],
         "final_loss": losses[-1],
@@ -195,46 +261,78 @@ def run_sft(
     }
 
 
+def _all_agree(flag: bool, world: int) -> bool:
+    """Rank 0's ``flag`` on every rank (each rank's clock differs: one decision for all)."""
+    if world <= 1:
+        return flag
+    t = torch.tensor([1.0 if flag else 0.0], dtype=torch.float64)
+    torch.distributed.broadcast(t, src=0)
+    return bool(t.item())
+
+
+def batch_orders(n: int, batch_size: int, epochs: int, order_rng: random.Random, *,
+                 cycle: bool = False) -> Iterator[list[int]]:
+    """Example indices per optimiser step: each epoch a fresh ``order_rng`` shuffle of ``range(n)``
+    cut into batches (the last of an epoch may be smaller), ``epochs`` times; with ``cycle`` the
+    epoch orders are one endless stream cut into full batches (never ending: the caller stops)."""
+    if not cycle:
+        for _epoch in range(epochs):
+            order = list(range(n))
+            order_rng.shuffle(order)
+            for start in range(0, n, batch_size):
+                yield order[start : start + batch_size]
+        return
+    buf: list[int] = []
+    while True:
+        while len(buf) < batch_size:
+            order = list(range(n))
+            order_rng.shuffle(order)
+            buf.extend(order)
+        yield buf[:batch_size]
+        buf = buf[batch_size:]
+
+
 def _sft_epochs(engine: Any, examples: Sequence[tuple[Sequence[int], Sequence[int]]], epochs: int, batch_size: int,
-                micro_batch_size: int, order_rng: random.Random, losses: list[float], bar: Any) -> int:
-    """The warm start's optimiser steps (appends each step's mean NLL to ``losses``); returns the
-    input tokens this rank processed and their model FLOPs (:func:`sft_flops`). ``bar``: a
-    pivotrl.core.progress.Progress counting micro-batches."""
+                micro_batch_size: int, order_rng: random.Random, losses: list[float], bar: Any, *,
+                cycle: bool = False, after_step: Callable[[int, int], bool] | None = None) -> tuple[int, float]:
+    """The warm start's optimiser steps (appends each step's mean NLL to ``losses``) over
+    :func:`batch_orders`; returns the input tokens this rank processed and their model FLOPs
+    (:func:`sft_flops`). ``bar``: a pivotrl.core.progress.Progress counting micro-batches;
+    ``after_step(step, tokens so far on this rank)`` after each optimiser step, True to stop."""
     rank, world = rank_and_world()
     shape = ModelShape.of_model(engine)
     flop = 0.0
     scale = data_parallel_loss_scale()
     tokens = 0
-    for _epoch in range(epochs):
-        order = list(range(len(examples)))
-        order_rng.shuffle(order)
-        for start in range(0, len(order), batch_size):
-            batch = [examples[i] for i in order[start : start + batch_size]]
-            num_tokens = sum(int(sum(m[1:])) for _, m in batch)
-            mine = batch[rank::world]
-            n_micro = math.ceil(math.ceil(len(batch) / world) / micro_batch_size)
-            nll_sum = 0.0
-            for j in range(n_micro):
-                mb = mine[j * micro_batch_size : (j + 1) * micro_batch_size]
-                if mb:
-                    loss, nll = sft_batch_loss(engine, mb, num_tokens)
-                    if not math.isfinite(float(loss.detach())):
-                        raise TrainingError(f"non-finite SFT loss at step {len(losses) + 1}")
-                    tokens += sum(len(ids) for ids, _ in mb)
-                    flop += sft_flops(shape, mb)
-                    nll_sum += nll
-                    bar.update(1, tokens=sum(len(ids) for ids, _ in mb))
-                else:  # keep the number of backward passes equal on every rank
-                    out = engine(input_ids=torch.zeros(1, 1, dtype=torch.long, device=engine.device), use_cache=False)
-                    loss = out.logits.float().sum() * 0.0
-                    bar.update(1)
-                engine.backward(loss * scale, scale_wrt_gas=False)
-            engine.step()
-            total = torch.tensor([nll_sum], dtype=torch.float64)
-            if world > 1:
-                torch.distributed.all_reduce(total)
-            losses.append(float(total) / num_tokens)
-            bar.update(0, steps=1)
+    for order in batch_orders(len(examples), batch_size, epochs, order_rng, cycle=cycle):
+        batch = [examples[i] for i in order]
+        num_tokens = sum(int(sum(m[1:])) for _, m in batch)
+        mine = batch[rank::world]
+        n_micro = math.ceil(math.ceil(len(batch) / world) / micro_batch_size)
+        nll_sum = 0.0
+        for j in range(n_micro):
+            mb = mine[j * micro_batch_size : (j + 1) * micro_batch_size]
+            if mb:
+                loss, nll = sft_batch_loss(engine, mb, num_tokens)
+                if not math.isfinite(float(loss.detach())):
+                    raise TrainingError(f"non-finite SFT loss at step {len(losses) + 1}")
+                tokens += sum(len(ids) for ids, _ in mb)
+                flop += sft_flops(shape, mb)
+                nll_sum += nll
+                bar.update(1, tokens=sum(len(ids) for ids, _ in mb))
+            else:  # keep the number of backward passes equal on every rank
+                out = engine(input_ids=torch.zeros(1, 1, dtype=torch.long, device=engine.device), use_cache=False)
+                loss = out.logits.float().sum() * 0.0
+                bar.update(1)
+            engine.backward(loss * scale, scale_wrt_gas=False)
+        engine.step()
+        total = torch.tensor([nll_sum], dtype=torch.float64)
+        if world > 1:
+            torch.distributed.all_reduce(total)
+        losses.append(float(total) / num_tokens)
+        bar.update(0, steps=1)
+        if after_step is not None and after_step(len(losses), tokens):
+            break
     return tokens, flop
 
 

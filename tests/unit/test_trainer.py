@@ -313,6 +313,47 @@ def test_sft_entry_point_in_process(ckpt: Path, tmp_path: Path) -> None:
     assert json.loads((tmp_path / "work" / "sft-spec.json").read_text()) == spec
 
 
+def test_sft_batches_cycle_through_seeded_epochs():
+    import random
+
+    from pivotrl.training.sft import batch_orders
+
+    # epochs: a fresh shuffle each, the last batch of an epoch smaller
+    assert [len(b) for b in batch_orders(5, 2, 2, random.Random(0))] == [2, 2, 1, 2, 2, 1]
+    # cycled: the same shuffles as one stream cut into full batches (every example once before any twice)
+    stream = batch_orders(5, 2, 1, random.Random(0), cycle=True)
+    flat = [i for _ in range(5) for i in next(stream)]
+    epochs = [i for b in batch_orders(5, 2, 2, random.Random(0)) for i in b]
+    assert flat == epochs and sorted(flat[:5]) == list(range(5))
+
+
+def test_sft_to_a_wall_time_exports_the_policy_at_a_step_count_on_the_way(ckpt: Path, tmp_path: Path) -> None:
+    """One run gives SFT at a step count (``snapshot_step``) and at a wall time: the same batches as a
+    run that stops at that step count, so the same weights; the wall-time policy is exported at the
+    first step past it, and the run goes on to the step count when the wall time came first."""
+    from pivotrl.runtime.models import checkpoint_hash
+    from pivotrl.training.sft import run_sft
+
+    examples = [([0, 5 + i, 6, 7 + i, 8, 1], [0, 0, 0, 1, 1, 1]) for i in range(5)]
+    common = dict(lr=3e-3, batch_size=2, dtype="float32", seed=0, cycle=True)
+    steps = run_sft(ckpt, examples, tmp_path / "steps", max_steps=3, **common)
+    assert (steps["steps"], steps["out_step"], steps["wall_step"], steps["snapshot_step"]) == (3, 3, None, None)
+    assert steps["tokens"] == 3 * 2 * 6 and steps["step_tokens"] == [12, 24, 36]
+    # the wall time (0 s) is reached at step 1: that policy is exported then, and the run goes on to step 3
+    m = run_sft(ckpt, examples, tmp_path / "wall", max_steps=50, max_wall_s=0.0, snapshot_step=3,
+                snapshot_dir=tmp_path / "snap", **common)
+    assert (m["steps"], m["wall_step"], m["out_step"], m["snapshot_step"]) == (3, 1, 1, 3)
+    assert len(m["step_time_s"]) == 3 and m["step_time_s"] == sorted(m["step_time_s"])
+    assert checkpoint_hash(tmp_path / "snap") == checkpoint_hash(tmp_path / "steps")
+    assert checkpoint_hash(tmp_path / "wall") != checkpoint_hash(tmp_path / "steps")
+    # a wall time never reached: the cap stops it, the policy is the last step's
+    capped = run_sft(ckpt, examples, tmp_path / "capped", max_steps=4, max_wall_s=1e9, snapshot_step=2,
+                     snapshot_dir=tmp_path / "snap2", **common)
+    assert (capped["steps"], capped["wall_step"], capped["out_step"], capped["snapshot_step"]) == (4, None, 4, 2)
+    with pytest.raises(ConfigError, match="cycle needs max_steps"):
+        run_sft(ckpt, examples, tmp_path / "x", cycle=True, dtype="float32")
+
+
 def test_sft_rejects_bad_examples(ckpt: Path, tmp_path: Path) -> None:
     from pivotrl.training.sft import run_sft
 
