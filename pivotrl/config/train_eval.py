@@ -256,10 +256,12 @@ class CompareSection(Section):
     )
     sft_lr: Float | None = Field(None, gt=0, description="SFT learning rate (null = training.lr).")
     sft_batch_size: Int = Field(8, ge=1, description="Demonstrations per SFT optimiser step.")
-    e2e_budget: Literal["generated_tokens", "wall_time"] = Field(
+    e2e_budget: Literal["generated_tokens", "rollout_turns", "wall_time"] = Field(
         "wall_time",
-        description="What the end-to-end RL baseline matches with PivotRL: its generated tokens (probing and "
-        "training), or its wall time (probing and training; stops at the first step past it).",
+        description="What the end-to-end RL baseline matches with PivotRL, probing and training together: its "
+        "generated tokens, its rollout turns (model calls: PivotRL's probe and training samples against E2E RL's "
+        "model calls in episodes, one environment turn each) or its wall time; E2E RL stops at the first step "
+        "past it.",
     )
     e2e_group_size: Int = Field(4, ge=2, description="K: episodes per task in one end-to-end GRPO group.")
     e2e_tasks_per_batch: Int = Field(1, ge=1, description="Tasks per end-to-end RL step.")

@@ -8,9 +8,13 @@ Stages (each ``(cfg, store, inputs) -> result dict``, content-addressed like the
   order to ``steps × compare.sft_batch_size`` and trained for one pass.
 * :func:`stage_e2e_baseline` - GRPO on whole tasks of the pivot split (``pivotrl.training.e2e``),
   same trainer settings as PivotRL, with PivotRL's probing and training together as its budget:
-  **the same generated tokens** (``compare.e2e_budget = generated_tokens``) or **the same wall
-  time** (``wall_time``: the loop stops at the first step past it); ``compare.e2e_max_steps``
-  caps it either way.
+  **the same generated tokens** (``compare.e2e_budget = generated_tokens``), **the same rollout
+  turns** (``rollout_turns``: model calls, PivotRL's probe samples and training samples against
+  E2E RL's model calls in episodes) or **the same wall time** (``wall_time``); the loop stops at the
+  first step past the budget, and ``compare.e2e_max_steps`` caps it whatever the budget. With
+  ``training.eval_every`` it measures PivotRL's held-out curve on its own engine (the same states,
+  greedy measure and cadence, :func:`pivotrl.pipeline.curve.heldout_curve_hook`), each point with
+  the rollout turns sampled to it (``summary.heldout_curve``; every step in ``metrics.parquet``).
 * :func:`pivotrl_ledger` - PivotRL's cost, counted from its probe table and training metrics.
 * :func:`stage_compare_evaluate` - in ``pivotrl.pipeline.compare_eval``.
 
@@ -28,6 +32,8 @@ import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
+
+import pandas as pd
 
 from pivotrl.provenance.code_digest import STAGE_MODULES, module_digest
 from pivotrl.config import RunConfig
@@ -63,19 +69,23 @@ def pivotrl_ledger(cfg: RunConfig, store: ArtifactStore, probe: dict[str, Any], 
     """PivotRL's cost from its artifacts: probing (m samples per probed state, each verified) and
     training (K samples per pivot per step, trainer tokens, optimiser steps, wall time).
 
+    ``model_calls`` (rollout turns) are counted as the learning curve counts them, so the curve's
+    last point equals them: the probe's m per probed state
+    (:func:`pivotrl.pipeline.curve.probe_row_turns`) and each step's sampled actions, dropped groups'
+    and the re-filter's included (:func:`pivotrl.evaluation.learning_curve.pivotrl_step_turns`).
     Naive-equivalent trainer tokens are recomputed from the pivot schedule: Σ over steps, updates
     and sampled actions of (state tokens + action tokens).
     """
     from pivotrl.data.states import frame_to_states
+    from pivotrl.evaluation.learning_curve import pivotrl_step_turns
+    from pivotrl.pipeline.curve import probe_row_turns
     from pivotrl.runtime.models import load_tokenizer
     from pivotrl.format.prompts import encode_state
 
     led = CostLedger(name="pivotrl")
-    import json
-
     probes = store.read_parquet(f"{probe['probes_key']}/probes.parquet")
     for rec in probes.to_dict("records"):  # one row per probed state; rewards: the m verdicts
-        m = len(json.loads(rec.get("rewards") or "[]"))
+        m = probe_row_turns(rec)
         mean_tokens = rec.get("action_tokens_mean")
         led.add(model_calls=m, verifier_executions=m, tool_retries=int(rec.get("verifier_retries") or 0),
                 generated_tokens=int(round(m * mean_tokens)) if m and mean_tokens == mean_tokens else 0)
@@ -96,7 +106,8 @@ def pivotrl_ledger(cfg: RunConfig, store: ArtifactStore, probe: dict[str, Any], 
             updates = int(row.get("updates", 0) or 0)
             naive += updates * (tr.group_size * sum(plen[i] for i in idx) + int(row.get("action_tokens", 0) or 0))
     for row in rows:
-        led.add(model_calls=int(row.get("actions", 0) or 0), verifier_executions=int(row.get("actions", 0) or 0),
+        led.add(model_calls=pivotrl_step_turns(row, cfg.training.group_size, cfg.probing.num_probes),
+                verifier_executions=int(row.get("actions", 0) or 0),
                 generated_tokens=int(row.get("action_tokens", 0) or 0),
                 tool_retries=int(row.get("verifier_retries", 0) or 0))
         led.add_trainer_metrics(row, 0)
@@ -218,21 +229,28 @@ def stage_sft_baseline(cfg: RunConfig, store: ArtifactStore, demos: dict[str, An
 
 def stage_e2e_baseline(cfg: RunConfig, store: ArtifactStore, demos: dict[str, Any], ref: dict[str, Any],
                        probe: dict[str, Any], train: dict[str, Any]) -> dict[str, Any]:
-    """End-to-end GRPO of π_ref on the pivot split's tasks, with PivotRL's generated tokens or wall
-    time (probing and training) as its budget (``compare.e2e_budget``).
+    """End-to-end GRPO of π_ref on the pivot split's tasks, with PivotRL's generated tokens, rollout
+    turns or wall time (probing and training) as its budget (``compare.e2e_budget``).
 
-    Returns {"key", "policy_key", "summary" (budget, budget_tokens, budget_wall_s, steps,
-    generated_tokens, wall_s, budget_reached, reward per step, start_hash, ...), "ledger"}. No task with an environment: the policy is π_ref (noted).
+    Returns {"key", "policy_key", "summary" (budget, budget_tokens, budget_model_calls, budget_wall_s,
+    steps, generated_tokens, model_calls, wall_s, budget_reached, reward per step, heldout_curve (the
+    points of :func:`pivotrl.evaluation.learning_curve.learning_curve`, [] without one), start_hash,
+    ...), "ledger"}. No task with an environment: the policy is π_ref (noted).
     """
     from pivotrl.bfcl.wheel import ensure_bfcl
+    from pivotrl.evaluation.learning_curve import learning_curve
+    from pivotrl.pipeline.common import close_quietly, make_verifier
+    from pivotrl.pipeline.curve import heldout_curve_hook
+    from pivotrl.pipeline.results import ProbeResult
     from pivotrl.runtime.models import checkpoint_hash, load_tokenizer
     from pivotrl.training.e2e import E2ESettings, run_e2e
     from pivotrl.training.pivotrl import PivotRLTrainer
 
     cp = cfg.compare
     pivot_led = pivotrl_ledger(cfg, store, probe, train, ref)
-    by_tokens = cp.e2e_budget == "generated_tokens"
-    budget: float = pivot_led.generated_tokens if by_tokens else round(pivot_led.total_wall_s, 1)
+    spent = {"generated_tokens": pivot_led.generated_tokens, "rollout_turns": pivot_led.model_calls,
+             "wall_time": round(pivot_led.total_wall_s, 1)}  # PivotRL's, per kind of budget
+    budget: float = spent[cp.e2e_budget]
     key = e2e_baseline_key(cfg, demos, ref, probe, train)
     hit = _cached(store, key)
     if hit is not None:
@@ -243,17 +261,23 @@ def stage_e2e_baseline(cfg: RunConfig, store: ArtifactStore, demos: dict[str, An
                    key=lambda t: t.id)
     led = CostLedger(name="e2e")
     summary: dict[str, Any] = {"budget": cp.e2e_budget, "budget_tokens": pivot_led.generated_tokens,
+                               "budget_model_calls": pivot_led.model_calls,
                                "budget_wall_s": round(pivot_led.total_wall_s, 1), "tasks": len(tasks),
-                               "reward": cp.e2e_reward, "start_hash": start_hash, "reference_hash": ref["ref_hash"]}
+                               "reward": cp.e2e_reward, "start_hash": start_hash, "reference_hash": ref["ref_hash"],
+                               "heldout_curve": []}
     if not tasks or budget == 0:
         summary.update(steps=0, policy="reference", note="no pivot-split task with an environment or no budget")
         with tempfile.TemporaryDirectory(dir=cache_dir(cfg)) as tmp:  # π_ref as it is, without its cache marker
             shutil.copytree(rdir, Path(tmp) / "policy", ignore=shutil.ignore_patterns(COMPLETE_MARKER))
             store.put_dir(str(Path(tmp) / "policy"), f"{key}/policy")
     else:
+        by = cp.e2e_budget
         settings = E2ESettings(group_size=cp.e2e_group_size, tasks_per_batch=cp.e2e_tasks_per_batch,
-                               max_steps=cp.e2e_max_steps, max_generated_tokens=int(budget) if by_tokens else None,
-                               max_wall_s=None if by_tokens else budget, reward=cp.e2e_reward,
+                               max_steps=cp.e2e_max_steps,
+                               max_generated_tokens=int(budget) if by == "generated_tokens" else None,
+                               max_model_calls=int(budget) if by == "rollout_turns" else None,
+                               max_wall_s=budget if by == "wall_time" else None,
+                               eval_every=cfg.training.eval_every, reward=cp.e2e_reward,
                                temperature=1.0, max_tokens=cfg.rollout.max_tokens,
                                max_steps_per_turn=cp.e2e_max_steps_per_turn,
                                max_context=cfg.model.max_context - cfg.rollout.max_tokens, judge=cfg.quality.judge,
@@ -262,21 +286,34 @@ def stage_e2e_baseline(cfg: RunConfig, store: ArtifactStore, demos: dict[str, An
                                refresh_tolerance=cfg.training.refresh_tolerance if cfg.training.refresh_tolerance
                                is not None else (1e-4 if cfg.model.dtype == "fp32" else 0.3))
         trainer = PivotRLTrainer.for_run(cfg, str(rdir))
+        tok = load_tokenizer(rdir)
+        bfcl_root = ensure_bfcl(cache_dir(cfg))
         engine = make_rollout_engine(cfg, rdir)
+        verifier = None
         try:
+            # PivotRL's held-out curve, measured the same way on this engine (None when eval_every = 0).
+            verifier = make_verifier(cfg, bfcl_root, tok) if cfg.training.eval_every else None
+            curve = heldout_curve_hook(cfg, store, ProbeResult.of(probe), tok, engine, verifier, demos["key"])
             with tempfile.TemporaryDirectory(dir=cache_dir(cfg)) as tmp:
-                history, led = run_e2e(trainer, engine, load_tokenizer(rdir), tasks, settings, ledger=led, work_dir=tmp,
-                                       bfcl_root=str(ensure_bfcl(cache_dir(cfg))), **prompt_kwargs(cfg))
+                history, led = run_e2e(trainer, engine, tok, tasks, settings, ledger=led, work_dir=tmp, evaluate=curve,
+                                       bfcl_root=str(bfcl_root), **prompt_kwargs(cfg))
                 trainer.export_hf(str(Path(tmp) / "policy"))
                 store.put_dir(str(Path(tmp) / "policy"), f"{key}/policy")
         finally:
             engine.close()
+            close_quietly(verifier)
         led.note_memory()
         wall = round(led.total_wall_s, 1)
-        summary.update(steps=len(history), generated_tokens=led.generated_tokens, wall_s=wall,
-                       reward_per_step=[h["reward_mean"] for h in history],
-                       budget_reached=(led.generated_tokens if by_tokens else wall) >= budget)
+        metrics_df = pd.DataFrame(history)
+        spent_e2e = {"generated_tokens": led.generated_tokens, "rollout_turns": led.model_calls, "wall_time": wall}
+        summary.update(steps=len(history), generated_tokens=led.generated_tokens, model_calls=led.model_calls,
+                       wall_s=wall, reward_per_step=[h["reward_mean"] for h in history],
+                       budget_reached=spent_e2e[cp.e2e_budget] >= budget,
+                       heldout_curve=(learning_curve(metrics_df) or {}).get("heldout", []))
         if not math.isfinite(sum(summary["reward_per_step"])):
             log.warning("end-to-end RL rewards contain non-finite values")
+        store.write_artifact(f"{key}/metrics.parquet", metrics_df, kind="training_metrics",
+                             inputs={"trajectories": demos["trajectories"]},
+                             config={"compare": cp.model_dump(mode="json")}, extra={"seed": cfg.run.seed})
     _write(store, key, summary, led, "e2e_baseline", demos, ref, train, cfg)
     return {"key": key, "policy_key": f"{key}/policy", "summary": summary, "ledger": led.to_dict()}

@@ -4,7 +4,11 @@ seeded choice of ``training.eval_states`` held-out states, measured by the train
 the last (:class:`pivotrl.training.loop.LoopHooks` ``evaluate``). The states come from the held-out
 split of the demonstrations the pivot set was probed from (named in the pivot set's manifest), never
 from the pivot set; the verifier is the training verifier. Plotted by
-:mod:`pivotrl.evaluation.learning_curve`.
+:mod:`pivotrl.evaluation.learning_curve`. The end-to-end RL baseline measures the same curve with
+the same hook on its own engine (:func:`pivotrl.pipeline.compare.stage_e2e_baseline`).
+
+Each point carries the rollout turns sampled to it (:func:`probe_turns` for the probe's share,
+:func:`pivotrl.evaluation.learning_curve.with_rollout_turns` for the steps').
 """
 
 from __future__ import annotations
@@ -19,39 +23,58 @@ from pivotrl.storage import ArtifactStore
 
 log = logging.getLogger("pivotrl.pipeline")
 
-__all__ = ["curve_states", "heldout_curve_hook"]
+__all__ = ["curve_states", "heldout_curve_hook", "probe_row_turns", "probe_turns"]
 
 
-def curve_states(cfg: RunConfig, store: ArtifactStore, probe: ProbeResult) -> list[Any]:
+def probe_row_turns(rec: dict[str, Any]) -> int:
+    """The rollout turns of one probed state (a row of ``probes.parquet``): its m sampled actions,
+    one model call each (the length of its ``rewards``, the m verdicts; 0 for a state skipped)."""
+    import json
+
+    return len(json.loads(rec.get("rewards") or "[]"))
+
+
+def probe_turns(store: ArtifactStore, probes_key: str) -> int:
+    """The rollout turns of the probe: Σ over probed states of m (:func:`probe_row_turns`) in
+    ``<probes_key>/probes.parquet``."""
+    return sum(probe_row_turns(r) for r in store.read_parquet(f"{probes_key}/probes.parquet").to_dict("records"))
+
+
+def curve_states(cfg: RunConfig, store: ArtifactStore, probe: ProbeResult, demos_key: str | None = None) -> list[Any]:
     """The held-out turn states of the curve: ``training.eval_states`` call/text-rule states of the
     held-out split (seeded by ``run.seed``), from the demonstrations named in the pivot set's
-    manifest (``inputs.candidates``). [] when that manifest names none."""
+    manifest (``inputs.candidates``), or from ``demos_key``'s when given (the demonstrations the
+    pivot set was probed from, as a stage that has them passes them). [] when neither names any."""
     from pivotrl.data.states import frame_to_states
     from pivotrl.pipeline.demos import read_histories
     from pivotrl.pipeline.probe import select_candidates
 
-    uri = (store.read_manifest(f"{probe.pivots_key}/pivots.parquet").inputs.get("candidates") or {}).get("uri")
-    root = store.url("x")[:-1]
-    if not uri or not uri.startswith(root):
-        return []
-    key = uri[len(root):]
+    if demos_key is None:
+        uri = (store.read_manifest(f"{probe.pivots_key}/pivots.parquet").inputs.get("candidates") or {}).get("uri")
+        root = store.url("x")[:-1]
+        if not uri or not uri.startswith(root):
+            return []
+        key = uri[len(root):]
+        demos_key = key.rsplit("/", 1)[0]
+    else:
+        key = f"{demos_key}/candidates.parquet"
     cand = store.read_parquet(key)
-    demos_key = key.rsplit("/", 1)[0]
     chosen = select_candidates(cand, "heldout", cfg.training.eval_states, cfg.run.seed, kinds=("call", "text_rule"))
     return frame_to_states(chosen, read_histories(store, demos_key, chosen["trajectory_id"]))
 
 
 def heldout_curve_hook(cfg: RunConfig, store: ArtifactStore, probe: ProbeResult, tokenizer: Any, engine: Any,
-                       verifier: Any) -> Callable[[int], dict[str, float]] | None:
+                       verifier: Any, demos_key: str | None = None) -> Callable[[int], dict[str, float]] | None:
     """``evaluate(step) -> {heldout_n, heldout_accepted, heldout_accuracy, heldout_tokens}`` on the
     engine (greedy, ``rollout.max_tokens``; no accuracy when no state could be evaluated), or None
-    when ``training.eval_every`` is 0 or there are no held-out states (logged)."""
+    when ``training.eval_every`` is 0 or there are no held-out states (logged). ``demos_key``: as
+    for :func:`curve_states`."""
     from pivotrl.evaluation.local import evaluate_local
     from pivotrl.rollout.base import SamplingConfig
 
     if not cfg.training.eval_every or engine is None:
         return None
-    states = curve_states(cfg, store, probe)
+    states = curve_states(cfg, store, probe, demos_key)
     if not states:
         log.warning("training.eval_every = %d, but the demonstrations have no held-out state: no learning curve",
                     cfg.training.eval_every)

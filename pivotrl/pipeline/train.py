@@ -210,6 +210,11 @@ def stage_train(cfg: RunConfig, store: ArtifactStore, probe: ProbeResult | Mappi
     if not lead:
         shutil.rmtree(work, ignore_errors=True)
         return TrainResult(tkey, final_key, metrics_uri, None)
+    from pivotrl.evaluation.learning_curve import with_rollout_turns
+    from pivotrl.pipeline.curve import probe_turns
+
+    # The rollout turns sampled to each step, the probe's included (the curve's x in turns).
+    rows = with_rollout_turns(rows, probe_turns(store, probe.probes_key), tr.group_size, cfg.probing.num_probes)
     metrics_df = pd.DataFrame(rows)
     last = latest_checkpoint(store, f"{tkey}/checkpoints")
     final = fetch_checkpoint(store, last, cache, 0) / "hf"

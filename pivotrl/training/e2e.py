@@ -29,8 +29,19 @@ Tool outputs and user messages are inputs, never in the loss mask (the trainer m
 
 Budget: the run stops after ``max_steps`` steps or, if ``max_generated_tokens`` is set, after
 the first step at which the ledger's generated tokens reach it (matching PivotRL's rollout
-budget in generated tokens), or, if ``max_wall_s`` is set, after the first step that ends with
-the loop's wall time (seconds since ``run_e2e`` started) at or past it.
+budget in generated tokens), or, if ``max_model_calls`` is set, after the first step at which the
+model calls of its episodes so far reach it (rollout turns: every model call of an episode is one
+environment turn; matching PivotRL's probing and training samples), or, if ``max_wall_s`` is set,
+after the first step that ends with the loop's wall time (seconds since ``run_e2e`` started, the
+held-out curve's measurements left out) at or past it.
+
+Held-out curve: with an ``evaluate`` hook and ``eval_every`` N > 0, the loop measures it as
+PivotRL's loop does (:class:`pivotrl.training.loop.LoopHooks` ``evaluate``; the train stage's hook,
+:func:`pivotrl.pipeline.curve.heldout_curve_hook`): before the first step (its columns prefixed
+``heldout_before_`` on the first row), after every N steps and after the last. Every row carries
+``rollout_turns``, the model calls of all episodes so far (this step's included), and the first
+row ``heldout_before_rollout_turns`` = 0, the columns :func:`pivotrl.evaluation.learning_curve.learning_curve`
+reads for its x in turns.
 """
 
 from __future__ import annotations
@@ -42,7 +53,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -68,7 +79,8 @@ class E2ESettings:
     bounds; nothing here checks them again.
 
     ``group_size`` K ≥ 2 episodes per task; ``tasks_per_batch`` ≥ 1; ``max_steps`` ≥ 1 steps;
-    ``max_generated_tokens`` / ``max_wall_s`` optional budgets (see the module docstring); ``reward`` one of
+    ``max_generated_tokens`` / ``max_model_calls`` / ``max_wall_s`` optional budgets (see the module
+    docstring); ``eval_every`` N: the held-out curve's cadence (0 = off); ``reward`` one of
     :data:`E2E_REWARDS`; ``temperature`` > 0 and ``max_tokens`` per model call; ``max_steps_per_turn``
     executing calls per user turn (as in evaluation); ``max_context`` tokens; ``judge`` of the
     full-task runner (``"bfcl"`` or ``"pivotrl"``); ``advantage_estimator`` and ``delta`` as in
@@ -81,7 +93,9 @@ class E2ESettings:
     tasks_per_batch: int = 2
     max_steps: int = 2
     max_generated_tokens: int | None = None
+    max_model_calls: int | None = None
     max_wall_s: float | None = None
+    eval_every: int = 0
     reward: str = "full_task"
     temperature: float = 1.0
     max_tokens: int = 64
@@ -252,12 +266,15 @@ def _refresh(trainer: Any, engine: Any, group: Group, settings: E2ESettings, ste
 
 def run_e2e(trainer: Any, engine: Any, tokenizer: Any, tasks: Sequence[Trajectory], settings: E2ESettings, *,
             ledger: CostLedger | None = None, work_dir: str | Path | None = None,
+            evaluate: Callable[[int], dict[str, float]] | None = None,
             **runner_kwargs: Any) -> tuple[list[dict[str, float]], CostLedger]:
     """The end-to-end RL loop over ``tasks`` (held in a seeded shuffled order, cycled).
 
     ``trainer``: a ``PivotRLTrainer`` built on π_ref (π_θ = π_ref at the start); ``engine``: a rollout
-    engine holding the same weights. Returns ``(per-step metrics, ledger)``. The trained policy is
-    the trainer's (``trainer.export_hf``). ConfigError when ``tasks`` is empty.
+    engine holding the same weights. ``evaluate``: ``(step) -> {column: value}``, the held-out
+    curve measured on ``engine`` at ``settings.eval_every``'s steps (module docstring; None = no
+    curve). Returns ``(per-step metrics, ledger)``. The trained policy is the trainer's
+    (``trainer.export_hf``). ConfigError when ``tasks`` is empty.
     """
     if not tasks:
         raise ConfigError("run_e2e: no training tasks (the pivot split has no task with an environment)")
@@ -267,7 +284,19 @@ def run_e2e(trainer: Any, engine: Any, tokenizer: Any, tasks: Sequence[Trajector
     owned = work_dir is None
     work = Path(tempfile.mkdtemp(prefix="pivotrl-e2e-")) if owned else Path(work_dir)
     history: list[dict[str, float]] = []
+    curve = evaluate is not None and settings.eval_every > 0
+    measured_s = 0.0  # the curve's measurements: not training, left out of the wall-time budget
+
+    def measure(step: int) -> dict[str, float]:
+        nonlocal measured_s
+        t = time.perf_counter()
+        out = dict(evaluate(step)) if evaluate is not None else {}
+        measured_s += time.perf_counter() - t
+        return out
+
     t0 = time.perf_counter()
+    before = {k.replace("heldout_", "heldout_before_", 1): v for k, v in measure(0).items()} if curve else {}
+    turns = 0
     try:
         pos = 0
         for step in range(settings.max_steps):
@@ -275,11 +304,22 @@ def run_e2e(trainer: Any, engine: Any, tokenizer: Any, tasks: Sequence[Trajector
             for _ in range(min(settings.tasks_per_batch, len(tasks))):
                 batch.append(tasks[order[pos % len(order)]])
                 pos += 1
-            history.append(e2e_step(trainer, engine, tokenizer, batch, settings, step=step, work_dir=work,
-                                    ledger=ledger, **runner_kwargs))
-            if settings.max_generated_tokens is not None and ledger.generated_tokens >= settings.max_generated_tokens:
-                break
-            if settings.max_wall_s is not None and time.perf_counter() - t0 >= settings.max_wall_s:
+            row = e2e_step(trainer, engine, tokenizer, batch, settings, step=step, work_dir=work, ledger=ledger,
+                           **runner_kwargs)
+            turns += int(row["model_calls"])
+            row["rollout_turns"] = float(turns)
+            if step == 0:
+                row.update(before, heldout_before_rollout_turns=0.0)
+            stop = (step + 1 == settings.max_steps
+                    or (settings.max_generated_tokens is not None
+                        and ledger.generated_tokens >= settings.max_generated_tokens)
+                    or (settings.max_model_calls is not None and turns >= settings.max_model_calls)
+                    or (settings.max_wall_s is not None
+                        and time.perf_counter() - t0 - measured_s >= settings.max_wall_s))
+            if curve and ((step + 1) % settings.eval_every == 0 or stop):
+                row.update(measure(step + 1))  # the engine serves the policy after this step
+            history.append(row)
+            if stop:
                 break
     finally:
         if owned:

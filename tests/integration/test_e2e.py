@@ -146,3 +146,36 @@ def test_a_wall_time_budget_stops_at_the_first_step_past_it(warm: Path, tmp_path
         load_config(None, ["rollout.weight_sync=nccl"])
     with pytest.raises(ConfigError, match=r"compare\.e2e_group_size"):
         load_config(None, ["compare.e2e_group_size=1"])
+
+
+def test_a_rollout_turn_budget_and_the_held_out_curve_every_n_steps(warm: Path, tmp_path: Path) -> None:
+    """``max_model_calls``: the loop stops at the first step whose episodes' model calls so far reach
+    it; the held-out curve hook runs before the first step, every ``eval_every`` steps and after the
+    last (which the budget decides), and every row carries the rollout turns so far."""
+    import pandas as pd
+
+    from pivotrl.evaluation.learning_curve import learning_curve
+
+    tok = tiny_tokenizer()
+    engine = TransformersEngine(str(warm), dtype="fp32")
+    trainer = PivotRLTrainer.build(warm, group_size=2, dtype="float32", lr=1e-3, beta=0.0, micro_batch_groups=8,
+                                   pivots_per_batch=8, seed=0)
+    seen: list[int] = []
+
+    def evaluate(step: int) -> dict[str, float]:
+        seen.append(step)
+        return {"heldout_n": 4.0, "heldout_accepted": float(min(step, 4)), "heldout_accuracy": min(step, 4) / 4}
+
+    settings = E2ESettings(group_size=2, tasks_per_batch=1, max_steps=50, reward="full_task", max_tokens=8,
+                           max_steps_per_turn=1, max_context=2048, judge="pivotrl", seed=0, weight_sync="memory",
+                           max_model_calls=5, eval_every=2)
+    history, ledger = run_e2e(trainer, engine, tok, [toy_task(0)], settings, executor=ToyEnv, work_dir=tmp_path,
+                              evaluate=evaluate)
+    turns = [h["rollout_turns"] for h in history]
+    assert turns == [sum(h["model_calls"] for h in history[: i + 1]) for i in range(len(history))]
+    assert turns[-1] == ledger.model_calls >= 5 > turns[-2]  # the first step at or past the budget
+    last = len(history)
+    assert seen == sorted({0, *range(2, last + 1, 2), last})
+    curve = learning_curve(pd.DataFrame(history))["heldout"]
+    assert [p["step"] for p in curve] == seen and curve[0]["rollout_turns"] == 0
+    assert [p["rollout_turns"] for p in curve[1:]] == [int(turns[s - 1]) for s in seen[1:]]

@@ -116,3 +116,24 @@ def test_the_report_carries_the_curve(tmp_path: Path):
                                       meta={}, out_dir=tmp_path / "b")
     assert "learning_curve" not in json.loads(json_path.read_text())["plots"]
     assert "not measured during training" in md_path.read_text()
+
+
+def test_each_point_carries_the_rollout_turns_sampled_to_it_probing_included():
+    from pivotrl.evaluation.learning_curve import pivotrl_step_turns, with_rollout_turns
+
+    # K = 4: step 1 trained 2 groups (8 actions) and dropped 1 (4 more sampled); step 2 was preceded by a
+    # re-filter that re-probed 3 pivots with m = 6 samples each; step 3 had no decided group (no "actions").
+    rows = [{"step": 2, "actions": 8.0, "dropped_groups": 0, "refilter_kept": 2, "refilter_all_pass": 1,
+             "heldout_n": 10.0, "heldout_accepted": 6.0},
+            {"step": 1, "actions": 8.0, "dropped_groups": 1, "heldout_before_n": 10.0, "heldout_before_accepted": 3.0},
+            {"step": 3, "actions": float("nan"), "dropped_groups": 2, "heldout_n": 10.0, "heldout_accepted": 7.0}]
+    assert [pivotrl_step_turns(r, 4, 6) for r in rows] == [8 + 3 * 6, 8 + 4, 8]
+    out = with_rollout_turns(rows, 120, group_size=4, num_probes=6)  # 120: the probe's samples
+    assert [r["step"] for r in out] == [1, 2, 3]
+    assert [r["model_calls"] for r in out] == [12.0, 26.0, 8.0]
+    assert [r["rollout_turns"] for r in out] == [132.0, 158.0, 166.0]
+    assert out[0]["heldout_before_rollout_turns"] == 120.0 and "heldout_before_rollout_turns" not in out[1]
+    held = learning_curve(pd.DataFrame(out))["heldout"]
+    assert [(p["step"], p["rollout_turns"]) for p in held] == [(0, 120), (2, 158), (3, 166)]
+    # metrics written before the turn counts: the points say nothing of turns
+    assert {p["rollout_turns"] for p in learning_curve(pd.DataFrame(rows))["heldout"]} == {None}
