@@ -31,7 +31,7 @@ def compare(config_path: str = "configs/default.yaml", overrides: list[str] | No
     ref = t.reference(config, {"demos": demos})
     probe = t.probe(config, {"demos": demos, "reference": ref})
     train = t.train(config, {"probe": probe, "reference": ref})
-    sft = c.sft_baseline(config, {"demos": demos, "reference": ref, "train": train})
+    sft = c.sft_baseline(config, {"demos": demos, "reference": ref, "probe": probe, "train": train})
     e2e = c.e2e_baseline(config, {"demos": demos, "reference": ref, "probe": probe, "train": train})
     result = c.compare_evaluate(config, {"demos": demos, "reference": ref, "probe": probe, "train": train,
                                          "sft": sft, "e2e": e2e})

@@ -251,8 +251,16 @@ class QualitySection(Section):
 class CompareSection(Section):
     """``pivotrl compare``: SFT and end-to-end RL baselines from the same π_ref as PivotRL."""
 
-    sft_budget: Literal["optimizer_steps"] = Field(
-        "optimizer_steps", description="What the SFT baseline matches with PivotRL: its optimiser steps."
+    sft_budget: Literal["optimizer_steps", "wall_time"] = Field(
+        "optimizer_steps",
+        description="What the SFT baseline matches with PivotRL: its optimiser steps, or also its wall time "
+        "(wall_time: probing and training; SFT cycles the same batches past PivotRL's step count to the first "
+        "step past that wall time, and the comparison evaluates both SFT policies, the one at PivotRL's step "
+        "count and the one at its wall time).",
+    )
+    sft_max_steps: Int = Field(
+        10000, ge=1,
+        description="Upper bound on SFT steps with sft_budget wall_time (never below PivotRL's step count).",
     )
     sft_lr: Float | None = Field(None, gt=0, description="SFT learning rate (null = training.lr).")
     sft_batch_size: Int = Field(8, ge=1, description="Demonstrations per SFT optimiser step.")

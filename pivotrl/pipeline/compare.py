@@ -4,8 +4,13 @@ Stages (each ``(cfg, store, inputs) -> result dict``, content-addressed like the
 
 * :func:`stage_sft_baseline` - supervised training of π_ref on the demonstrations of the *pivot*
   split (the trajectories PivotRL's states come from), **the same number of optimiser steps** as
-  the PivotRL run (``compare.sft_budget = optimizer_steps``): the examples are cycled in a seeded
-  order to ``steps × compare.sft_batch_size`` and trained for one pass.
+  the PivotRL run (``compare.sft_budget = optimizer_steps``): batches of ``compare.sft_batch_size``
+  cut from a stream of seeded epoch orders (:func:`pivotrl.training.sft.batch_orders`, ``cycle``).
+  With ``sft_budget = wall_time`` the same run goes on over the same stream to the first step past
+  PivotRL's probing and training wall time (at least to PivotRL's step count, at most
+  ``compare.sft_max_steps``) and gives two policies: ``policy`` at PivotRL's step count and
+  ``policy_wall`` at its wall time, each with its own ledger (``ledger.json``, ``ledger_wall.json``:
+  the tokens and optimiser-step wall time to that step).
 * :func:`stage_e2e_baseline` - GRPO on whole tasks of the pivot split (``pivotrl.training.e2e``),
   same trainer settings as PivotRL, with PivotRL's probing and training together as its budget:
   **the same generated tokens** (``compare.e2e_budget = generated_tokens``), **the same rollout
@@ -27,7 +32,6 @@ from __future__ import annotations
 
 import logging
 import math
-import random
 import shutil
 import tempfile
 from pathlib import Path
@@ -118,30 +122,37 @@ def pivotrl_ledger(cfg: RunConfig, store: ArtifactStore, probe: dict[str, Any], 
 
 
 def _write(store: ArtifactStore, key: str, summary: dict[str, Any], ledger: CostLedger, kind: str,
-           demos: dict[str, Any], ref: dict[str, Any], train: dict[str, Any], cfg: RunConfig) -> None:
-    """The baseline's ledger and summary; the summary's manifest describes its policy directory
-    (``extra.checkpoint``) and names what it came from: the trajectories, π_ref and the PivotRL run
-    whose budget it matched, so ``pivotrl lineage`` follows a baseline policy back to them."""
+           demos: dict[str, Any], ref: dict[str, Any], train: dict[str, Any], cfg: RunConfig,
+           more_ledgers: dict[str, CostLedger] | None = None) -> None:
+    """The baseline's ledger (and ``more_ledgers``, file name → ledger) and summary, written last;
+    the summary's manifest describes its policy directory (``extra.checkpoint``) and names what it
+    came from: the trajectories, π_ref and the PivotRL run whose budget it matched, so ``pivotrl
+    lineage`` follows a baseline policy back to them."""
     conf = {"compare": cfg.compare.model_dump(mode="json"), "training": cfg.training.model_dump(mode="json")}
     inputs = {"trajectories": demos["trajectories"],
               "reference": store.url(ref["ref_key"]) if ref.get("ref_key") else ref["base_dir"],
               "pivotrl_run": store.url(f"{train['train_key']}/summary.json")}
     store.write_artifact(f"{key}/ledger.json", ledger.to_dict(), kind="cost_ledger", inputs=inputs, config=conf)
+    for name, more in (more_ledgers or {}).items():
+        store.write_artifact(f"{key}/{name}", more.to_dict(), kind="cost_ledger", inputs=inputs, config=conf)
     store.write_artifact(f"{key}/summary.json", summary, kind=kind, inputs=inputs, config=conf,
                          extra={"seed": cfg.run.seed, "checkpoint": store.url(f"{key}/policy")})
 
 
 def _cached(store: ArtifactStore, key: str) -> dict[str, Any] | None:
     if store.exists(f"{key}/summary.json") and store.exists(f"{key}/ledger.json"):
-        return {"key": key, "policy_key": f"{key}/policy", "summary": store.read_json(f"{key}/summary.json"),
-                "ledger": store.read_json(f"{key}/ledger.json")}
+        out = {"key": key, "policy_key": f"{key}/policy", "summary": store.read_json(f"{key}/summary.json"),
+               "ledger": store.read_json(f"{key}/ledger.json")}
+        if store.exists(f"{key}/ledger_wall.json"):  # SFT with the wall-time budget: its second policy
+            out.update(policy_wall_key=f"{key}/policy_wall", ledger_wall=store.read_json(f"{key}/ledger_wall.json"))
+        return out
     return None
 
 
 def cached_sft_baseline(cfg: RunConfig, store: ArtifactStore, demos: dict[str, Any], ref: dict[str, Any],
-                        train: dict[str, Any]) -> dict[str, Any] | None:
+                        probe: dict[str, Any], train: dict[str, Any]) -> dict[str, Any] | None:
     """The result of :func:`stage_sft_baseline` if its summary and ledger exist under its key, else None."""
-    return _cached(store, sft_baseline_key(cfg, demos, ref, train))
+    return _cached(store, sft_baseline_key(cfg, demos, ref, probe, train))
 
 
 def cached_e2e_baseline(cfg: RunConfig, store: ArtifactStore, demos: dict[str, Any], ref: dict[str, Any],
@@ -150,11 +161,14 @@ def cached_e2e_baseline(cfg: RunConfig, store: ArtifactStore, demos: dict[str, A
     return _cached(store, e2e_baseline_key(cfg, demos, ref, probe, train))
 
 
-def sft_baseline_key(cfg: RunConfig, demos: dict[str, Any], ref: dict[str, Any], train: dict[str, Any]) -> str:
+def sft_baseline_key(cfg: RunConfig, demos: dict[str, Any], ref: dict[str, Any], probe: dict[str, Any],
+                     train: dict[str, Any]) -> str:
     """``compare/sft/<16 hex>``: π_ref's hash, the demonstrations' key, the PivotRL run whose
-    optimiser steps the baseline matches (its train key), ``compare``, the learning rate, ``prompt``,
-    the dtype, the seed and the code. Reads nothing (the task computes it before a stage process starts)."""
+    optimiser steps (and wall time) the baseline matches (its probe table and train keys), ``compare``,
+    the learning rate, ``prompt``, the dtype, the seed and the code. Reads nothing (the task computes
+    it before a stage process starts)."""
     return "compare/sft/" + content_hash({"ref": ref["ref_hash"], "demos": demos["key"], "train": train["train_key"],
+                                          "probes": probe["probes_key"],
                                           "compare": cfg.compare.model_dump(mode="json"), "lr": cfg.training.lr,
                                           "prompt": cfg.prompt.model_dump(mode="json"), "dtype": cfg.model.dtype,
                                           "seed": cfg.run.seed, "code": compare_code_digest()})[:16]
@@ -174,11 +188,15 @@ def e2e_baseline_key(cfg: RunConfig, demos: dict[str, Any], ref: dict[str, Any],
 
 
 def stage_sft_baseline(cfg: RunConfig, store: ArtifactStore, demos: dict[str, Any], ref: dict[str, Any],
-                       train: dict[str, Any]) -> dict[str, Any]:
-    """SFT of π_ref on the pivot split's demonstrations, with PivotRL's number of optimiser steps.
+                       probe: dict[str, Any], train: dict[str, Any]) -> dict[str, Any]:
+    """SFT of π_ref on the pivot split's demonstrations, with PivotRL's number of optimiser steps
+    and, with ``compare.sft_budget = wall_time``, also to PivotRL's probing and training wall time
+    (the module docstring).
 
-    Returns {"key", "policy_key", "summary" (steps, target_steps, examples, start_hash, ...),
-    "ledger"}. With a PivotRL run of 0 steps the baseline trains 0 steps: the policy is π_ref.
+    Returns {"key", "policy_key", "summary" (budget, steps, target_steps, examples, start_hash,
+    and for wall_time budget_wall_s, wall_steps, wall_s, wall_reached, ...), "ledger"} and for
+    wall_time also "policy_wall_key", "ledger_wall". With a PivotRL run of 0 steps the policy at
+    its step count is π_ref; without an example every policy is π_ref.
     """
     from pivotrl.runtime.models import checkpoint_hash, load_tokenizer
     from pivotrl.format.prompts import build_sft_examples
@@ -186,7 +204,8 @@ def stage_sft_baseline(cfg: RunConfig, store: ArtifactStore, demos: dict[str, An
 
     target = sum(int(r.get("updates", 0) or 0) for r in _metrics(store, train))
     cp = cfg.compare
-    key = sft_baseline_key(cfg, demos, ref, train)
+    by_wall = cp.sft_budget == "wall_time"
+    key = sft_baseline_key(cfg, demos, ref, probe, train)
     hit = _cached(store, key)
     if hit is not None:
         return hit
@@ -199,32 +218,57 @@ def stage_sft_baseline(cfg: RunConfig, store: ArtifactStore, demos: dict[str, An
             examples.extend(build_sft_examples(t, tok, max_len=cfg.model.max_context, **prompt_kwargs(cfg))[0])
         except StateTooLongError:
             too_long += 1
-    led = CostLedger(name="sft")
-    summary: dict[str, Any] = {"budget": "optimizer_steps", "target_steps": target, "examples": len(examples),
-                               "skipped_too_long": too_long, "start_hash": start_hash, "reference_hash": ref["ref_hash"]}
-    if target == 0 or not examples:
-        summary.update(steps=0, policy="reference", note="no PivotRL step or no example: SFT policy = reference")
-        store.put_dir(str(rdir), f"{key}/policy")
-    else:
-        rng = random.Random(cfg.run.seed)
-        need = target * cp.sft_batch_size
-        cycled: list[Any] = []
-        while len(cycled) < need:
-            order = list(range(len(examples)))
-            rng.shuffle(order)
-            cycled.extend(examples[i] for i in order)
-        cycled = cycled[:need]
-        with tempfile.TemporaryDirectory(dir=cache_dir(cfg)) as tmp, led.stage("train"):
-            ckpt = Path(tmp) / "ckpt"
-            m = run_sft(str(rdir), cycled, str(ckpt), epochs=1, lr=cp.sft_lr or cfg.training.lr,
-                        batch_size=cp.sft_batch_size, dtype=TRAINER_DTYPE[cfg.model.dtype],
-                        zero_stage=cfg.training.deepspeed.zero_stage, seed=cfg.run.seed,
-                        retain_host_memory=cfg.training.retain_host_memory)
-            store.put_dir(str(ckpt), f"{key}/policy")
-        led.add(optimizer_steps=int(m["steps"]), trainer_tokens=int(m["tokens"]), trainer_tokens_naive=int(m["tokens"]))
-        summary.update(steps=int(m["steps"]), first_loss=m["first_loss"], final_loss=m["final_loss"])
-    _write(store, key, summary, led, "sft_baseline", demos, ref, train, cfg)
-    return {"key": key, "policy_key": f"{key}/policy", "summary": summary, "ledger": led.to_dict()}
+    led, led_wall = CostLedger(name="sft"), CostLedger(name="sft_wall")
+    summary: dict[str, Any] = {"budget": cp.sft_budget, "target_steps": target,
+                               "examples": len(examples), "skipped_too_long": too_long, "start_hash": start_hash,
+                               "reference_hash": ref["ref_hash"]}
+    if by_wall:
+        summary["budget_wall_s"] = round(pivotrl_ledger(cfg, store, probe, train, ref).total_wall_s, 1)
+
+    def booked(ledger: CostLedger, m: dict[str, Any], step: int) -> None:
+        """The ledger of the policy after ``step`` steps of the run ``m``."""
+        if step:
+            tokens = int(m["step_tokens"][step - 1])
+            ledger.add(optimizer_steps=step, trainer_tokens=tokens, trainer_tokens_naive=tokens)
+            ledger.add_wall("train", float(m["step_time_s"][step - 1]))
+        ledger.note_memory()
+
+    with tempfile.TemporaryDirectory(dir=cache_dir(cfg)) as tmp:
+        steps_dir, wall_dir = Path(tmp) / "steps", Path(tmp) / "wall"
+        common = dict(lr=cp.sft_lr or cfg.training.lr, batch_size=cp.sft_batch_size,
+                      dtype=TRAINER_DTYPE[cfg.model.dtype], zero_stage=cfg.training.deepspeed.zero_stage,
+                      seed=cfg.run.seed, retain_host_memory=cfg.training.retain_host_memory, cycle=True)
+        if not examples or (target == 0 and not by_wall):
+            summary.update(steps=0, policy="reference", note="no PivotRL step or no example: SFT policy = reference")
+            steps_dir = wall_dir = rdir
+            if by_wall:
+                summary.update(wall_steps=0, wall_s=0.0, wall_reached=False)
+        elif by_wall:  # one run: the policy at PivotRL's step count and the one at its wall time
+            m = run_sft(str(rdir), examples, str(wall_dir), max_steps=max(target, cp.sft_max_steps),
+                        max_wall_s=summary["budget_wall_s"], snapshot_step=target or None,
+                        snapshot_dir=str(steps_dir) if target else None, **common)
+            if not target:
+                steps_dir = rdir
+                summary.update(policy="reference", note="no PivotRL step: the SFT policy at its step count = reference")
+            booked(led, m, target)
+            booked(led_wall, m, int(m["out_step"]))
+            summary.update(steps=target, wall_steps=int(m["out_step"]), wall_s=round(led_wall.total_wall_s, 1),
+                           wall_reached=m["wall_step"] is not None, first_loss=m["first_loss"],
+                           final_loss=m["losses"][target - 1] if target else None,
+                           wall_final_loss=m["losses"][int(m["out_step"]) - 1])
+        else:
+            m = run_sft(str(rdir), examples, str(steps_dir), max_steps=target, **common)
+            booked(led, m, int(m["steps"]))
+            summary.update(steps=int(m["steps"]), first_loss=m["first_loss"], final_loss=m["final_loss"])
+        store.put_dir(str(steps_dir), f"{key}/policy")
+        if by_wall:
+            store.put_dir(str(wall_dir), f"{key}/policy_wall")
+    out = {"key": key, "policy_key": f"{key}/policy", "summary": summary, "ledger": led.to_dict()}
+    if by_wall:
+        out.update(policy_wall_key=f"{key}/policy_wall", ledger_wall=led_wall.to_dict())
+    _write(store, key, summary, led, "sft_baseline", demos, ref, train, cfg,
+           more_ledgers={"ledger_wall.json": led_wall} if by_wall else None)
+    return out
 
 
 def stage_e2e_baseline(cfg: RunConfig, store: ArtifactStore, demos: dict[str, Any], ref: dict[str, Any],

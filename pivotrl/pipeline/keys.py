@@ -21,7 +21,7 @@ evaluate           :func:`pivotrl.pipeline.evaluate.eval_key` (``evaluation``, `
                    shard has its own :func:`~pivotrl.pipeline.evaluate.policy_part_key` (the
                    policy's weights, not the trained run), reused across training changes
 sft_baseline       :func:`pivotrl.pipeline.compare.sft_baseline_key` (``compare``, ``prompt``,
-                   the learning rate, π_ref's hash, the PivotRL run's key)
+                   the learning rate, π_ref's hash, the PivotRL run's keys)
 e2e_baseline       :func:`pivotrl.pipeline.compare.e2e_baseline_key` (``compare``, ``training``,
                    ``rollout``, ``prompt``, the judge, π_ref's hash, the PivotRL run's keys)
 compare_evaluate   :func:`pivotrl.pipeline.compare_eval.compare_eval_key` (``evaluation``,

@@ -32,7 +32,7 @@ def compared(tmp_path_factory, smoke_run):
     cfg, store, demos, ref, probe, train, _ = copy_smoke_run(smoke_run, tmp_path_factory.mktemp("compare") / "root")
     # The comparison stages take the results as the stage processes pass them (their dicts).
     r, p, t = ref.to_dict(), probe.to_dict(), train.to_dict()
-    sft = stage_sft_baseline(cfg, store, demos, r, t)
+    sft = stage_sft_baseline(cfg, store, demos, r, p, t)
     e2e = stage_e2e_baseline(cfg, store, demos, r, p, t)
     ev = stage_compare_evaluate(cfg, store, demos, r, p, t, sft, e2e)
     return cfg, store, demos, ref, probe, train, sft, e2e, ev
@@ -89,7 +89,7 @@ def test_report_puts_the_methods_side_by_side_with_their_ledgers(compared):
     md = store.read_text(ev["report_md"].split(store.root_url + "/", 1)[1])
     assert "Cost ledger" in md and "claims at this scale" in md and "| pivotrl |" in md
     # Cached: a second call reuses every artifact.
-    assert stage_sft_baseline(cfg, store, demos, ref.to_dict(), train.to_dict())["key"] == sft["key"]
+    assert stage_sft_baseline(cfg, store, demos, ref.to_dict(), probe.to_dict(), train.to_dict())["key"] == sft["key"]
     assert stage_compare_evaluate(cfg, store, demos, ref.to_dict(), probe.to_dict(), train.to_dict(), sft,
                                   e2e)["key"] == ev["key"]
 

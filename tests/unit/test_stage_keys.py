@@ -244,7 +244,8 @@ def _chain(cfg, store):
     train = TrainResult(keys["train"], None, store.url(f"{keys['train']}/metrics.parquet"))
     keys["evaluate"] = stage_key("evaluate", cfg, store, {"demos": demos, "reference": ref, "probe": probe,
                                                           "train": train})
-    keys["sft_baseline"] = stage_key("sft_baseline", cfg, store, {"demos": demos, "reference": ref, "train": train})
+    keys["sft_baseline"] = stage_key("sft_baseline", cfg, store, {"demos": demos, "reference": ref, "probe": probe,
+                                                                  "train": train})
     keys["e2e_baseline"] = stage_key("e2e_baseline", cfg, store, {"demos": demos, "reference": ref, "probe": probe,
                                                                   "train": train})
     keys["compare_evaluate"] = stage_key("compare_evaluate", cfg, store, {
@@ -304,12 +305,14 @@ def test_a_task_looks_up_and_leases_its_stage_key_and_reuse_misses_once_an_artif
     from pivotrl.pipeline.keys import stage_key
 
     demos = {"key": keys["demonstrations"]}
-    with pytest.raises(ConfigError, match="needs the results of \\['train'\\]"):
+    with pytest.raises(ConfigError, match="needs the results of \\['probe', 'train'\\]"):
         lease_key("sft_baseline", config, {"demos": demos, "reference": {}})
     from pivotrl.pipeline.results import ReferenceResult
 
     ref = ReferenceResult("/base", "b" * 64, keys["reference"], "c" * 64, None, {}).to_dict()
-    inputs = {"demos": demos, "reference": ref, "train": {"train_key": keys["train"]}}
+    probe = {"probes_key": "probes/x", "probes": "", "pivots_key": "pivots/x", "pivots": "", "stats": {}}
+    inputs = {"demos": demos, "reference": ref, "probe": probe,
+              "train": {"train_key": keys["train"]}}
     assert lease_key("sft_baseline", config, inputs) == stage_key("sft_baseline", cfg(), store, inputs)
     num_tasks = cfg("evaluation.num_tasks=3").model_dump(mode="json")
     assert lease_key("sft_baseline", num_tasks, inputs) == lease_key("sft_baseline", config, inputs)
