@@ -27,7 +27,7 @@ def _summary_md(title: str, out: Mapping[str, Any]) -> str:
 
 @stage_task("sft_baseline", retries=1)
 def sft_baseline(config: dict[str, Any], inputs: dict[str, Any]) -> dict[str, Any]:
-    """SFT of π_ref on the pivot split's demonstrations, PivotRL's optimiser steps."""
+    """SFT of π_ref on the pivot split's demonstrations, PivotRL's optimiser steps (and wall time)."""
     out, computed = run_stage_task("sft_baseline", config, inputs)
     create_markdown_artifact(key="sft-baseline", markdown=_summary_md("SFT baseline", out), description="SFT baseline")
     if computed:
@@ -38,7 +38,7 @@ def sft_baseline(config: dict[str, Any], inputs: dict[str, Any]) -> dict[str, An
 
 @stage_task("e2e_baseline", retries=1)
 def e2e_baseline(config: dict[str, Any], inputs: dict[str, Any]) -> dict[str, Any]:
-    """End-to-end GRPO on whole pivot-split tasks, PivotRL's generated tokens."""
+    """End-to-end GRPO on whole pivot-split tasks at PivotRL's budget (``compare.e2e_budget``)."""
     out, computed = run_stage_task("e2e_baseline", config, inputs)
     create_markdown_artifact(key="e2e-baseline", markdown=_summary_md("End-to-end RL baseline", out),
                              description="End-to-end RL baseline")
@@ -51,9 +51,12 @@ def e2e_baseline(config: dict[str, Any], inputs: dict[str, Any]) -> dict[str, An
 @stage_task("compare_evaluate", retries=1)
 def compare_evaluate(config: dict[str, Any], inputs: dict[str, Any]) -> dict[str, Any]:
     """Evaluate π_ref, PivotRL, SFT and E2E RL on the same items; the comparison report."""
+    from pivotrl.evaluation.report import published_markdown  # matplotlib: only when a report is published
+
     out, computed = run_stage_task("compare_evaluate", config, inputs)
     store = store_of(config)
-    create_markdown_artifact(key="comparison-report", markdown=store.read_text(out["report_md"][len(store.root_url) + 1:]),
+    # the plots beside report.md embedded (the UI cannot resolve a path relative to the report)
+    create_markdown_artifact(key="comparison-report", markdown=published_markdown(store, out["key"]),
                              description="PivotRL vs SFT vs E2E RL")
     if computed:
         publish.emit_assets(store, [out["report_json"]])

@@ -22,8 +22,8 @@ from pivotrl.evaluation.stats import (
     bootstrap_difference_interval, bootstrap_mean_interval, finite_or_none, wilson_interval,
 )
 
-__all__ = ["BAR_MEASURES", "bar_rates", "embed_images", "plot_bars", "plot_curve", "plot_mu", "png_bytes",
-           "reward_trend", "rolling_mean", "rolling_window"]
+__all__ = ["BAR_MEASURES", "bar_rates", "embed_images", "plot_bars", "plot_curve", "plot_mu", "plot_turn_curves",
+           "png_bytes", "reward_trend", "rolling_mean", "rolling_window"]
 
 #: (row key of the rate, of its numerator, of its denominator, legend label) per bar of the policy plot.
 BAR_MEASURES: tuple[tuple[str, str, str, str], ...] = (
@@ -156,6 +156,35 @@ def plot_bars(fig: Any, rows: Sequence[Mapping[str, Any]]) -> None:
     ax.set_ylim(0, 1.05)
     ax.set_ylabel("rate")
     ax.set_title("Held-out local accuracy and full-task success per policy (95% Wilson intervals)", fontsize=10)
+    ax.legend(fontsize=7)
+
+
+def plot_turn_curves(fig: Any, curves: Mapping[str, Sequence[Mapping[str, Any]]], *, target: float | None = None,
+                     budget: float | None = None) -> None:
+    """Held-out accuracy against rollout turns sampled, one line per method (``curves``: label →
+    points with ``rollout_turns``, ``accuracy``, ``low``/``high`` (95 % Wilson, drawn as error bars)
+    and ``n``); each label says its n states per point. ``target``: a dashed horizontal line (π_ref +
+    the smaller gain); ``budget``: a dotted vertical line (the equal turn budget)."""
+    ax = fig.add_subplot(1, 1, 1)
+    for label, pts in curves.items():
+        pts = [q for q in pts if q.get("rollout_turns") is not None]
+        if not pts:
+            continue
+        xs = [q["rollout_turns"] for q in pts]
+        ys = [q["accuracy"] for q in pts]
+        err = [[max(0.0, y - q["low"]) for y, q in zip(ys, pts)], [max(0.0, q["high"] - y) for y, q in zip(ys, pts)]]
+        ns = sorted({int(q["n"]) for q in pts})
+        n = f"n = {ns[0]}" if len(ns) == 1 else f"n = {ns[0]}–{ns[-1]}"
+        ax.errorbar(xs, ys, yerr=err, marker="o", markersize=4, capsize=3, label=f"{label} ({n} states per point)")
+    if target is not None:
+        ax.axhline(target, color="0.3", linestyle="--", linewidth=1, label=f"target {target:.3f} (π_ref + smaller gain)")
+    if budget is not None:
+        ax.axvline(budget, color="0.5", linestyle=":", linewidth=1, label=f"equal turn budget ({budget:,.0f})")
+    ax.set_ylim(0, 1)
+    ax.set_xlabel("rollout turns sampled (model calls; PivotRL's include probing)")
+    ax.set_ylabel("held-out accuracy (greedy)")
+    ax.set_title("Held-out accuracy against rollout turns (95% Wilson intervals)", fontsize=10)
+    ax.grid(True, alpha=0.3)
     ax.legend(fontsize=7)
 
 

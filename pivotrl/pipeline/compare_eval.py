@@ -11,14 +11,22 @@ report (``compare/eval/<key>/report.json`` + ``report.md``) holds:
 * the cost ledger of each method's training, and of its evaluation, summed;
 * cost per point of gain over π_ref: generated tokens, model calls and trainer tokens per
   percentage point of full-task success (and of local accuracy) gained; "n/a" without a gain;
-* one sentence per claim of the paper, decided by the paired tests at this scale.
+* one sentence per claim of the paper, decided by the paired tests at this scale;
+* claim 3 read from the held-out curves too (:func:`turns_to_target`): PivotRL's and E2E RL's
+  greedy accuracy on the same held-out states against the rollout turns each had sampled (model
+  calls: PivotRL's probe and training samples, E2E RL's model calls in episodes), the turns each
+  needed to reach π_ref + the smaller of their final gains, and their ratio, with both curves in
+  one plot (``turn_curves.png``, :func:`pivotrl.evaluation.plots.plot_turn_curves`);
+* with ``compare.sft_budget = wall_time`` a fifth policy, ``sft_wall`` (SFT at PivotRL's wall
+  time; ``sft`` stays SFT at PivotRL's optimiser steps), evaluated the same way; claims 1 and 2
+  give PivotRL − SFT at both.
 """
 
 from __future__ import annotations
 
 import tempfile
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import pandas as pd
 
@@ -37,9 +45,16 @@ from pivotrl.pipeline.reference import reference_dir
 from pivotrl.pipeline.results import ProbeResult
 from pivotrl.storage import ArtifactStore
 
-__all__ = ["cached_compare_evaluate", "claims", "compare_eval_key", "cost_per_point", "stage_compare_evaluate"]
+__all__ = ["cached_compare_evaluate", "claims", "compare_eval_key", "cost_per_point", "first_reach",
+           "stage_compare_evaluate", "turns_sentence", "turns_to_target"]
 
 METHODS = ("reference", "pivotrl", "sft", "e2e")
+#: The SFT policy at PivotRL's wall time (``compare.sft_budget = wall_time``), evaluated after METHODS.
+SFT_WALL = "sft_wall"
+#: The plot of both held-out curves against rollout turns, beside report.md.
+TURNS_PLOT = "turn_curves.png"
+#: A curve point reaches the target when its accuracy is at least the target less this (float noise).
+_EPS = 1e-9
 #: The state-level measures of the comparison (:data:`pivotrl.pipeline.evaluate.STATE_MEASURES`).
 COMPARE_MEASURES = ("heldout_greedy", "out_of_domain_greedy")
 
@@ -78,6 +93,109 @@ def cost_per_point(ledgers: Mapping[str, CostLedger], stats: Mapping[str, Any]) 
     return out
 
 
+def first_reach(points: Sequence[Mapping[str, Any]], target: float) -> dict[str, Any] | None:
+    """The first measured point of a curve (in step order) whose accuracy is at or above
+    ``target``: ``{step, rollout_turns, accuracy}``, or None when none is (no interpolation
+    between points)."""
+    for q in points:
+        if q["accuracy"] >= target - _EPS:
+            return {"step": q["step"], "rollout_turns": q["rollout_turns"], "accuracy": q["accuracy"]}
+    return None
+
+
+def turns_to_target(pivotrl: Sequence[Mapping[str, Any]], e2e: Sequence[Mapping[str, Any]], *,
+                    budget_turns: int | None = None) -> dict[str, Any]:
+    """Claim 3 read from the two held-out curves (points of
+    :func:`pivotrl.evaluation.learning_curve.learning_curve`: step, rollout_turns, accepted, n,
+    accuracy, low, high), each against the rollout turns it had sampled.
+
+    π_ref's accuracy is PivotRL's step-0 point (E2E RL's step 0 measures the same weights on the same
+    states; ``e2e_start`` is kept). Each method's final gain is its last point's accuracy − π_ref's.
+    The target is π_ref + the smaller of the gains when both gained; when one alone gained, π_ref +
+    its gain (the other is read against it); when neither gained there is none. For each curve the
+    first point at or above the target (:func:`first_reach`), and ``ratio`` = E2E RL's turns there
+    / PivotRL's (None unless both reached it). ``budget_turns``: the equal turn budget when E2E RL's
+    was PivotRL's rollout turns (``compare.e2e_budget = rollout_turns``), else None.
+
+    Returns {"status" ("both_gained" | "pivotrl_only" | "e2e_only" | "none_gained" | "no_curve"),
+    "reason" (no_curve), "n_states" (min, max per point), "reference_accuracy", "e2e_start",
+    "final" {method: {step, rollout_turns, accuracy, gain}}, "target", "reached" {method: point or
+    None}, "ratio", "budget_turns", "curves" {method: points}} with "sentence"
+    (:func:`turns_sentence`).
+    """
+    curves = {"pivotrl": [dict(q) for q in pivotrl if q.get("rollout_turns") is not None],
+              "e2e": [dict(q) for q in e2e if q.get("rollout_turns") is not None]}
+    out: dict[str, Any] = {"status": "no_curve", "reason": None, "n_states": None, "reference_accuracy": None,
+                           "e2e_start": None, "final": {}, "target": None, "reached": {}, "ratio": None,
+                           "budget_turns": budget_turns, "curves": curves}
+    missing = [m for m, c in curves.items() if not c or c[0]["step"] != 0 or len(c) < 2]
+    if missing:
+        out["reason"] = ("no held-out curve with rollout turns for " + " and ".join(_NAMES[m] for m in missing)
+                         + " (training.eval_every = 0, no held-out state, or a run that predates the turn counts)")
+        out["sentence"] = turns_sentence(out)
+        return out
+    ns = [q["n"] for c in curves.values() for q in c]
+    ref = curves["pivotrl"][0]["accuracy"]
+    out.update(n_states=[min(ns), max(ns)], reference_accuracy=ref, e2e_start=curves["e2e"][0]["accuracy"])
+    for m, c in curves.items():
+        last = c[-1]
+        out["final"][m] = {"step": last["step"], "rollout_turns": last["rollout_turns"], "accuracy": last["accuracy"],
+                           "gain": last["accuracy"] - ref}
+    gained = {m: f["gain"] for m, f in out["final"].items() if f["gain"] > _EPS}
+    if not gained:
+        out["status"] = "none_gained"
+    else:
+        out["status"] = "both_gained" if len(gained) == 2 else f"{next(iter(gained))}_only"
+        out["target"] = ref + min(gained.values())
+        out["reached"] = {m: first_reach(c, out["target"]) for m, c in curves.items()}
+        p, e = out["reached"]["pivotrl"], out["reached"]["e2e"]
+        if p is not None and e is not None and p["rollout_turns"] > 0:
+            out["ratio"] = e["rollout_turns"] / p["rollout_turns"]
+    out["sentence"] = turns_sentence(out)
+    return out
+
+
+_NAMES = {"pivotrl": "PivotRL", "e2e": "E2E RL"}
+
+
+def _n_states(r: Mapping[str, Any]) -> str:
+    lo, hi = r["n_states"]
+    return f"n = {lo} held-out states per point" if lo == hi else f"n = {lo}–{hi} held-out states per point"
+
+
+def turns_sentence(r: Mapping[str, Any]) -> str:
+    """One phrase of :func:`turns_to_target`'s reading (claim 3's sentence and the report section)."""
+    if r["status"] == "no_curve":
+        return f"the held-out curves against rollout turns cannot be read: {r['reason']}"
+    fin = r["final"]
+    head = (f"on the held-out curves (greedy, {_n_states(r)}; π_ref {r['reference_accuracy']:.3f}"
+            + (f", {r['e2e_start']:.3f} on E2E RL's engine" if abs(r["e2e_start"] - r["reference_accuracy"]) > _EPS
+               else "") + ")")
+    ends = ", ".join(f"{_NAMES[m]} {fin[m]['gain']:+.3f} at {fin[m]['rollout_turns']:,} rollout turns"
+                     for m in ("pivotrl", "e2e"))
+    if r["budget_turns"] is not None:
+        budget = f"equal turn budget {r['budget_turns']:,}"
+    else:
+        budget = "E2E RL's budget was not PivotRL's rollout turns"
+    if r["status"] == "none_gained":
+        return f"{head} neither method gained over π_ref by the end of its curve ({ends}; {budget})"
+    gain = min(fin[m]["gain"] for m in ("pivotrl", "e2e") if fin[m]["gain"] > _EPS)
+    if r["status"] == "both_gained":
+        what = f"π_ref + the smaller final gain ({gain:+.3f}) = {r['target']:.3f}"
+    else:
+        alone = "pivotrl" if r["status"] == "pivotrl_only" else "e2e"
+        other = "e2e" if alone == "pivotrl" else "pivotrl"
+        what = (f"only {_NAMES[alone]} gained ({_NAMES[other]} ended at {fin[other]['gain']:+.3f}); "
+                f"π_ref + {_NAMES[alone]}'s gain ({gain:+.3f}) = {r['target']:.3f}")
+    parts = []
+    for m in ("pivotrl", "e2e"):
+        hit = r["reached"].get(m)
+        parts.append(f"{_NAMES[m]} reached it at {hit['rollout_turns']:,} rollout turns (step {hit['step']})" if hit
+                     else f"{_NAMES[m]} never reached it within {fin[m]['rollout_turns']:,} turns")
+    ratio = f"; E2E RL / PivotRL turns = {r['ratio']:.1f}×" if r["ratio"] is not None else ""
+    return f"{head} {what}: {', '.join(parts)}{ratio} (final gains: {ends}; {budget})"
+
+
 def _verdict(d: dict[str, Any] | None, label: str) -> str:
     if d is None:
         return f"{label}: not evaluated"
@@ -85,8 +203,13 @@ def _verdict(d: dict[str, Any] | None, label: str) -> str:
             f"{d['verdict']})")
 
 
-def claims(stats: Mapping[str, Any], ledgers: Mapping[str, CostLedger]) -> list[str]:
-    """One sentence per claim of the paper, decided at this run's scale by the paired tests."""
+def claims(stats: Mapping[str, Any], ledgers: Mapping[str, CostLedger], turns: Mapping[str, Any] | None = None,
+           sft: Mapping[str, Any] | None = None) -> list[str]:
+    """One sentence per claim of the paper, decided at this run's scale by the paired tests.
+
+    ``turns``: :func:`turns_to_target`'s reading, added to claim 3. ``sft``: the SFT baseline's
+    summary; when ``stats`` hold the ``sft_wall`` policy, claims 1 and 2 add PivotRL − SFT at
+    matched wall time (SFT's steps and seconds from it) to the matched optimiser steps."""
     local = stats.get("local") or {}
     full = stats.get("full_task")
     ind = oriented_pair(local.get("heldout_greedy"), "pivotrl", "sft")
@@ -97,6 +220,14 @@ def claims(stats: Mapping[str, Any], ledgers: Mapping[str, CostLedger]) -> list[
         if d is None:
             return "cannot be checked"
         return "holds" if d["difference"] > 0 and d["p_value"] < 0.05 else "is not shown"
+
+    def at_wall(kind: str, label: str) -> str:
+        d = oriented_pair(local.get(kind), "pivotrl", SFT_WALL)
+        if d is None:
+            return ""
+        s = sft or {}
+        return (f"; at matched wall time (SFT {s.get('wall_steps', '?')} steps in {s.get('wall_s', 0):.0f} s against "
+                f"PivotRL's {s.get('budget_wall_s', 0):.0f} s) it {holds(d)}: " + _verdict(d, label))
 
     calls_p, calls_e = ledgers["pivotrl"].model_calls, ledgers["e2e"].model_calls
     tok_p, tok_e = ledgers["pivotrl"].generated_tokens, ledgers["e2e"].generated_tokens
@@ -113,36 +244,76 @@ def claims(stats: Mapping[str, Any], ledgers: Mapping[str, CostLedger]) -> list[
         fewer = f"{calls_e / calls_p:.1f}× fewer model calls"
         third = (f"holds ({fewer}, significantly higher success)" if e2e["difference"] > 0 and e2e["p_value"] < 0.05
                  else f"is not contradicted ({fewer}, no significant difference in success)")
+    steps = " at matched optimiser steps" if oriented_pair(local.get("heldout_greedy"), "pivotrl", SFT_WALL) else ""
+    curve = f"; {turns['sentence']}" if turns else ""
     return [
-        f"1. PivotRL beats SFT in-domain (the paper: +4.17 points): {holds(ind)} here; "
-        + _verdict(ind, "PivotRL − SFT, held-out local accuracy") + ".",
-        f"2. PivotRL retains out-of-domain accuracy better than SFT (the paper: +10.04 points): {holds(ood)} here; "
-        + _verdict(ood, "PivotRL − SFT, out-of-domain local accuracy") + ".",
+        f"1. PivotRL beats SFT in-domain (the paper: +4.17 points): {holds(ind)} here{steps}; "
+        + _verdict(ind, "PivotRL − SFT, held-out local accuracy")
+        + at_wall("heldout_greedy", "PivotRL − SFT (wall), held-out local accuracy") + ".",
+        f"2. PivotRL retains out-of-domain accuracy better than SFT (the paper: +10.04 points): {holds(ood)} here"
+        f"{steps}; " + _verdict(ood, "PivotRL − SFT, out-of-domain local accuracy")
+        + at_wall("out_of_domain_greedy", "PivotRL − SFT (wall), out-of-domain local accuracy") + ".",
         f"3. PivotRL reaches end-to-end RL's full-task success with fewer rollout turns (the paper: 4× fewer): "
-        f"{third}; {spent}; " + _verdict(e2e, "PivotRL − E2E RL, full-task success") + ".",
+        f"{third}; {spent}; " + _verdict(e2e, "PivotRL − E2E RL, full-task success") + curve + ".",
     ]
 
 
 def _e2e_budget(e2e: dict[str, Any]) -> str:
     """One phrase: what the E2E RL baseline matched with PivotRL, and what it spent."""
+    capped = "" if e2e.get("budget_reached", True) else ", stopped by compare.e2e_max_steps"
     if e2e.get("budget") == "wall_time":
         return (f"same wall time as PivotRL's probing and training ({e2e.get('budget_wall_s', 0):.0f} s; E2E RL "
                 f"spent {e2e.get('wall_s', 0):.0f} s in {e2e.get('steps', 0)} steps)")
+    if e2e.get("budget") == "rollout_turns":
+        return (f"same rollout turns as PivotRL's probing and training ({e2e.get('budget_model_calls', 0)} model "
+                f"calls; E2E RL made {e2e.get('model_calls', 0)} in {e2e.get('steps', 0)} steps{capped})")
     return (f"same generated tokens as PivotRL's probing and training ({e2e.get('budget_tokens', 0)}; E2E RL "
-            f"generated {e2e.get('generated_tokens', 0)} in {e2e.get('steps', 0)} steps"
-            + ("" if e2e.get("budget_reached", True) else f", stopped by compare.e2e_max_steps") + ")")
+            f"generated {e2e.get('generated_tokens', 0)} in {e2e.get('steps', 0)} steps{capped})")
+
+
+def _sft_budget(sft: dict[str, Any]) -> str:
+    """One phrase: what the SFT baseline matched with PivotRL (its two policies with wall_time)."""
+    steps = f"same optimiser steps as PivotRL ({sft.get('target_steps', 0)})"
+    if sft.get("budget") != "wall_time":
+        return steps
+    return (f"{steps} for `sft`, and PivotRL's probing and training wall time for `{SFT_WALL}` "
+            f"({sft.get('budget_wall_s', 0):.0f} s; SFT spent {sft.get('wall_s', 0):.0f} s in its optimiser steps, "
+            f"{sft.get('wall_steps', 0)} steps" + ("" if sft.get("wall_reached", True)
+                                                   else ", stopped by compare.sft_max_steps") + ")")
+
+
+def _turns_md(turns: Mapping[str, Any] | None, plot: str | None) -> list[str]:
+    """The report's section on the held-out curves against rollout turns."""
+    if not turns:
+        return []
+    lines = ["## Held-out accuracy against rollout turns", "",
+             "Greedy accuracy on the same held-out states, measured before training, every "
+             "`training.eval_every` steps and after the last, against the rollout turns (model calls) each "
+             "method had sampled: PivotRL's probe samples and training samples, E2E RL's model calls in its "
+             "episodes. A target is read off the first measured point at or above it (no interpolation).", "",
+             turns["sentence"][0].upper() + turns["sentence"][1:] + ".", ""]
+    rows = [(m, q) for m in ("pivotrl", "e2e") for q in (turns.get("curves") or {}).get(m, [])]
+    if rows:
+        lines += ["| method | step | rollout turns | accuracy (95% Wilson) |", "|---|---|---|---|"]
+        lines += [f"| {_NAMES[m]} | {q['step']} | {q['rollout_turns']:,} | {q['accuracy']:.3f} ({q['accepted']}/{q['n']}, "
+                  f"{q['low']:.3f}–{q['high']:.3f}) |" for m, q in rows]
+        lines.append("")
+    if plot:
+        lines += [f"![held-out accuracy against rollout turns]({plot})", ""]
+    return lines
 
 
 def _md(stats: dict[str, Any], ledgers: dict[str, dict[str, Any]], cpp: dict[str, Any], sentences: list[str],
-        meta: dict[str, Any]) -> str:
+        meta: dict[str, Any], turns: Mapping[str, Any] | None = None, turns_plot: str | None = None) -> str:
     from pivotrl.evaluation.comparison import comparison_markdown
 
     lines = ["# PivotRL vs SFT vs end-to-end RL", "",
              f"Same π_ref (hash {meta['reference_hash'][:12]}), seeds {meta['seeds']}, judge {meta['judge']}; "
              f"{len(meta['heldout_tasks'])} held-out tasks, {meta['local_states']} held-out states, "
-             f"{meta['ood_states']} out-of-domain states. SFT budget: same optimiser steps as PivotRL; "
+             f"{meta['ood_states']} out-of-domain states. SFT budget: {_sft_budget(meta.get('sft') or {})}; "
              f"E2E RL budget: {_e2e_budget(meta.get('e2e') or {})}.", "",
              "## The paper's claims at this scale", "", *sentences, ""]
+    lines += _turns_md(turns, turns_plot)
     lines += comparison_markdown(stats)
     cols = ["model_calls", "generated_tokens", "tool_executions", "tool_retries", "verifier_executions",
             "trainer_tokens", "trainer_tokens_naive", "reference_tokens", "optimizer_steps"]
@@ -165,6 +336,17 @@ def _md(stats: dict[str, Any], ledgers: dict[str, dict[str, Any]], cpp: dict[str
             lines.append(f"| {m} | {measure} | {f(r['gain_points'])} | {f(r['generated_tokens_per_point'])} | "
                          f"{f(r['model_calls_per_point'])} | {f(r['trainer_tokens_per_point'])} |")
     return "\n".join(lines) + "\n"
+
+
+def _pivotrl_curve(store: ArtifactStore, train: dict[str, Any]) -> list[dict[str, Any]]:
+    """PivotRL's held-out curve points (with their rollout turns) from its training metrics; []
+    without metrics or a curve."""
+    from pivotrl.evaluation.learning_curve import learning_curve
+
+    key = f"{train['train_key']}/metrics.parquet"
+    if not store.exists(key):
+        return []
+    return (learning_curve(store.read_parquet(key)) or {}).get("heldout", [])
 
 
 def compare_eval_key(cfg: RunConfig, demos: dict[str, Any], ref: dict[str, Any], train: dict[str, Any],
@@ -193,8 +375,9 @@ def cached_compare_evaluate(cfg: RunConfig, store: ArtifactStore, demos: dict[st
 def stage_compare_evaluate(cfg: RunConfig, store: ArtifactStore, demos: dict[str, Any], ref: dict[str, Any],
                            probe: dict[str, Any], train: dict[str, Any], sft: dict[str, Any],
                            e2e: dict[str, Any]) -> dict[str, Any]:
-    """Evaluate the four policies (see the module docstring); returns {"key", "report_json",
-    "report_md", "report"}. The report's ``items`` lists the task and state ids each policy saw."""
+    """Evaluate the four policies (five with SFT's wall-time policy; see the module docstring);
+    returns {"key", "report_json", "report_md", "report"}. The report's ``items`` lists the task and
+    state ids each policy saw; ``turns_to_target`` holds claim 3's reading of the held-out curves."""
     ev = cfg.evaluation
     key = compare_eval_key(cfg, demos, ref, train, sft, e2e)
     hit = cached_compare_evaluate(cfg, store, demos, ref, train, sft, e2e)
@@ -210,6 +393,9 @@ def stage_compare_evaluate(cfg: RunConfig, store: ArtifactStore, demos: dict[str
                 "pivotrl": local_checkpoint(store, train["policy_key"], cache) if train["policy_key"] else rdir,
                 "sft": local_checkpoint(store, sft["policy_key"], cache),
                 "e2e": local_checkpoint(store, e2e["policy_key"], cache)}
+    if sft.get("policy_wall_key"):  # compare.sft_budget = wall_time: SFT at PivotRL's wall time too
+        policies[SFT_WALL] = local_checkpoint(store, sft["policy_wall_key"], cache)
+    methods = tuple(policies)
     tok = load_tokenizer(rdir)
     verifier = make_verifier(cfg, bfcl_root, tok)
     engine = make_rollout_engine(cfg, rdir)
@@ -239,36 +425,50 @@ def stage_compare_evaluate(cfg: RunConfig, store: ArtifactStore, demos: dict[str
     local_states, ood_states = states.local, states.ood
     local_frames = [f for f in parts.local_frames if len(f)]
     per_task_df, local_df = pd.concat(per_task), pd.concat(local_frames) if local_frames else None
-    stats = compare_policies(per_task_df, local_df, list(METHODS), seed=cfg.run.seed)
+    stats = compare_policies(per_task_df, local_df, list(methods), seed=cfg.run.seed)
     train_ledgers = {"reference": CostLedger(name="reference"),
                      "pivotrl": pivotrl_ledger(cfg, store, probe, train, ref),
                      "sft": CostLedger.from_dict(sft["ledger"]), "e2e": CostLedger.from_dict(e2e["ledger"])}
-    sentences = claims(stats, train_ledgers)
-    cpp = cost_per_point({m: train_ledgers[m] for m in ("pivotrl", "sft", "e2e")}, stats)
+    if SFT_WALL in policies:
+        train_ledgers[SFT_WALL] = CostLedger.from_dict(sft["ledger_wall"])
+    turns = turns_to_target(_pivotrl_curve(store, train), e2e["summary"].get("heldout_curve") or [],
+                            budget_turns=e2e["summary"].get("budget_model_calls")
+                            if e2e["summary"].get("budget") == "rollout_turns" else None)
+    sentences = claims(stats, train_ledgers, turns, sft["summary"])
+    cpp = cost_per_point({m: train_ledgers[m] for m in methods if m != "reference"}, stats)
     items = {name: {"tasks": sorted(set(per_task_df.loc[per_task_df["policy"] == name, "task_id"])),
                     "states": sorted(set(local_df.loc[local_df["policy"] == name, "state_id"])) if local_df is not None else []}
-             for name in METHODS}
+             for name in methods}
     meta = {"reference_hash": ref["ref_hash"], "seeds": list(ev.seeds), "judge": cfg.quality.judge,
             "heldout_tasks": [t.id for t in heldout], "local_states": len(local_states), "ood_states": len(ood_states),
             "start_hashes": {"sft": sft["summary"]["start_hash"], "e2e": e2e["summary"]["start_hash"]},
             "sft": sft["summary"], "e2e": e2e["summary"]}
-    ledgers = {m: train_ledgers[m].to_dict() for m in METHODS}
-    totals = {m: (train_ledgers[m] + eval_ledgers[m]).to_dict() for m in METHODS}
+    ledgers = {m: train_ledgers[m].to_dict() for m in methods}
+    totals = {m: (train_ledgers[m] + eval_ledgers[m]).to_dict() for m in methods}
+    plots: dict[str, str] = {}
+    if any(turns["curves"].values()):  # the plot of whatever curve has rollout turns
+        from pivotrl.evaluation.plots import plot_turn_curves, png_bytes
+
+        store.write_bytes(f"{key}/{TURNS_PLOT}", png_bytes(lambda fig: plot_turn_curves(
+            fig, {_NAMES[m]: c for m, c in turns["curves"].items()}, target=turns["target"],
+            budget=turns["budget_turns"]), size=(8, 4.5)))
+        plots["turn_curves"] = TURNS_PLOT
     report = {"meta": meta, "statistics": stats, "ledgers": ledgers, "evaluation_ledgers":
               {m: led.to_dict() for m, led in eval_ledgers.items()}, "ledger_totals": totals,
               "ledger_sum": CostLedger.total([CostLedger.from_dict(d) for d in totals.values()]).to_dict(),
-              "cost_per_point": cpp, "claims": sentences, "items": items}
+              "cost_per_point": cpp, "claims": sentences, "turns_to_target": turns, "plots": plots,
+              "items": items}
     with tempfile.TemporaryDirectory(dir=cache) as tmp:
         per_task_df.to_parquet(Path(tmp) / "full_task.parquet")
         store.write_bytes(f"{key}/full_task.parquet", (Path(tmp) / "full_task.parquet").read_bytes())
         if local_df is not None:
             local_df.to_parquet(Path(tmp) / "local.parquet")
             store.write_bytes(f"{key}/local.parquet", (Path(tmp) / "local.parquet").read_bytes())
-    for m in METHODS:  # each method's ledger (training + this evaluation) beside the report, with a manifest
+    for m in methods:  # each method's ledger (training + this evaluation) beside the report, with a manifest
         store.write_artifact(f"{key}/ledgers/{m}.json", {"training": ledgers[m], "evaluation": eval_ledgers[m].to_dict(),
                                                         "total": totals[m]}, kind="cost_ledger",
                              inputs={"trajectories": demos["trajectories"]}, config={"compare": cfg.compare.model_dump(mode="json")})
-    store.write_text(f"{key}/report.md", _md(stats, ledgers, cpp, sentences, meta))
+    store.write_text(f"{key}/report.md", _md(stats, ledgers, cpp, sentences, meta, turns, plots.get("turn_curves")))
     store.write_artifact(f"{key}/report.json", report, kind="comparison_report",
                          inputs={"sft": store.url(sft["policy_key"]), "e2e": store.url(e2e["policy_key"]),
                                  "pivotrl": store.url(train["policy_key"]) if train.get("policy_key")

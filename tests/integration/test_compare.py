@@ -94,6 +94,71 @@ def test_report_puts_the_methods_side_by_side_with_their_ledgers(compared):
                                   e2e)["key"] == ev["key"]
 
 
+def test_both_held_out_curves_count_rollout_turns_and_claim_three_reads_them(compared):
+    """PivotRL's curve (from its metrics) and E2E RL's (measured in its loop on the same held-out
+    states) each carry the rollout turns sampled to every point, monotone, from the probe's samples
+    (PivotRL) or 0 (E2E RL) to their ledgers' model calls; the report reads claim 3 off them and
+    plots both."""
+    from pivotrl.pipeline.curve import probe_turns
+
+    cfg, store, demos, ref, probe, train, sft, e2e, ev = compared
+    rep = ev["report"]
+    turns = rep["turns_to_target"]
+    pivot_led = pivotrl_ledger(cfg, store, probe.to_dict(), train.to_dict(), ref.to_dict())
+    ends = {"pivotrl": (probe_turns(store, probe.probes_key), pivot_led.model_calls),
+            "e2e": (0, CostLedger.from_dict(e2e["ledger"]).model_calls)}
+    for m, (first, last) in ends.items():
+        curve = turns["curves"][m]
+        xs = [q["rollout_turns"] for q in curve]
+        # before the first step and after the last (smoke: eval_every 4 > the steps run)
+        assert len(curve) >= 2 and curve[0]["step"] == 0 and xs == sorted(xs), (m, curve)
+        assert (xs[0], xs[-1]) == (first, last) and 0 < last, (m, xs)
+        assert {q["n"] for q in curve} == {turns["n_states"][0]} and turns["n_states"][0] > 0
+    # the same held-out states, the same greedy measure: π_ref scores the same on both engines
+    assert turns["e2e_start"] == turns["reference_accuracy"]
+    assert turns["status"] in {"both_gained", "pivotrl_only", "e2e_only", "none_gained"}
+    assert set(turns["final"]) == {"pivotrl", "e2e"} and (turns["target"] is None) == (turns["status"] == "none_gained")
+    assert rep["claims"][2].endswith(turns["sentence"] + ".") and "held-out states per point" in turns["sentence"]
+    assert rep["plots"]["turn_curves"] == "turn_curves.png"
+    assert store.read_bytes(f"{ev['key']}/turn_curves.png")[:4] == b"\x89PNG"
+    md = store.read_text(f"{ev['key']}/report.md")
+    assert "## Held-out accuracy against rollout turns" in md and "](turn_curves.png)" in md
+    assert store.read_parquet(f"{e2e['key']}/metrics.parquet")["rollout_turns"].tolist()[-1] == ends["e2e"][1]
+
+
+def test_sft_at_matched_wall_time_and_e2e_at_matched_rollout_turns(compared):
+    """``compare.sft_budget: wall_time`` gives two SFT policies from one run (PivotRL's step count and
+    its wall time), both evaluated; ``compare.e2e_budget: rollout_turns`` takes PivotRL's model calls
+    as E2E RL's budget, which the report states as the equal turn budget of its curves."""
+    cfg, store, demos, ref, probe, train, *_ = compared
+    cfg = cfg.model_copy(update={"compare": cfg.compare.model_copy(update={
+        "sft_budget": "wall_time", "sft_max_steps": 6, "e2e_budget": "rollout_turns"})})
+    r, p, t = ref.to_dict(), probe.to_dict(), train.to_dict()
+    pivot_led = pivotrl_ledger(cfg, store, p, t, r)
+    sft = stage_sft_baseline(cfg, store, demos, r, p, t)
+    s = sft["summary"]
+    assert s["budget"] == "wall_time" and s["budget_wall_s"] == round(pivot_led.total_wall_s, 1)
+    assert s["steps"] == s["target_steps"] == 4 and s["target_steps"] <= s["wall_steps"] <= 6
+    steps_led, wall_led = CostLedger.from_dict(sft["ledger"]), CostLedger.from_dict(sft["ledger_wall"])
+    assert s["wall_reached"] == (wall_led.total_wall_s >= s["budget_wall_s"])  # else stopped by sft_max_steps
+    assert (steps_led.optimizer_steps, wall_led.optimizer_steps) == (4, s["wall_steps"])
+    assert 0 < steps_led.trainer_tokens <= wall_led.trainer_tokens
+    assert store.exists(f"{sft['key']}/ledger_wall.json") and store.exists(f"{sft['policy_wall_key']}/config.json")
+    e2e = stage_e2e_baseline(cfg, store, demos, r, p, t)
+    assert e2e["summary"]["budget"] == "rollout_turns" and e2e["summary"]["budget_model_calls"] == pivot_led.model_calls
+    # capped by compare.e2e_max_steps (2) before PivotRL's turns: said so
+    assert e2e["summary"]["budget_reached"] == (e2e["summary"]["model_calls"] >= pivot_led.model_calls)
+    ev = stage_compare_evaluate(cfg, store, demos, r, p, t, sft, e2e)
+    rep = ev["report"]
+    assert set(rep["items"]) == set(METHODS) | {"sft_wall"} and "sft_wall" in rep["ledgers"]
+    assert "sft_wall" in rep["statistics"]["local"]["heldout_greedy"]["per_policy"]
+    assert "at matched optimiser steps" in rep["claims"][0] and "; at matched wall time (SFT " in rep["claims"][0]
+    assert rep["turns_to_target"]["budget_turns"] == pivot_led.model_calls
+    assert f"equal turn budget {pivot_led.model_calls:,}" in rep["turns_to_target"]["sentence"]
+    md = store.read_text(f"{ev['key']}/report.md")
+    assert "same rollout turns as PivotRL's probing and training" in md and "wall time for `sft_wall`" in md
+
+
 def test_compare_flow_runs_and_a_second_run_is_all_cached(tmp_path, tiny_model, smoke_run):
     """The Prefect flow through the CLI, as a user runs it after a nightly run (a copy of the
     session's smoke run: the shared stages are found published and reused, the comparison's are
