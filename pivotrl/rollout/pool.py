@@ -27,6 +27,7 @@ Pure core: imports no engine backend.
 from __future__ import annotations
 
 import os
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Sequence
 
@@ -67,6 +68,8 @@ class EnginePool:
     Attributes:
         engines: the engines, in engine-index order.
         served: after each ``generate``, the batch positions engine j served (``served[j]``).
+        generation_seconds: wall time of all ``generate`` calls (s): the pool's generation time for
+            :func:`pivotrl.runtime.generation.snapshot`, whose engines generate side by side.
     """
 
     def __init__(self, engines: Sequence[Any]) -> None:
@@ -74,6 +77,7 @@ class EnginePool:
             raise ConfigError("EnginePool needs at least one rollout engine")
         self.engines = list(engines)
         self.served: list[list[int]] = [[] for _ in self.engines]
+        self.generation_seconds = 0.0
         self._threads = ThreadPoolExecutor(max_workers=len(self.engines), thread_name_prefix="pivotrl-engine")
 
     def __len__(self) -> int:
@@ -99,6 +103,14 @@ class EnginePool:
         """
         if seeds is not None and len(seeds) != len(prompts):
             raise ConfigError(f"generate: {len(seeds)} seeds for {len(prompts)} prompts")
+        t0 = time.perf_counter()
+        try:
+            return self._generate(prompts, sampling, stop_fn, seeds)
+        finally:
+            self.generation_seconds += time.perf_counter() - t0
+
+    def _generate(self, prompts: Sequence[list[int]], sampling: Any, stop_fn: Any,
+                  seeds: Sequence[int] | None) -> list[list[Any]]:
         extra = {} if stop_fn is None else {"stop_fn": stop_fn}
         blocks = split_positions(len(prompts), len(self.engines))
         self.served = [list(b) for b in blocks]

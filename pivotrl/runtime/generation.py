@@ -207,18 +207,17 @@ class GenerationMeter:
 
 
 def snapshot(engine: Any) -> GenerationTotals | None:
-    """The totals of ``engine``'s meter (``engine.meter``), summed over a pool's ``engines``; None
-    when the engine keeps no meter (e.g. a test double)."""
+    """The totals of ``engine``'s meter (``engine.meter``); for a pool (``engine.engines``) its engines'
+    counts, FLOPs and threads summed over the pool's own wall time (``engine.generation_seconds``:
+    its engines generate at the same time, so their seconds are not added; the longest engine's when
+    the pool keeps no time; a pool of one engine gives that engine's own totals). None when no engine keeps a meter (e.g. a test double)."""
     meter = getattr(engine, "meter", None)
     if isinstance(meter, GenerationMeter):
         return meter.totals()
-    parts = [snapshot(e) for e in getattr(engine, "engines", None) or []]
-    parts = [p for p in parts if p is not None]
-    if not parts:
-        return None
-    out = parts[0]
-    for p in parts[1:]:
-        out = out.plus(p)
+    out = side_by_side(snapshot(e) for e in getattr(engine, "engines", None) or [])
+    wall = getattr(engine, "generation_seconds", None)
+    if out is not None and isinstance(wall, (int, float)) and len(engine.engines) > 1:
+        out = replace(out, seconds=float(wall))
     return out
 
 

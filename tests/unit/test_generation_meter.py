@@ -200,3 +200,42 @@ def test_progress_counts_prompts_inside_one_pass() -> None:
             assert bar.done == 3
         assert [x.split(": ")[1].split(" ")[0] for x in lines] == want
         assert "ETA unknown" in lines[0] and "ETA" in lines[-1] and "unknown" not in lines[-1]
+
+
+def test_a_pool_of_engines_that_generate_together_counts_its_own_wall_time(tiny) -> None:
+    """Two engines of a pool generate at the same time: the pool's generation seconds are its wall
+    time, not the sum of its engines' (which halved tok/s and MFU with two engines)."""
+    import time
+
+    from pivotrl.rollout.pool import EnginePool
+
+    _, model = tiny
+    shape = ModelShape.of_model(model)
+
+    class Slow:
+        def __init__(self) -> None:
+            self.meter = GenerationMeter(shape, threads=1, dtype="fp32")
+
+        def generate(self, prompts, sampling, *, positions=None, seeds=None):
+            with self.meter.timed():
+                time.sleep(0.3)
+                for p in prompts:
+                    self.meter.record(len(p), 0, [2])
+            return [[None] for _ in prompts]
+
+    one, two = Slow(), Slow()
+    pool = EnginePool([one, two])
+    before = snapshot(pool)
+    pool.generate([[1, 2, 3]] * 4, object())
+    gen = since(pool, before)
+    own = [e.meter.totals() for e in (one, two)]
+    assert all(t.seconds >= 0.3 for t in own)
+    assert (gen.requests, gen.generated_tokens, gen.threads) == (4, 8, 2)
+    assert gen.flops == pytest.approx(sum(t.flops for t in own))
+    # the pool's wall: at least the slower engine's time, well under the two engines' sum
+    assert max(t.seconds for t in own) <= gen.seconds < sum(t.seconds for t in own) - 0.2
+    assert gen.seconds == pytest.approx(pool.generation_seconds)
+    # one engine: that engine's own totals
+    solo = EnginePool([Slow()])
+    solo.generate([[1, 2]], object())
+    assert snapshot(solo) == solo.engines[0].meter.totals()
