@@ -9,7 +9,7 @@ Two engines on the same CPUs (SmolLM2-135M fp32, ``--threads`` threads, prefix c
 "per-request" is built with ``disable_log_stats=True``, so its meter counts each request's prompt
 from the one ``num_cached_tokens`` vLLM reports (the count before the change); "statistics" is
 built as :class:`pivotrl.rollout.vllm.VLLMEngine` builds it now (statistics on, vLLM's stat
-loggers replaced by :class:`~pivotrl.rollout.vllm.PrefillStats`). They run interleaved, each call
+loggers replaced by :class:`~pivotrl.rollout.vllm_stats.PrefillStats`). They run interleaved, each call
 on prompts neither engine has seen, the same prompts and seeds for both.
 
 * counts: bench_prefill_sharing.py's shapes (8 prompts of about 700 tokens, n = 8, 16 new tokens),

@@ -12,7 +12,7 @@ report (``compare/eval/<key>/report.json`` + ``report.md``) holds:
 * cost per point of gain over π_ref: generated tokens, model calls and trainer tokens per
   percentage point of full-task success (and of local accuracy) gained; "n/a" without a gain;
 * one sentence per claim of the paper, decided by the paired tests at this scale;
-* claim 3 read from the held-out curves too (:func:`turns_to_target`): PivotRL's and E2E RL's
+* claim 3 read from the held-out curves too (:func:`~pivotrl.evaluation.turn_curves.turns_to_target`): PivotRL's and E2E RL's
   greedy accuracy on the same held-out states against the rollout turns each had sampled (model
   calls: PivotRL's probe and training samples, E2E RL's model calls in episodes), the turns each
   needed to reach π_ref + the smaller of their final gains, and their ratio, with both curves in
@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import tempfile
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping
 
 import pandas as pd
 
@@ -36,6 +36,7 @@ from pivotrl.evaluation.comparison import difference_ci, oriented_pair, signed
 from pivotrl.runtime.ledger import CostLedger
 from pivotrl.bfcl.wheel import ensure_bfcl
 from pivotrl.evaluation.comparison import compare_policies
+from pivotrl.evaluation.turn_curves import NAMES as _NAMES, turns_markdown as _turns_md, turns_to_target
 from pivotrl.runtime.models import load_tokenizer
 from pivotrl.pipeline.common import close_quietly, local_checkpoint, make_rollout_engine, make_verifier
 from pivotrl.pipeline.compare import compare_code_digest, pivotrl_ledger
@@ -45,8 +46,7 @@ from pivotrl.pipeline.reference import reference_dir
 from pivotrl.pipeline.results import ProbeResult
 from pivotrl.storage import ArtifactStore
 
-__all__ = ["cached_compare_evaluate", "claims", "compare_eval_key", "cost_per_point", "first_reach",
-           "stage_compare_evaluate", "turns_sentence", "turns_to_target"]
+__all__ = ["cached_compare_evaluate", "claims", "compare_eval_key", "cost_per_point", "stage_compare_evaluate"]
 
 METHODS = ("reference", "pivotrl", "sft", "e2e")
 #: The SFT policy at PivotRL's wall time (``compare.sft_budget = wall_time``), evaluated after METHODS.
@@ -54,7 +54,6 @@ SFT_WALL = "sft_wall"
 #: The plot of both held-out curves against rollout turns, beside report.md.
 TURNS_PLOT = "turn_curves.png"
 #: A curve point reaches the target when its accuracy is at least the target less this (float noise).
-_EPS = 1e-9
 #: The state-level measures of the comparison (:data:`pivotrl.pipeline.evaluate.STATE_MEASURES`).
 COMPARE_MEASURES = ("heldout_greedy", "out_of_domain_greedy")
 
@@ -93,109 +92,6 @@ def cost_per_point(ledgers: Mapping[str, CostLedger], stats: Mapping[str, Any]) 
     return out
 
 
-def first_reach(points: Sequence[Mapping[str, Any]], target: float) -> dict[str, Any] | None:
-    """The first measured point of a curve (in step order) whose accuracy is at or above
-    ``target``: ``{step, rollout_turns, accuracy}``, or None when none is (no interpolation
-    between points)."""
-    for q in points:
-        if q["accuracy"] >= target - _EPS:
-            return {"step": q["step"], "rollout_turns": q["rollout_turns"], "accuracy": q["accuracy"]}
-    return None
-
-
-def turns_to_target(pivotrl: Sequence[Mapping[str, Any]], e2e: Sequence[Mapping[str, Any]], *,
-                    budget_turns: int | None = None) -> dict[str, Any]:
-    """Claim 3 read from the two held-out curves (points of
-    :func:`pivotrl.evaluation.learning_curve.learning_curve`: step, rollout_turns, accepted, n,
-    accuracy, low, high), each against the rollout turns it had sampled.
-
-    π_ref's accuracy is PivotRL's step-0 point (E2E RL's step 0 measures the same weights on the same
-    states; ``e2e_start`` is kept). Each method's final gain is its last point's accuracy − π_ref's.
-    The target is π_ref + the smaller of the gains when both gained; when one alone gained, π_ref +
-    its gain (the other is read against it); when neither gained there is none. For each curve the
-    first point at or above the target (:func:`first_reach`), and ``ratio`` = E2E RL's turns there
-    / PivotRL's (None unless both reached it). ``budget_turns``: the equal turn budget when E2E RL's
-    was PivotRL's rollout turns (``compare.e2e_budget = rollout_turns``), else None.
-
-    Returns {"status" ("both_gained" | "pivotrl_only" | "e2e_only" | "none_gained" | "no_curve"),
-    "reason" (no_curve), "n_states" (min, max per point), "reference_accuracy", "e2e_start",
-    "final" {method: {step, rollout_turns, accuracy, gain}}, "target", "reached" {method: point or
-    None}, "ratio", "budget_turns", "curves" {method: points}} with "sentence"
-    (:func:`turns_sentence`).
-    """
-    curves = {"pivotrl": [dict(q) for q in pivotrl if q.get("rollout_turns") is not None],
-              "e2e": [dict(q) for q in e2e if q.get("rollout_turns") is not None]}
-    out: dict[str, Any] = {"status": "no_curve", "reason": None, "n_states": None, "reference_accuracy": None,
-                           "e2e_start": None, "final": {}, "target": None, "reached": {}, "ratio": None,
-                           "budget_turns": budget_turns, "curves": curves}
-    missing = [m for m, c in curves.items() if not c or c[0]["step"] != 0 or len(c) < 2]
-    if missing:
-        out["reason"] = ("no held-out curve with rollout turns for " + " and ".join(_NAMES[m] for m in missing)
-                         + " (training.eval_every = 0, no held-out state, or a run that predates the turn counts)")
-        out["sentence"] = turns_sentence(out)
-        return out
-    ns = [q["n"] for c in curves.values() for q in c]
-    ref = curves["pivotrl"][0]["accuracy"]
-    out.update(n_states=[min(ns), max(ns)], reference_accuracy=ref, e2e_start=curves["e2e"][0]["accuracy"])
-    for m, c in curves.items():
-        last = c[-1]
-        out["final"][m] = {"step": last["step"], "rollout_turns": last["rollout_turns"], "accuracy": last["accuracy"],
-                           "gain": last["accuracy"] - ref}
-    gained = {m: f["gain"] for m, f in out["final"].items() if f["gain"] > _EPS}
-    if not gained:
-        out["status"] = "none_gained"
-    else:
-        out["status"] = "both_gained" if len(gained) == 2 else f"{next(iter(gained))}_only"
-        out["target"] = ref + min(gained.values())
-        out["reached"] = {m: first_reach(c, out["target"]) for m, c in curves.items()}
-        p, e = out["reached"]["pivotrl"], out["reached"]["e2e"]
-        if p is not None and e is not None and p["rollout_turns"] > 0:
-            out["ratio"] = e["rollout_turns"] / p["rollout_turns"]
-    out["sentence"] = turns_sentence(out)
-    return out
-
-
-_NAMES = {"pivotrl": "PivotRL", "e2e": "E2E RL"}
-
-
-def _n_states(r: Mapping[str, Any]) -> str:
-    lo, hi = r["n_states"]
-    return f"n = {lo} held-out states per point" if lo == hi else f"n = {lo}–{hi} held-out states per point"
-
-
-def turns_sentence(r: Mapping[str, Any]) -> str:
-    """One phrase of :func:`turns_to_target`'s reading (claim 3's sentence and the report section)."""
-    if r["status"] == "no_curve":
-        return f"the held-out curves against rollout turns cannot be read: {r['reason']}"
-    fin = r["final"]
-    head = (f"on the held-out curves (greedy, {_n_states(r)}; π_ref {r['reference_accuracy']:.3f}"
-            + (f", {r['e2e_start']:.3f} on E2E RL's engine" if abs(r["e2e_start"] - r["reference_accuracy"]) > _EPS
-               else "") + ")")
-    ends = ", ".join(f"{_NAMES[m]} {fin[m]['gain']:+.3f} at {fin[m]['rollout_turns']:,} rollout turns"
-                     for m in ("pivotrl", "e2e"))
-    if r["budget_turns"] is not None:
-        budget = f"equal turn budget {r['budget_turns']:,}"
-    else:
-        budget = "E2E RL's budget was not PivotRL's rollout turns"
-    if r["status"] == "none_gained":
-        return f"{head} neither method gained over π_ref by the end of its curve ({ends}; {budget})"
-    gain = min(fin[m]["gain"] for m in ("pivotrl", "e2e") if fin[m]["gain"] > _EPS)
-    if r["status"] == "both_gained":
-        what = f"π_ref + the smaller final gain ({gain:+.3f}) = {r['target']:.3f}"
-    else:
-        alone = "pivotrl" if r["status"] == "pivotrl_only" else "e2e"
-        other = "e2e" if alone == "pivotrl" else "pivotrl"
-        what = (f"only {_NAMES[alone]} gained ({_NAMES[other]} ended at {fin[other]['gain']:+.3f}); "
-                f"π_ref + {_NAMES[alone]}'s gain ({gain:+.3f}) = {r['target']:.3f}")
-    parts = []
-    for m in ("pivotrl", "e2e"):
-        hit = r["reached"].get(m)
-        parts.append(f"{_NAMES[m]} reached it at {hit['rollout_turns']:,} rollout turns (step {hit['step']})" if hit
-                     else f"{_NAMES[m]} never reached it within {fin[m]['rollout_turns']:,} turns")
-    ratio = f"; E2E RL / PivotRL turns = {r['ratio']:.1f}×" if r["ratio"] is not None else ""
-    return f"{head} {what}: {', '.join(parts)}{ratio} (final gains: {ends}; {budget})"
-
-
 def _verdict(d: dict[str, Any] | None, label: str) -> str:
     if d is None:
         return f"{label}: not evaluated"
@@ -207,7 +103,7 @@ def claims(stats: Mapping[str, Any], ledgers: Mapping[str, CostLedger], turns: M
            sft: Mapping[str, Any] | None = None) -> list[str]:
     """One sentence per claim of the paper, decided at this run's scale by the paired tests.
 
-    ``turns``: :func:`turns_to_target`'s reading, added to claim 3. ``sft``: the SFT baseline's
+    ``turns``: :func:`~pivotrl.evaluation.turn_curves.turns_to_target`'s reading, added to claim 3. ``sft``: the SFT baseline's
     summary; when ``stats`` hold the ``sft_wall`` policy, claims 1 and 2 add PivotRL − SFT at
     matched wall time (SFT's steps and seconds from it) to the matched optimiser steps."""
     local = stats.get("local") or {}
@@ -280,27 +176,6 @@ def _sft_budget(sft: dict[str, Any]) -> str:
             f"({sft.get('budget_wall_s', 0):.0f} s; SFT spent {sft.get('wall_s', 0):.0f} s in its optimiser steps, "
             f"{sft.get('wall_steps', 0)} steps" + ("" if sft.get("wall_reached", True)
                                                    else ", stopped by compare.sft_max_steps") + ")")
-
-
-def _turns_md(turns: Mapping[str, Any] | None, plot: str | None) -> list[str]:
-    """The report's section on the held-out curves against rollout turns."""
-    if not turns:
-        return []
-    lines = ["## Held-out accuracy against rollout turns", "",
-             "Greedy accuracy on the same held-out states, measured before training, every "
-             "`training.eval_every` steps and after the last, against the rollout turns (model calls) each "
-             "method had sampled: PivotRL's probe samples and training samples, E2E RL's model calls in its "
-             "episodes. A target is read off the first measured point at or above it (no interpolation).", "",
-             turns["sentence"][0].upper() + turns["sentence"][1:] + ".", ""]
-    rows = [(m, q) for m in ("pivotrl", "e2e") for q in (turns.get("curves") or {}).get(m, [])]
-    if rows:
-        lines += ["| method | step | rollout turns | accuracy (95% Wilson) |", "|---|---|---|---|"]
-        lines += [f"| {_NAMES[m]} | {q['step']} | {q['rollout_turns']:,} | {q['accuracy']:.3f} ({q['accepted']}/{q['n']}, "
-                  f"{q['low']:.3f}–{q['high']:.3f}) |" for m, q in rows]
-        lines.append("")
-    if plot:
-        lines += [f"![held-out accuracy against rollout turns]({plot})", ""]
-    return lines
 
 
 def _md(stats: dict[str, Any], ledgers: dict[str, dict[str, Any]], cpp: dict[str, Any], sentences: list[str],

@@ -78,7 +78,10 @@ class EnginePool:
         self.engines = list(engines)
         self.served: list[list[int]] = [[] for _ in self.engines]
         self.generation_seconds = 0.0
-        self._threads = ThreadPoolExecutor(max_workers=len(self.engines), thread_name_prefix="pivotrl-engine")
+        # One thread per engine, always the same one (a shared executor may hand a second engine's
+        # call to the first engine's idle thread, so two engines would run one after the other).
+        self._threads = [ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"pivotrl-engine{j}")
+                         for j in range(len(self.engines))]
 
     def __len__(self) -> int:
         return len(self.engines)
@@ -91,7 +94,7 @@ class EnginePool:
         """``fn(j)`` for every engine, concurrently; results in engine order (first error raised)."""
         if len(self.engines) == 1:
             return [fn(0)]
-        return [f.result() for f in [self._threads.submit(fn, j) for j in range(len(self.engines))]]
+        return [f.result() for f in [self._threads[j].submit(fn, j) for j in range(len(self.engines))]]
 
     def generate(self, prompts: Sequence[list[int]], sampling: Any, *, stop_fn: Any = None,
                  seeds: Sequence[int] | None = None) -> list[list[Any]]:
@@ -163,6 +166,7 @@ class EnginePool:
                 e.close()
             except Exception as exc:  # noqa: BLE001 - close the others, then raise the first
                 first = first or exc
-        self._threads.shutdown(wait=False)
+        for t in self._threads:
+            t.shutdown(wait=False)
         if first is not None:
             raise first

@@ -36,11 +36,12 @@ from pivotrl.rollout.base import (
     normalise_dtype,
 )
 from pivotrl.rollout.hf import sample_seed
+from pivotrl.rollout.vllm_stats import PrefillStats, Ticks
 from pivotrl.rollout.vllm_placement import engine_cpu_bind, is_cpu_platform, visible_devices
 from pivotrl.rollout.vllm_worker import refresh_tied_head, reload_shared
 from pivotrl.runtime.generation import GenerationMeter, shape_of_checkpoint
 
-__all__ = ["PrefillStats", "VLLMEngine"]
+__all__ = ["VLLMEngine"]
 
 
 class VLLMEngine:
@@ -207,7 +208,7 @@ class VLLMEngine:
             sizes.append(len(prompts))
         self._forget_requests()
         with self.meter.timed():
-            ticks = _Ticks(on_done) if on_done is not None else False
+            ticks = Ticks(on_done) if on_done is not None else False
             gens = self._collect(self.llm.generate(requests, params, use_tqdm=ticks) if requests else [], None)
         out, at = [], 0
         for size in sizes:
@@ -356,72 +357,6 @@ class VLLMEngine:
         self._release_cpus()
 
 
-class PrefillStats:
-    """The prompt tokens each request's prefill passes found in vLLM's prefix cache, from the
-    engine's own statistics: a stat logger (the methods of vLLM's ``StatLoggerBase``) that the
-    engine's ``LLMEngine`` feeds every step and that prints nothing.
-
-    vLLM runs an n-sample request as n child requests, each admitted on its own with its own
-    prefix-cache hit; ``RequestOutput.num_cached_tokens`` is that of the child finishing last. The
-    per-request statistics of every finished child (``IterationStats.finished_requests``: the
-    request id the caller sees and ``num_cached_tokens``) give each child's hit: :meth:`take`
-    returns them for one request. :attr:`queries` and :attr:`hits` are the scheduler's prefix-cache
-    counters (``SchedulerStats.prefix_cache_stats``, behind ``vllm:prefix_cache_queries`` and
-    ``vllm:prefix_cache_hits``): over a generate call, queries − hits equals the sum of the
-    children's ``prompt − cached`` (tested; with prefix caching off the scheduler counts nothing
-    while each child's statistics still say 0 cached). A child preempted and resumed counts its
-    first prefill only.
-    """
-
-    def __init__(self) -> None:
-        self.cached: dict[str, list[int]] = {}
-        self.queries = 0
-        self.hits = 0
-
-    @classmethod
-    def attach(cls, llm: Any, keep_vllm_loggers: bool) -> "PrefillStats | None":
-        """A counter fed by ``llm``'s engine (built with ``disable_log_stats=False``), replacing
-        vLLM's stat loggers unless ``keep_vllm_loggers``; None where the engine has no stat-logger
-        manager (another vLLM)."""
-        loggers = getattr(getattr(getattr(llm, "llm_engine", None), "logger_manager", None), "stat_loggers", None)
-        if not isinstance(loggers, list):
-            return None
-        counter = cls()
-        if keep_vllm_loggers:
-            loggers.append(counter)
-        else:
-            loggers[:] = [counter]
-        return counter
-
-    def record(self, scheduler_stats: Any, iteration_stats: Any, mm_cache_stats: Any = None,
-               engine_idx: int = 0) -> None:
-        prefix = getattr(scheduler_stats, "prefix_cache_stats", None)
-        if prefix is not None:
-            self.queries += int(prefix.queries)
-            self.hits += int(prefix.hits)
-        for req in getattr(iteration_stats, "finished_requests", None) or []:
-            self.cached.setdefault(str(req.request_id), []).append(int(req.num_cached_tokens))
-
-    def take(self, request_id: str) -> list[int]:
-        """The cached prompt tokens of each finished child of ``request_id`` (removed from here)."""
-        return self.cached.pop(str(request_id), [])
-
-    def forget(self) -> None:
-        self.cached.clear()
-
-    def log(self) -> None:
-        return None
-
-    def log_engine_initialized(self) -> None:
-        return None
-
-    def record_sleep_state(self, *args: Any, **kwargs: Any) -> None:
-        return None
-
-    def record_admission_rejection(self, reason: str) -> None:
-        return None
-
-
 def bind_threads(bind: str | None) -> int:
     """CPUs named by a ``VLLM_CPU_OMP_THREADS_BIND`` value ("0-3", "0,2", ranks split by "|"); with
     none, the CPUs this process may run on."""
@@ -433,34 +368,3 @@ def bind_threads(bind: str | None) -> int:
         if lo.isdigit():
             n += int(hi) - int(lo) + 1 if hi.isdigit() else 1
     return max(n, 1)
-
-
-class _Ticks:
-    """A stand-in for the ``tqdm`` class vLLM's ``LLM.generate(use_tqdm=...)`` accepts: called with
-    an iterable it returns it (prompt rendering); called with ``total=`` it returns a bar whose
-    ``update`` (once per finished request) calls ``on_done(1)``."""
-
-    def __init__(self, on_done: Callable[[int], Any]) -> None:
-        self.on_done = on_done
-
-    def __call__(self, iterable: Any = None, **_: Any) -> Any:
-        return iterable if iterable is not None else _TickBar(self.on_done)
-
-
-class _TickBar:
-    def __init__(self, on_done: Callable[[int], Any]) -> None:
-        self.on_done, self.n, self.postfix, self._t0 = on_done, 0, "", time.monotonic()
-
-    @property
-    def format_dict(self) -> dict[str, float]:
-        return {"elapsed": max(time.monotonic() - self._t0, 1e-9)}
-
-    def update(self, n: int = 1) -> None:
-        self.n += n
-        self.on_done(1)
-
-    def refresh(self) -> None:
-        return None
-
-    def close(self) -> None:
-        return None

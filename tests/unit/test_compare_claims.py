@@ -64,7 +64,7 @@ def _curve(points: list[tuple[int, int, int]], n: int = 20) -> list[dict]:
 
 
 def test_turns_to_target_reads_the_first_point_at_or_above_pi_ref_plus_the_smaller_gain():
-    from pivotrl.pipeline.compare_eval import first_reach, turns_to_target
+    from pivotrl.evaluation.turn_curves import first_reach, turns_to_target
 
     # PivotRL: 640 probe turns before step 0, then 256 per step; ends at 9/20 (+0.25).
     pivot = _curve([(0, 640, 4), (2, 1152, 7), (4, 1664, 9)])
@@ -85,7 +85,7 @@ def test_turns_to_target_reads_the_first_point_at_or_above_pi_ref_plus_the_small
 
 
 def test_curves_that_cross_give_the_turns_where_each_first_reached_the_target():
-    from pivotrl.pipeline.compare_eval import turns_to_target
+    from pivotrl.evaluation.turn_curves import turns_to_target
 
     # E2E RL is ahead early (+0.30 at 200 turns), PivotRL overtakes it (+0.60 at the end): the target
     # π_ref + 0.30 is reached by E2E RL first, with fewer turns (ratio < 1).
@@ -100,7 +100,7 @@ def test_curves_that_cross_give_the_turns_where_each_first_reached_the_target():
 
 
 def test_e2e_that_never_reaches_the_target_and_curves_without_a_gain():
-    from pivotrl.pipeline.compare_eval import turns_to_target
+    from pivotrl.evaluation.turn_curves import turns_to_target
 
     pivot = _curve([(0, 640, 4), (4, 1664, 9)])
     flat = _curve([(0, 0, 4), (4, 900, 3), (8, 1800, 4)])  # E2E RL ends where it started: no gain
@@ -121,7 +121,7 @@ def test_e2e_that_never_reaches_the_target_and_curves_without_a_gain():
 
 
 def test_claim_three_carries_the_curve_reading_and_claim_one_the_wall_time_sft():
-    from pivotrl.pipeline.compare_eval import turns_to_target
+    from pivotrl.evaluation.turn_curves import turns_to_target
 
     r = turns_to_target(_curve([(0, 640, 4), (4, 1664, 9)]), _curve([(0, 0, 4), (8, 1800, 6)]))
     third = claims(_stats(0.0, 1.0), _ledgers(100, 400), r)[2]

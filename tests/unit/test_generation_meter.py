@@ -94,7 +94,8 @@ def test_vllm_engine_meters_each_child_request_from_the_engine_statistics(tiny) 
     statistics) falls back to the request's one num_cached_tokens."""
     from types import SimpleNamespace as NS
 
-    from pivotrl.rollout.vllm import PrefillStats, VLLMEngine
+    from pivotrl.rollout.vllm import VLLMEngine
+    from pivotrl.rollout.vllm_stats import PrefillStats
 
     _, model = tiny
     shape = ModelShape.of_model(model)
@@ -168,11 +169,11 @@ def test_report_carries_generation_speed() -> None:
 
 def test_progress_counts_prompts_inside_one_pass() -> None:
     from pivotrl.core.progress import Progress
-    from pivotrl.rollout.vllm import _Ticks
+    from pivotrl.rollout.vllm_stats import Ticks
 
     # vLLM's engine loop: a tqdm-like class, called with an iterable (rendering) or total= (requests)
     seen: list[int] = []
-    ticks = _Ticks(seen.append)
+    ticks = Ticks(seen.append)
     assert list(ticks([1, 2], desc="Rendering prompts")) == [1, 2]
     bar = ticks(total=3, desc="Processed prompts", postfix="")
     bar.update(4)  # one request with n = 4 samples finished
