@@ -64,16 +64,20 @@ class RayCluster:
             self.add_worker(cpus_per_worker)
 
     def add_worker(self, cpus: int = 1) -> None:
-        """Start one more worker node of ``cpus`` CPUs and wait until the cluster counts it (e.g. to
-        replace a node a test has lost)."""
-        have = sum(x.get("Resources", {}).get("CPU", 0) for x in self.nodes())
+        """Start one more worker node of ``cpus`` CPUs and wait until the cluster counts it as alive
+        (e.g. to replace a node a test has lost). The node carries a resource of its own,
+        ``pivotrl_node_<i>``, so that it is told apart from a lost node the cluster still counts.
+
+        Raises RuntimeError when the node exits while starting or is not alive within 120 s."""
+        tag = f"pivotrl_node_{self.started}"
         env = {**self._env, **(self.worker_env(self.started) if self.worker_env else {})}
         self.started += 1
         cwd = env.pop("PWD", None)  # the node's working directory, when its environment names one
         self.procs.append(subprocess.Popen(
-            [self._ray, "start", f"--address={self.address}", f"--num-cpus={cpus}", *self._common], env=env,
+            [self._ray, "start", f"--address={self.address}", f"--num-cpus={cpus}",
+             f"--resources={json.dumps({tag: 1})}", *self._common], env=env,
             cwd=cwd, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
-        self._wait(lambda n: sum(x.get("Resources", {}).get("CPU", 0) for x in n) >= have + cpus)
+        self._wait(lambda n: any(tag in x.get("Resources", {}) for x in n))
 
     def nodes(self) -> list[dict[str, Any]]:
         code = ("import json, ray; ray.init(address=%r, logging_level='ERROR'); "

@@ -43,7 +43,7 @@ REPO = Path(__file__).resolve().parents[2]
 BUCKET = "pivotrl-cluster"
 AUDIT = REPO / "tests" / "fixtures" / "node_audit"
 #: Report fields (JSON paths) and Markdown rows that are measurements of a machine, not results.
-MEASURED = re.compile(r"(mfu|peak_gflops|time_s|tokens_per_s|trainer_s)$")
+MEASURED = re.compile(r"(mfu|peak_gflops|time_s|tokens_per_s|trainer_s)(\[\d+\])?$")  # [i]: one of a list
 MEASURED_MD = re.compile(r"MFU|tokens/s|GFLOP/s|peak|trainer_s=|forward\+backward")
 #: Where a node's processes may open files besides its own folders (code, interpreter, system).
 SYSTEM = ("/proc", "/sys", "/dev", "/etc", "/usr", "/lib", "/lib64", "/bin", "/sbin", "/run",
@@ -95,7 +95,10 @@ class Cluster:
             while not self._replacing.is_set():
                 alive = [p for p in self.ray.procs[1:] if p.poll() is None]
                 if len(alive) < 2:
-                    self.ray.add_worker(1)
+                    try:
+                        self.ray.add_worker(1)
+                    except RuntimeError as e:  # it exited or was slow to join: counted again next time
+                        print(f"replacing a lost worker node: {e}", file=sys.stderr, flush=True)
                 time.sleep(1)
 
         self._replacer = threading.Thread(target=loop, daemon=True)
