@@ -7,6 +7,12 @@ from the pivot set; the verifier is the training verifier. Plotted by
 :mod:`pivotrl.evaluation.learning_curve`. The end-to-end RL baseline measures the same curve with
 the same hook on its own engine (:func:`pivotrl.pipeline.compare.stage_e2e_baseline`).
 
+Where the held-out split has stop decisions (BFCL's closing "Done." after a multi-turn user turn:
+the right action is to answer without a tool call), the same pass also measures a seeded choice of
+``training.eval_states`` of them, apart (``heldout_stop_*``): they are never pivots, so this is how
+a run sees, step by step, whether training on call states teaches the policy to keep calling where
+it should stop.
+
 Each point carries the rollout turns sampled to it (:func:`probe_turns` for the probe's share,
 :func:`pivotrl.evaluation.learning_curve.with_rollout_turns` for the steps').
 """
@@ -40,11 +46,13 @@ def probe_turns(store: ArtifactStore, probes_key: str) -> int:
     return sum(probe_row_turns(r) for r in store.read_parquet(f"{probes_key}/probes.parquet").to_dict("records"))
 
 
-def curve_states(cfg: RunConfig, store: ArtifactStore, probe: ProbeResult, demos_key: str | None = None) -> list[Any]:
-    """The held-out turn states of the curve: ``training.eval_states`` call/text-rule states of the
-    held-out split (seeded by ``run.seed``), from the demonstrations named in the pivot set's
-    manifest (``inputs.candidates``), or from ``demos_key``'s when given (the demonstrations the
-    pivot set was probed from, as a stage that has them passes them). [] when neither names any."""
+def curve_states(cfg: RunConfig, store: ArtifactStore, probe: ProbeResult, demos_key: str | None = None,
+                 kinds: tuple[str, ...] = ("call", "text_rule")) -> list[Any]:
+    """The held-out turn states of the curve: ``training.eval_states`` states of ``kinds`` (candidate
+    kinds, :func:`pivotrl.data.text_rules.candidate_kind`) of the held-out split (seeded by
+    ``run.seed``), from the demonstrations named in the pivot set's manifest (``inputs.candidates``),
+    or from ``demos_key``'s when given (the demonstrations the pivot set was probed from, as a stage
+    that has them passes them). [] when neither names any, or the split has no state of ``kinds``."""
     from pivotrl.data.states import frame_to_states
     from pivotrl.pipeline.demos import read_histories
     from pivotrl.pipeline.probe import select_candidates
@@ -59,17 +67,21 @@ def curve_states(cfg: RunConfig, store: ArtifactStore, probe: ProbeResult, demos
     else:
         key = f"{demos_key}/candidates.parquet"
     cand = store.read_parquet(key)
-    chosen = select_candidates(cand, "heldout", cfg.training.eval_states, cfg.run.seed, kinds=("call", "text_rule"))
+    chosen = select_candidates(cand, "heldout", cfg.training.eval_states, cfg.run.seed, kinds=kinds)
+    if not len(chosen):
+        return []
     return frame_to_states(chosen, read_histories(store, demos_key, chosen["trajectory_id"]))
 
 
 def heldout_curve_hook(cfg: RunConfig, store: ArtifactStore, probe: ProbeResult, tokenizer: Any, engine: Any,
                        verifier: Any, demos_key: str | None = None) -> Callable[[int], dict[str, float]] | None:
-    """``evaluate(step) -> {heldout_n, heldout_accepted, heldout_accuracy, heldout_tokens}`` on the
-    engine (greedy, ``rollout.max_tokens``; no accuracy when no state could be evaluated), or None
-    when ``training.eval_every`` is 0 or there are no held-out states (logged). ``demos_key``: as
-    for :func:`curve_states`."""
-    from pivotrl.evaluation.local import evaluate_local
+    """``evaluate(step) -> {heldout_n, heldout_accepted, heldout_accuracy, heldout_tokens,
+    heldout_gen_*}`` on the engine (greedy, ``rollout.max_tokens``; no accuracy when no state could
+    be evaluated), plus ``heldout_stop_n``, ``heldout_stop_accepted`` and ``heldout_stop_accuracy``
+    for the held-out stop decisions when the split has any (one engine pass for both; the
+    ``heldout_gen_*`` counters are that pass's). None when ``training.eval_every`` is 0 or there are
+    no held-out states (logged). ``demos_key``: as for :func:`curve_states`."""
+    from pivotrl.evaluation.local import evaluate_local_groups
     from pivotrl.rollout.base import SamplingConfig
 
     if not cfg.training.eval_every or engine is None:
@@ -79,20 +91,31 @@ def heldout_curve_hook(cfg: RunConfig, store: ArtifactStore, probe: ProbeResult,
         log.warning("training.eval_every = %d, but the demonstrations have no held-out state: no learning curve",
                     cfg.training.eval_every)
         return None
+    stops = curve_states(cfg, store, probe, demos_key, kinds=("stop",))
     sampling = SamplingConfig(n=1, temperature=0.0, max_tokens=cfg.rollout.max_tokens, seed=cfg.run.seed)
+    jobs = [(states, sampling)] + ([(stops, sampling)] if stops else [])
 
     def evaluate(step: int) -> dict[str, float]:
-        _, summary = evaluate_local(engine, tokenizer, states, verifier, sampling=sampling,
-                                    max_context=cfg.model.max_context, label=f"held-out curve after step {step}",
-                                    cache_dir=str(cfg.run.local_cache()), **prompt_kwargs(cfg))
+        done = evaluate_local_groups(engine, tokenizer, jobs, verifier, max_context=cfg.model.max_context,
+                                     label=f"held-out curve after step {step}", cache_dir=str(cfg.run.local_cache()),
+                                     **prompt_kwargs(cfg))
+        summary = done[0][1]
         n, k = int(summary.get("n_samples") or 0), int(summary.get("n_accepted") or 0)
-        log.info("held-out accuracy after step %d: %d/%d", step, k, n)
         out = {"heldout_n": float(n), "heldout_accepted": float(k),
                "heldout_tokens": float(summary.get("tokens_generated") or 0)}
         # The curve's generation (pivotrl.runtime.generation): heldout_gen_tokens, heldout_gen_mfu, ...
         out.update({f"heldout_{k}": float(v) for k, v in summary.items() if k.startswith("gen_")})
         if n:  # no NaN for the trackers: a step where nothing could be evaluated has no accuracy
             out["heldout_accuracy"] = k / n
+        said = f"held-out accuracy after step {step}: {k}/{n}"
+        if stops:
+            stop = done[1][1]
+            sn, sk = int(stop.get("n_samples") or 0), int(stop.get("n_accepted") or 0)
+            out.update(heldout_stop_n=float(sn), heldout_stop_accepted=float(sk))
+            if sn:
+                out["heldout_stop_accuracy"] = sk / sn
+            said += f"; stop decisions {sk}/{sn}"
+        log.info(said)
         return out
 
     return evaluate

@@ -123,7 +123,12 @@ def test_both_held_out_curves_count_rollout_turns_and_claim_three_reads_them(com
     assert store.read_bytes(f"{ev['key']}/turn_curves.png")[:4] == b"\x89PNG"
     md = store.read_text(f"{ev['key']}/report.md")
     assert "## Held-out accuracy against rollout turns" in md and "](turn_curves.png)" in md
-    assert store.read_parquet(f"{e2e['key']}/metrics.parquet")["rollout_turns"].tolist()[-1] == ends["e2e"][1]
+    em = store.read_parquet(f"{e2e['key']}/metrics.parquet")
+    assert em["rollout_turns"].tolist()[-1] == ends["e2e"][1]
+    # The held-out stop decisions beside both curves: the same states, π_ref's score at step 0 on both engines.
+    pm = store.read_parquet(f"{train.train_key}/metrics.parquet")
+    assert em["heldout_before_stop_n"].iloc[0] == pm["heldout_before_stop_n"].iloc[0] > 0
+    assert em["heldout_before_stop_accepted"].iloc[0] == pm["heldout_before_stop_accepted"].iloc[0]
 
 
 def test_sft_at_matched_wall_time_and_e2e_at_matched_rollout_turns(compared):

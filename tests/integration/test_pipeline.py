@@ -66,6 +66,8 @@ def test_smoke_pipeline_end_to_end(smoke_run):
     assert (m["groups"] + m["dropped_groups"] == m["pivots"]).all()
     # The learning curve (training.eval_every): held-out accuracy before the first step and after the last.
     assert m["heldout_before_n"].iloc[0] > 0 and m["heldout_n"].iloc[-1] > 0 and (m["rollout_tokens"] > 0).all()
+    # ... with the held-out stop decisions of multi_turn_base beside it, the same states at every point.
+    assert m["heldout_before_stop_n"].iloc[0] == m["heldout_stop_n"].iloc[-1] > 0
     # The report states local and full-task numbers for all three policies.
     report = ev.report
     md = store.read_text(f"{ev.eval_key}/report.md")

@@ -79,12 +79,18 @@ def test_curve_numbers_intervals_rolling_reward_and_pivots_that_left(tmp_path: P
         "heldout_before_n": [10, None, None, None], "heldout_before_accepted": [2, None, None, None],
         "heldout_n": [None, 10, None, 10], "heldout_accepted": [None, 4, None, 7],
         "refilter_active": [None, None, json.dumps([0, 2]), None],
+        "heldout_before_stop_n": [4, None, None, None], "heldout_before_stop_accepted": [4, None, None, None],
+        "heldout_stop_n": [None, 4, None, 4], "heldout_stop_accepted": [None, 1, None, 0],
     })
     curve = learning_curve(df, pivots=5, window=2)
     held = curve["heldout"]
     assert [(p["step"], p["rollout_tokens"], p["accepted"], p["n"]) for p in held] == [
         (0, 0.0, 2, 10), (2, 30.0, 4, 10), (4, 100.0, 7, 10)]
     assert (held[1]["low"], held[1]["high"]) == wilson_interval(4, 10)
+    # The stop decisions, a second series at the same points.
+    assert [(p["step"], p["rollout_tokens"], p["accepted"], p["n"]) for p in curve["stop"]] == [
+        (0, 0.0, 4, 4), (2, 30.0, 1, 4), (4, 100.0, 0, 4)]
+    assert (curve["stop"][2]["low"], curve["stop"][2]["high"]) == wilson_interval(0, 4)
     # Rolling mean at step 3 over steps 2–3, weighted by actions: (0.5·8 + 0.75·16) / 24.
     r3 = curve["reward"][2]
     assert r3["rolling_mean"] == pytest.approx((0.5 * 8 + 0.75 * 16) / 24)
@@ -98,6 +104,8 @@ def test_curve_numbers_intervals_rolling_reward_and_pivots_that_left(tmp_path: P
     assert lines[0] == "Pivots that came out of the filter and were trained on: 5 of 40 probed candidates."
     assert plot == CURVE_PLOT and (tmp_path / CURVE_PLOT).read_bytes()[:4] == b"\x89PNG"
     assert any("step 2: 4/10" in line for line in lines)
+    assert any(line.startswith("Held-out stop decisions") and "step 0: 4/4" in line and "step 4: 0/4" in line
+               for line in lines)
     assert any("left the filter during training: 3 of 5" in line for line in lines)
 
 
@@ -111,6 +119,7 @@ def test_the_report_carries_the_curve(tmp_path: Path):
     assert report["plots"]["learning_curve"] == CURVE_PLOT
     md = md_path.read_text()
     assert "step 0: 3/20" in md and f"]({CURVE_PLOT})" in md and "trained on: 4 of 17 probed candidates" in md
+    assert report["learning_curve"]["stop"] == [] and "stop decisions" not in md  # none measured: no line
     # No held-out columns (eval_every = 0): said, and no curve plot.
     json_path, md_path = build_report({}, metrics_df=df[["step", "reward_mean"]], probe_df=None, pivot_stats=None,
                                       meta={}, out_dir=tmp_path / "b")
