@@ -181,6 +181,11 @@ def _draw(fig: Any, curve: Mapping[str, Any]) -> None:
         ax.grid(True, alpha=0.3)
 
 
+def _points_text(points: Sequence[Mapping[str, Any]]) -> str:
+    """``step s: k/n (low–high), ...`` of one series of curve points."""
+    return ", ".join(f"step {p['step']}: {p['accepted']}/{p['n']} ({p['low']:.2f}–{p['high']:.2f})" for p in points)
+
+
 def write_learning_curve(metrics_df: pd.DataFrame | None, out_dir: str | Path, *, pivots: int | None = None,
                          candidates: int | None = None,
                          window: int = DEFAULT_WINDOW) -> tuple[dict[str, Any] | None, list[str], str | None]:
@@ -199,13 +204,10 @@ def write_learning_curve(metrics_df: pd.DataFrame | None, out_dir: str | Path, *
                      + (f" of {candidates} probed candidates." if candidates is not None else "."))
     held = curve["heldout"]
     if held:
-        pts = ", ".join(f"step {p['step']}: {p['accepted']}/{p['n']} ({p['low']:.2f}–{p['high']:.2f})" for p in held)
-        lines.append(f"Held-out accuracy (greedy, 95% Wilson intervals) during training: {pts}.")
+        lines.append(f"Held-out accuracy (greedy, 95% Wilson intervals) during training: {_points_text(held)}.")
         if curve["stop"]:
-            pts = ", ".join(f"step {p['step']}: {p['accepted']}/{p['n']} ({p['low']:.2f}–{p['high']:.2f})"
-                            for p in curve["stop"])
             lines.append(f"Held-out stop decisions (greedy; answering without a tool call; never pivots) during "
-                         f"training: {pts}.")
+                         f"training: {_points_text(curve['stop'])}.")
     else:
         lines.append("Held-out accuracy was not measured during training (training.eval_every = 0).")
     if curve["reward"]:  # the trend of the reward is the training section's; here, where the rolling mean ended
