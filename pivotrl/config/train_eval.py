@@ -115,6 +115,17 @@ class TrainingSection(Section):
             "and sampling) and train the epoch only on those still inside the filter (seed §5: pivots drift)."
         ),
     )
+    anchors_per_batch: Int = Field(
+        0, ge=0,
+        description=(
+            "Anchor states trained beside the pivots in every batch: probed states on which every one of "
+            "π_ref's probes was accepted (decision all_pass), a seeded cycle through them. While π_θ still "
+            "solves an anchor its group has Â = 0 and adds only the β·KL term (spec case 3); once training "
+            "makes π_θ fail there, the group has a task signal that restores it. Guards the behaviour the "
+            "pivots never exercise (e.g. BFCL's closing turns, with quality.include_stop_decisions). "
+            "0 = pivots only, as published; an extension, reported apart (anchors, anchor_reward_mean)."
+        ),
+    )
     eval_every: Int = Field(
         4, ge=0,
         description=(

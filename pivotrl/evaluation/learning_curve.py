@@ -7,7 +7,7 @@
   (``rollout_tokens``, cumulative) and against the rollout turns sampled so far (``rollout_turns``,
   cumulative; see below). **Stop decisions** (``heldout_stop_n``/``heldout_stop_accepted``, where the
   held-out split has them: the states where the right action is to answer without a tool call,
-  never pivots) are a second series at the same points, so a run that teaches the policy to keep
+  pivots only with ``quality.include_stop_decisions``) are a second series at the same points, so a run that teaches the policy to keep
   calling shows it while it trains.
 * **Rollout turns** (the paper's cost unit: one sampled action = one model call = one environment
   turn): a PivotRL run's metrics carry, per step, ``model_calls`` (:func:`pivotrl_step_turns`) and
@@ -84,7 +84,8 @@ def learning_curve(metrics_df: pd.DataFrame | None, *, pivots: int | None = None
 
     Returns ``{"heldout": [{step, rollout_tokens, rollout_turns, accepted, n, accuracy, low, high}]
     (step 0 = the starting policy; ``rollout_turns`` None for metrics without the column), "stop":
-    the same points for the held-out stop decisions ([] when not measured), "reward": [{step,
+    the same points for the held-out stop decisions ([] when not measured), "anchors": [{step,
+    anchors, reward_mean}] of the anchor states (``training.anchors_per_batch``; [] without), "reward": [{step,
     reward_mean, rolling_mean, low, high}], "window", "pivots", "pivots_active", "pivots_left_filter"}``.
     """
     if metrics_df is None or len(metrics_df) == 0 or "step" not in metrics_df.columns:
@@ -140,7 +141,11 @@ def learning_curve(metrics_df: pd.DataFrame | None, *, pivots: int | None = None
         last = next((r for r in reversed(df["refilter_active"].tolist()) if isinstance(r, str)), None)
         active = None if last is None else len(json.loads(last))
     left = None if active is None or pivots is None else pivots - active
-    return {"heldout": heldout, "stop": stop, "reward": reward, "window": max(1, int(window)), "pivots": pivots,
+    anchors = ([{"step": int(r["step"]), "anchors": int(r["anchors"]),
+                 "reward_mean": finite_or_none(r["anchor_reward_mean"])} for _, r in df.iterrows()
+                if finite_or_none(r.get("anchors")) is not None]
+               if "anchor_reward_mean" in df.columns else [])
+    return {"heldout": heldout, "stop": stop, "anchors": anchors, "reward": reward, "window": max(1, int(window)), "pivots": pivots,
             "pivots_active": active, "pivots_left_filter": left}
 
 
@@ -206,10 +211,16 @@ def write_learning_curve(metrics_df: pd.DataFrame | None, out_dir: str | Path, *
     if held:
         lines.append(f"Held-out accuracy (greedy, 95% Wilson intervals) during training: {_points_text(held)}.")
         if curve["stop"]:
-            lines.append(f"Held-out stop decisions (greedy; answering without a tool call; never pivots) during "
+            lines.append(f"Held-out stop decisions (greedy; answering without a tool call) during "
                          f"training: {_points_text(curve['stop'])}.")
     else:
         lines.append("Held-out accuracy was not measured during training (training.eval_every = 0).")
+    if curve["anchors"]:
+        rs = [a["reward_mean"] for a in curve["anchors"] if a["reward_mean"] is not None]
+        lines.append(f"Anchor states (training.anchors_per_batch: states π_ref solved on every probe, "
+                     f"{max(a['anchors'] for a in curve['anchors'])} per batch): their actions' mean reward "
+                     + (f"{rs[0]:.3f} at step {curve['anchors'][0]['step']}, {rs[-1]:.3f} at the last step, "
+                        f"lowest {min(rs):.3f}." if rs else "was never decided."))
     if curve["reward"]:  # the trend of the reward is the training section's; here, where the rolling mean ended
         last = curve["reward"][-1]
         lines.append(f"Reward, rolling mean of the final {curve['window']} steps: {last['rolling_mean']:.3f} "

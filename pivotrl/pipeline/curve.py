@@ -9,7 +9,7 @@ the same hook on its own engine (:func:`pivotrl.pipeline.compare.stage_e2e_basel
 
 Where the held-out split has stop decisions (BFCL's closing "Done." after a multi-turn user turn:
 the right action is to answer without a tool call), the same pass also measures a seeded choice of
-``training.eval_states`` of them, apart (``heldout_stop_*``): they are never pivots, so this is how
+``training.eval_states`` of them, apart (``heldout_stop_*``): they are pivots only with ``quality.include_stop_decisions``, so this is how
 a run sees, step by step, whether training on call states teaches the policy to keep calling where
 it should stop.
 

@@ -36,9 +36,13 @@ log = logging.getLogger("pivotrl.pipeline")
 
 def train_key(cfg: RunConfig, store: ArtifactStore, probe: ProbeResult, ref: ReferenceResult) -> str:
     """``train/<16 hex>``: content hash of the pivot set, π_ref, the training, rollout, verifier and
-    prompt settings, the dtype, the seed and the train stage's code (pivotrl.provenance.code_digest)."""
+    prompt settings, the dtype, the seed and the train stage's code (pivotrl.provenance.code_digest);
+    with ``training.anchors_per_batch`` also of the probe table the anchor states come from."""
     tr = cfg.training
+    anchors = ({"anchors": store.read_manifest(f"{probe.probes_key}/probes.parquet").sha256}
+               if tr.anchors_per_batch else {})
     return "train/" + content_hash({"pivots": store.read_manifest(f"{probe.pivots_key}/pivots.parquet").sha256,
+                                    **anchors,
                                     "reference": ref.ref_hash, "training": tr.model_dump(mode="json"),
                                     "rollout": cfg.rollout.model_dump(mode="json"),
                                     "verifier": cfg.verifier.model_dump(mode="json"),
@@ -140,7 +144,7 @@ def stage_train(cfg: RunConfig, store: ArtifactStore, probe: ProbeResult | Mappi
     from pivotrl.provenance.rollouts import record_train_step
     from pivotrl.tracking.live import step_logger
     from pivotrl.training.checkpoints import fetch_checkpoint, latest_checkpoint, rank_and_world, save_checkpoint
-    from pivotrl.training.loop import LoopHooks, pivot_schedule, refilter_unused, run_rl_loop
+    from pivotrl.training.loop import LoopHooks, anchor_schedule, pivot_schedule, refilter_unused, run_rl_loop
     from pivotrl.training.rank_engines import engine_host_ranks, local_world_size
     from pivotrl.training.pivotrl import PivotRLTrainer
 
@@ -159,11 +163,20 @@ def stage_train(cfg: RunConfig, store: ArtifactStore, probe: ProbeResult | Mappi
         return _launch_ranks(configured, store, probe, ref, threads=int(os.environ.get("OMP_NUM_THREADS", "1")))
     cache = cache_dir(cfg)
     pivots = frame_to_states(pivot_frame)
+    num_pivots = len(pivots)
+    if tr.anchors_per_batch:  # states π_ref solves, trained beside the pivots (training.anchors_per_batch)
+        from pivotrl.pipeline.probe_stage import anchor_states
+
+        anchors = anchor_states(store, probe)
+        log.info("anchor states: %d of the probed states (every probe accepted), %d per batch", len(anchors),
+                 min(tr.anchors_per_batch, len(anchors)))
+        pivots += anchors
     rdir = reference_dir(cfg, store, ref)
     tok = load_tokenizer(rdir)
     prompts = [encode_state(s, tok, max_len=cfg.model.max_context - cfg.rollout.max_tokens, **prompt_kwargs(cfg))
                for s in pivots]
-    schedule = pivot_schedule(len(pivots), tr.pivots_per_batch, tr.epochs, cfg.run.seed, tr.max_steps)
+    schedule = anchor_schedule(pivot_schedule(num_pivots, tr.pivots_per_batch, tr.epochs, cfg.run.seed, tr.max_steps),
+                               num_pivots, len(pivots) - num_pivots, tr.anchors_per_batch, cfg.run.seed)
     # Named by this process (pivotrl.pipeline.tempdirs.remove_stale_tempdirs: a later stage removes
     # it if this one is killed before it does).
     work = Path(tempfile.mkdtemp(prefix=f"pivotrl-train-p{os.getpid()}-", dir=cache))
@@ -200,7 +213,8 @@ def stage_train(cfg: RunConfig, store: ArtifactStore, probe: ProbeResult | Mappi
             store, trainer, f"{tkey}/checkpoints/step-{step:06d}", rows_so_far, work, rank, world))
     try:
         rows = run_rl_loop(trainer, engine, verifier, pivots, prompts, schedule, cfg, work,
-                           start=start, rows=rows, hooks=hooks, rank=rank, world=world, hosts=hosts)
+                           start=start, rows=rows, hooks=hooks, rank=rank, world=world, hosts=hosts,
+                           num_pivots=num_pivots)
     finally:
         if engine is not None:
             engine.close()
@@ -222,7 +236,8 @@ def stage_train(cfg: RunConfig, store: ArtifactStore, probe: ProbeResult | Mappi
     inputs = {"pivots": probe.pivots, "reference": store.url(ref.ref_key) if ref.ref_key else ref.base_dir}
     store.write_artifact(f"{tkey}/metrics.parquet", metrics_df, kind="training_metrics", inputs=inputs,
                          config={"training": tr.model_dump(mode="json")}, extra={"seed": cfg.run.seed})
-    summary = {"steps": len(rows), "pivots": len(pivots), "final_reward_mean": float(metrics_df["reward_mean"].iloc[-1])
+    summary = {"steps": len(rows), "pivots": num_pivots, **({"anchors": len(pivots) - num_pivots}
+                                                             if tr.anchors_per_batch else {}), "final_reward_mean": float(metrics_df["reward_mean"].iloc[-1])
                if "reward_mean" in metrics_df and len(metrics_df) else None,
                "policy": store.url(final_key)}
     from pivotrl.runtime.mfu import summarize
@@ -230,7 +245,7 @@ def stage_train(cfg: RunConfig, store: ArtifactStore, probe: ProbeResult | Mappi
     speed = summarize(rows)  # the stage's trainer time, model FLOPs, tokens/s and MFU over all steps
     if speed:
         summary.update(speed)
-    note = refilter_unused(cfg, len(pivots), len(schedule))
+    note = refilter_unused(cfg, num_pivots, len(schedule))
     if note:  # also logged by the loop; here it reaches the summary, the Prefect UI and the console line
         summary["warnings"] = [note]
     store.write_artifact(f"{tkey}/summary.json", summary, kind="policy_checkpoint", inputs=inputs,

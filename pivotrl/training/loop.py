@@ -47,7 +47,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("pivotrl.training")
 
 __all__ = [
-    "LoopHooks", "REFRESH_MEAN_TOLERANCE", "check_refresh", "pivot_schedule", "refilter_unused", "refresh_delta",
+    "LoopHooks", "REFRESH_MEAN_TOLERANCE", "anchor_schedule", "check_refresh", "pivot_schedule", "refilter_unused", "refresh_delta",
     "refresh_ok", "run_rl_loop", "steps_per_epoch",
 ]
 
@@ -148,7 +148,7 @@ class LoopHooks:
 def run_rl_loop(trainer: Any, engine: Any, verifier: Any, pivots: Sequence[Any], prompts: Sequence[list[int]],
                 schedule: Sequence[Sequence[int]], cfg: "RunConfig", work: Path, *, start: int = 0,
                 rows: list[dict] | None = None, hooks: LoopHooks | None = None, rank: int = 0, world: int = 1,
-                progress: bool = True, hosts: Sequence[int] = (0,)) -> list[dict]:
+                progress: bool = True, hosts: Sequence[int] = (0,), num_pivots: int | None = None) -> list[dict]:
     """Run steps ``start .. len(schedule) - 1`` of PivotRL training and return every step's metrics row.
 
     Args:
@@ -171,8 +171,12 @@ def run_rl_loop(trainer: Any, engine: Any, verifier: Any, pivots: Sequence[Any],
         rank, world: this process's rank and the world size.
         hosts: the ranks that own an engine (``pivotrl.training.rank_engines.engine_host_ranks``;
             default rank 0 alone).
+        num_pivots: how many of ``pivots`` are pivots (default all); the rest are anchor states
+            (``training.anchors_per_batch``, :func:`anchor_schedule`): trained like pivots, never
+            re-filtered, counted apart in the rows.
 
-    Each row: step (1-based), pivots, groups, dropped_groups, verifier_retries,
+    Each row: step (1-based), pivots, anchors and anchor_reward_mean (the mean reward of the anchor
+    groups' actions; only with anchor states), groups, dropped_groups, verifier_retries,
     accepted_not_demonstrated (this batch's accepted actions whose call list differs from the
     demonstration's, :data:`pivotrl.verifiers.base.NOT_DEMONSTRATED`), the trainer's
     metrics (reward_mean, kl, ...), rollout_s, step_time_s, refresh_s (writing the weights — the
@@ -198,18 +202,20 @@ def run_rl_loop(trainer: Any, engine: Any, verifier: Any, pivots: Sequence[Any],
     work = Path(work)
     # Progress by group updates (pivots × updates per batch), counted inside each step.
     tr = cfg.training
-    per_step = tr.pivots_per_batch * tr.updates_per_batch
+    n_piv = len(pivots) if num_pivots is None else int(num_pivots)
+    anchor_ids = {getattr(p, "state_id", None) for p in pivots[n_piv:]}
+    per_step = (tr.pivots_per_batch + min(tr.anchors_per_batch, len(pivots) - n_piv)) * tr.updates_per_batch
     bar = Progress("training", (len(schedule) - start) * per_step, "group updates",
                    enabled=lead and progress).__enter__()
     trainer.on_groups = lambda n: bar.update(n * world)
-    per_epoch = steps_per_epoch(cfg, len(pivots)) if tr.refilter_between_epochs else 0
-    note = refilter_unused(cfg, len(pivots), len(schedule))
+    per_epoch = steps_per_epoch(cfg, n_piv) if tr.refilter_between_epochs else 0
+    note = refilter_unused(cfg, n_piv, len(schedule))
     if note and lead:
         log.warning(note)
     # Pivots still inside the filter (all of them unless re-filtered; a resumed run takes the last
     # re-filter decision from its rows).
     active = next((json.loads(r["refilter_active"]) for r in reversed(rows)
-                   if isinstance(r.get("refilter_active"), str)), list(range(len(pivots))))
+                   if isinstance(r.get("refilter_active"), str)), list(range(n_piv)))
     before: dict[str, Any] = {}  # held-out accuracy of the starting policy (the learning curve's step 0)
     if lead and tr.eval_every and start == 0:
         before = {k.replace("heldout_", "heldout_before_", 1): v for k, v in hooks.evaluate(0).items()}
@@ -227,7 +233,7 @@ def run_rl_loop(trainer: Any, engine: Any, verifier: Any, pivots: Sequence[Any],
                 active, counts = broadcast((active, counts), world)
                 refiltered = {"refilter_active": json.dumps(sorted(active)),
                               **{f"refilter_{k}": v for k, v in counts.items()}}
-            keep = set(active)
+            keep = set(active) | set(range(n_piv, len(pivots)))  # anchors are never re-filtered
             idx = [i for i in schedule[step] if i in keep]
             gen_before = snapshot(engine)
             batch, served = rollout_step(engine, verifier, pivots, prompts, idx, cfg, step, rank=rank,
@@ -267,7 +273,9 @@ def run_rl_loop(trainer: Any, engine: Any, verifier: Any, pivots: Sequence[Any],
                                                      rank=rank, world=world, hosts=hosts, timing=timing)
             engines_row = _engines_row(per_engine, served, cfg) if per_engine else {}
             shutil.rmtree(work / f"policy-{step - 1}", ignore_errors=True)
-            row = {"step": step + 1, "pivots": len(idx), "groups": len(groups), "dropped_groups": dropped,
+            row = {"step": step + 1, "pivots": sum(1 for i in idx if i < n_piv), **_anchor_columns(idx, n_piv, groups,
+                                                                                               anchor_ids),
+                   "groups": len(groups), "dropped_groups": dropped,
                    "verifier_retries": retries,
                    # accepted actions whose calls differ from the demonstration's (execution verifier)
                    "accepted_not_demonstrated": sum(count_not_demonstrated([r.reason for r in res])
@@ -300,6 +308,42 @@ def run_rl_loop(trainer: Any, engine: Any, verifier: Any, pivots: Sequence[Any],
     finally:
         bar.close()
     return rows
+
+
+def _anchor_columns(idx: Sequence[int], n_piv: int, groups: Sequence[Any], anchor_ids: set) -> dict[str, Any]:
+    """A step's anchor columns: ``anchors`` (anchor states in the batch) and ``anchor_reward_mean``
+    (mean reward of their groups' actions; NaN when none was decided); {} in a run without anchors."""
+    if not anchor_ids:
+        return {}
+    rewards = [r for g in groups if g.state_id in anchor_ids for r in g.rewards]
+    return {"anchors": sum(1 for i in idx if i >= n_piv),
+            "anchor_reward_mean": sum(rewards) / len(rewards) if rewards else float("nan")}
+
+
+def anchor_schedule(schedule: Sequence[Sequence[int]], num_pivots: int, num_anchors: int, per_batch: int,
+                    seed: int) -> list[list[int]]:
+    """``schedule`` with ``per_batch`` anchor indices (``num_pivots .. num_pivots + num_anchors - 1``)
+    appended to every batch: a seeded permutation of the anchors, cycled (a new permutation each
+    pass), so every anchor is trained before any is trained twice. Unchanged when either count is 0."""
+    if not num_anchors or not per_batch:
+        return [list(b) for b in schedule]
+    out: list[list[int]] = []
+    order: list[int] = []
+    passes = 0
+    for batch in schedule:
+        extra: list[int] = []
+        while len(extra) < min(per_batch, num_anchors):
+            if not order:
+                order = list(range(num_pivots, num_pivots + num_anchors))
+                random.Random(seed * 1_000_033 + passes).shuffle(order)
+                passes += 1
+            a = order.pop(0)
+            if a not in extra:
+                extra.append(a)
+            else:
+                order.append(a)
+        out.append(list(batch) + extra)
+    return out
 
 
 def _engines_row(per_engine: Sequence[tuple[float, float] | None], served: Sequence[int],

@@ -148,6 +148,37 @@ def test_lambda_change_refilters_without_reprobing(smoke_run, tmp_path):
     assert set(store.read_parquet(f"{probe2.pivots_key}/pivots.parquet")["state_id"]) == expected
 
 
+@pytest.mark.integration
+def test_anchor_states_come_from_the_probe_table_and_train_beside_the_pivots(smoke_run, tmp_path):
+    """training.anchors_per_batch on the smoke run: the anchors are the probe table's all_pass states
+    (two of its rows are marked so here, as a reference that solves them would leave them), read
+    back as whole turn states, trained one per step beside the pivots and counted apart; the
+    probe table joins the train key."""
+    from pivotrl.pipeline.probe_stage import anchor_states
+    from pivotrl.pipeline.train import train_key
+
+    cfg, store, demos, ref, probe, train, _ = copy_smoke_run(smoke_run, tmp_path / "root")
+    table = store.read_parquet(f"{probe.probes_key}/probes.parquet")
+    pivot_ids = set(store.read_parquet(f"{probe.pivots_key}/pivots.parquet")["state_id"])
+    solved = sorted(s for s, st in zip(table["state_id"], table["status"]) if st == "ok" and s not in pivot_ids)[:2]
+    assert len(solved) == 2
+    table.loc[table["state_id"].isin(solved), "decision"] = "all_pass"
+    store.write_artifact(f"{probe.probes_key}/probes.parquet", table, kind="probe_table")
+    anchors = anchor_states(store, probe)
+    assert [a.state_id for a in anchors] == sorted(set(solved) | set(table.loc[table["decision"] == "all_pass",
+                                                                              "state_id"]))
+    cand = store.read_parquet(f"{demos['key']}/candidates.parquet").set_index("state_id")
+    assert all(len(a.messages) == int(cand.loc[a.state_id, "history_len"]) for a in anchors)  # whole histories
+    cfg2 = cfg.model_copy(update={"training": cfg.training.model_copy(update={"anchors_per_batch": 1,
+                                                                               "max_steps": 2})})
+    assert train_key(cfg2, store, probe, ref) != train_key(cfg, store, probe, ref)
+    res = stages.stage_train(cfg2, store, probe, ref)
+    m = store.read_parquet(f"{res.train_key}/metrics.parquet")
+    assert list(m["anchors"]) == [1, 1] and list(m["groups"] + m["dropped_groups"]) == list(m["pivots"] + 1)
+    assert m["anchor_reward_mean"].notna().all() and res.summary["anchors"] == len(anchors)
+    assert res.summary["pivots"] == len(pivot_ids)
+
+
 def _copy_root(src: Path, dst: Path) -> Path:
     """A copy of a run root without its evaluation (same content keys, nothing evaluated yet)."""
     import shutil

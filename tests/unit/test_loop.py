@@ -249,3 +249,54 @@ def test_refilter_that_cannot_run_within_the_first_epoch_is_warned_once(engine, 
     assert len(rows) == 1 and "refilter_active" not in rows[0]
     warned = [r.getMessage() for r in caplog.records if "refilter_between_epochs" in r.getMessage()]
     assert len(warned) == 1 and "will not run: the run has 1 step(s) and its first epoch has 2" in warned[0]
+
+
+def test_anchor_schedule_appends_a_seeded_cycle_of_every_anchor_to_each_batch() -> None:
+    from pivotrl.training.loop import anchor_schedule
+
+    base = pivot_schedule(4, 2, 3, seed=0, max_steps=None)  # 6 batches of pivots 0..3
+    got = anchor_schedule(base, 4, 3, 2, seed=7)
+    assert [b[:2] for b in got] == base  # the pivots' order is untouched
+    extra = [b[2:] for b in got]
+    assert all(len(e) == 2 and len(set(e)) == 2 and set(e) <= {4, 5, 6} for e in extra)
+    flat = [a for e in extra for a in e]
+    assert sorted(flat[:3]) == [4, 5, 6]  # every anchor once before any twice
+    assert got == anchor_schedule(base, 4, 3, 2, seed=7) and got != anchor_schedule(base, 4, 3, 2, seed=8)
+    assert anchor_schedule(base, 4, 0, 2, seed=0) == base == anchor_schedule(base, 4, 3, 0, seed=0)
+    # more per batch than anchors: each anchor once per batch
+    assert all(sorted(b[2:]) == [4, 5] for b in anchor_schedule(base, 4, 2, 5, seed=0))
+
+
+def test_anchor_states_train_beside_the_pivots_are_never_refiltered_and_are_counted_apart(engine, ckpt: Path,
+                                                                                         tmp_path: Path) -> None:
+    """Two pivots and two anchors (states the verifier accepts every action at), one anchor per
+    batch, re-filter on: the anchors' groups reach the trainer, the rows count them apart with their
+    reward, and the re-filter (which would drop an all-pass pivot) leaves them in."""
+    from pivotrl.evaluation.learning_curve import learning_curve, pivotrl_step_turns
+    from pivotrl.training.loop import anchor_schedule
+    from pivotrl.training.pivotrl import PivotRLTrainer
+
+    trainer = PivotRLTrainer.build(ckpt, group_size=4, dtype="float32", lr=1e-3, beta=0.1, updates_per_batch=1, seed=0)
+    states = _states("p0", "p1", "easy-a", "easy-b")
+    schedule = anchor_schedule(pivot_schedule(2, 2, 2, seed=0, max_steps=None), 2, 2, 1, seed=0)
+    rf = ("training.refilter_between_epochs=true", "probing.num_probes=4", "probing.temperature=1.0",
+          "probing.top_p=1.0", "probing.top_k=0", "probing.seed=0", "probing.lambda_diff=1.0")
+    verifier = PassVerifier()
+    rows = run_rl_loop(trainer, engine, verifier, states, PROMPTS, schedule, _settings(*rf), tmp_path / "work",
+                       progress=False, num_pivots=2)
+    assert len(rows) == 2
+    assert [r["anchors"] for r in rows] == [1, 1] and [r["anchor_reward_mean"] for r in rows] == [1.0, 1.0]
+    assert rows[1]["refilter_all_pass"] + rows[1]["refilter_kept"] + rows[1]["refilter_all_fail"] \
+        + rows[1]["refilter_above_threshold"] + rows[1]["refilter_undecided"] == 2  # the pivots only
+    # both anchors trained once (a cycle), never re-probed: one group of K = 4 each
+    assert sorted(s for s in verifier.calls if s.startswith("easy")) == ["easy-a", "easy-b"]
+    for r in rows:
+        assert r["groups"] == r["pivots"] + r["anchors"] and r["actions"] == 4 * r["groups"]
+        assert pivotrl_step_turns(r, 4, 4) >= 4 * r["groups"]  # the anchors' samples are rollout turns
+    import pandas as pd
+
+    curve = learning_curve(pd.DataFrame(rows))
+    assert [(a["step"], a["anchors"], a["reward_mean"]) for a in curve["anchors"]] == [(1, 1, 1.0), (2, 1, 1.0)]
+    plain = run_rl_loop(trainer, engine, ToyVerifier(), states[:2], PROMPTS, pivot_schedule(2, 2, 1, 0, None),
+                        _settings(), tmp_path / "work2", progress=False)
+    assert "anchors" not in plain[0] and learning_curve(pd.DataFrame(plain))["anchors"] == []
