@@ -277,35 +277,6 @@ def select_pivot_set(cfg: RunConfig, store: ArtifactStore, demos: Mapping[str, A
     return _probe_result(store, pkey, vkey)
 
 
-def anchor_states(store: ArtifactStore, probe: ProbeResult) -> list[Any]:
-    """The anchor states of ``training.anchors_per_batch``: every probed state of ``probe``'s table
-    whose decision is ``all_pass`` (each of π_ref's m probes accepted), as turn states in state-id
-    order, read from the candidates and demonstrations the pivot set names in its manifest
-    (``inputs.candidates``; in a copied store, the same key). [] when the table has none.
-
-    Raises:
-        DataError: the pivot set's manifest names no candidates table in this store.
-    """
-    from pivotrl.core.errors import DataError
-
-    table = store.read_parquet(f"{probe.probes_key}/probes.parquet")
-    solved = sorted(table.loc[table["decision"] == "all_pass", "state_id"].astype(str))
-    if not solved:
-        return []
-    uri = (store.read_manifest(f"{probe.pivots_key}/pivots.parquet").inputs.get("candidates") or {}).get("uri", "")
-    root = store.url("x")[:-1]
-    # The manifest names the table by URL; a store copied or moved elsewhere holds it under the same
-    # content-addressed key (demos/<key>/candidates.parquet), the URL's last three parts.
-    key = uri[len(root):] if uri.startswith(root) else "/".join(uri.split("/")[-3:])
-    if not uri or not store.exists(key):
-        raise DataError(f"the pivot set {probe.pivots} names no candidates table in this store ({uri or 'none'}), "
-                        "so its anchor states (training.anchors_per_batch) cannot be read")
-    cand = store.read_parquet(key)
-    rows = cand[cand["state_id"].astype(str).isin(solved)].sort_values("state_id").reset_index(drop=True)
-    demos_key = key.rsplit("/", 1)[0]
-    return frame_to_states(expand_candidates(rows, read_histories(store, demos_key, rows["trajectory_id"])))
-
-
 def _probe_result(store: ArtifactStore, pkey: str, vkey: str) -> ProbeResult:
     return ProbeResult(pkey, store.url(f"{pkey}/probes.parquet"), vkey, store.url(f"{vkey}/pivots.parquet"),
                        store.read_json(f"{vkey}/stats.json"), store.read_text(f"{vkey}/summary.md"))

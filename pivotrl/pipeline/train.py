@@ -165,9 +165,7 @@ def stage_train(cfg: RunConfig, store: ArtifactStore, probe: ProbeResult | Mappi
     pivots = frame_to_states(pivot_frame)
     num_pivots = len(pivots)
     if tr.anchors_per_batch:  # states π_ref solves, trained beside the pivots (training.anchors_per_batch)
-        from pivotrl.pipeline.probe_stage import anchor_states
-
-        anchors = anchor_states(store, probe)
+        anchors = anchor_states(cfg, store, probe)
         log.info("anchor states: %d of the probed states (every probe accepted), %d per batch", len(anchors),
                  min(tr.anchors_per_batch, len(anchors)))
         pivots += anchors
@@ -253,6 +251,38 @@ def stage_train(cfg: RunConfig, store: ArtifactStore, probe: ProbeResult | Mappi
                                                                          "prompt_format": ref.prompt_format})
     shutil.rmtree(work, ignore_errors=True)
     return TrainResult(tkey, final_key, metrics_uri, summary)
+
+
+def anchor_states(cfg: RunConfig, store: ArtifactStore, probe: ProbeResult) -> list[Any]:
+    """The anchor states of ``training.anchors_per_batch``: every probed state of ``probe``'s table
+    on which every one of π_ref's m probes was accepted (the pivot rule's decision ``all_pass``,
+    :func:`pivotrl.pipeline.probe.apply_pivot_filter`), as turn states in state-id order, read from
+    the candidates and demonstrations the pivot set names in its manifest (``inputs.candidates``; in
+    a copied or moved store, the same content-addressed key). [] when the table has none.
+
+    Raises:
+        DataError: the candidates table the pivot set names is not in this store.
+    """
+    from pivotrl.core.errors import DataError
+    from pivotrl.data.states import expand_candidates, frame_to_states
+    from pivotrl.pipeline.demos import read_histories
+    from pivotrl.pipeline.probe import apply_pivot_filter
+
+    table = apply_pivot_filter(store.read_parquet(f"{probe.probes_key}/probes.parquet"), cfg.probing.lambda_diff)
+    solved = sorted(table.loc[table["decision"] == "all_pass", "state_id"].astype(str))
+    if not solved:
+        return []
+    uri = (store.read_manifest(f"{probe.pivots_key}/pivots.parquet").inputs.get("candidates") or {}).get("uri", "")
+    root = store.url("x")[:-1]
+    # The manifest names the table by URL; a store copied or moved elsewhere holds it under the same
+    # content-addressed key (demos/<key>/candidates.parquet), the URL's last three parts.
+    key = uri[len(root):] if uri.startswith(root) else "/".join(uri.split("/")[-3:])
+    if not uri or not store.exists(key):
+        raise DataError(f"the pivot set {probe.pivots} names no candidates table in this store ({uri or 'none'}), "
+                        "so its anchor states (training.anchors_per_batch) cannot be read")
+    cand = store.read_parquet(key)
+    rows = cand[cand["state_id"].astype(str).isin(solved)].sort_values("state_id").reset_index(drop=True)
+    return frame_to_states(expand_candidates(rows, read_histories(store, key.rsplit("/", 1)[0], rows["trajectory_id"])))
 
 
 def make_training_engines(cfg: RunConfig, model_dir: Path | str, *, hosts: Sequence[int] = (0,), rank: int = 0) -> Any:

@@ -150,23 +150,28 @@ def test_lambda_change_refilters_without_reprobing(smoke_run, tmp_path):
 
 @pytest.mark.integration
 def test_anchor_states_come_from_the_probe_table_and_train_beside_the_pivots(smoke_run, tmp_path):
-    """training.anchors_per_batch on the smoke run: the anchors are the probe table's all_pass states
-    (two of its rows are marked so here, as a reference that solves them would leave them), read
-    back as whole turn states, trained one per step beside the pivots and counted apart; the
-    probe table joins the train key."""
-    from pivotrl.pipeline.probe_stage import anchor_states
-    from pivotrl.pipeline.train import train_key
+    """training.anchors_per_batch on the smoke run: the anchors are the probe table's all-pass states
+    (every probe accepted; two of its rows get such rewards here, as a reference that solves them
+    would leave them), read back as whole turn states, trained one per step beside the pivots and
+    counted apart; the probe table joins the train key."""
+    from pivotrl.pipeline.probe import apply_pivot_filter
+    from pivotrl.pipeline.train import anchor_states, train_key
 
     cfg, store, demos, ref, probe, train, _ = copy_smoke_run(smoke_run, tmp_path / "root")
     table = store.read_parquet(f"{probe.probes_key}/probes.parquet")
+    assert set(table["decision"]) <= {""}  # the table keeps no decision: the pivot rule gives it
     pivot_ids = set(store.read_parquet(f"{probe.pivots_key}/pivots.parquet")["state_id"])
     solved = sorted(s for s, st in zip(table["state_id"], table["status"]) if st == "ok" and s not in pivot_ids)[:2]
     assert len(solved) == 2
-    table.loc[table["state_id"].isin(solved), "decision"] = "all_pass"
+    m = len(json.loads(table["rewards"].iloc[0]))
+    pick = table["state_id"].isin(solved)
+    table.loc[pick, "rewards"] = json.dumps([1.0] * m)
+    table.loc[pick, "mu"], table.loc[pick, "var"] = 1.0, 0.0
     store.write_artifact(f"{probe.probes_key}/probes.parquet", table, kind="probe_table")
-    anchors = anchor_states(store, probe)
-    assert [a.state_id for a in anchors] == sorted(set(solved) | set(table.loc[table["decision"] == "all_pass",
-                                                                              "state_id"]))
+    decided = apply_pivot_filter(table, cfg.probing.lambda_diff)
+    expected = sorted(decided.loc[decided["decision"] == "all_pass", "state_id"])
+    anchors = anchor_states(cfg, store, probe)
+    assert set(solved) <= set(expected) and [a.state_id for a in anchors] == expected
     cand = store.read_parquet(f"{demos['key']}/candidates.parquet").set_index("state_id")
     assert all(len(a.messages) == int(cand.loc[a.state_id, "history_len"]) for a in anchors)  # whole histories
     cfg2 = cfg.model_copy(update={"training": cfg.training.model_copy(update={"anchors_per_batch": 1,
