@@ -165,10 +165,9 @@ def stage_train(cfg: RunConfig, store: ArtifactStore, probe: ProbeResult | Mappi
     pivots = frame_to_states(pivot_frame)
     num_pivots = len(pivots)
     if tr.anchors_per_batch:  # states π_ref solves, trained beside the pivots (training.anchors_per_batch)
-        anchors = anchor_states(cfg, store, probe)
+        pivots += (anchors := anchor_states(cfg, store, probe))
         log.info("anchor states: %d of the probed states (every probe accepted), %d per batch", len(anchors),
                  min(tr.anchors_per_batch, len(anchors)))
-        pivots += anchors
     rdir = reference_dir(cfg, store, ref)
     tok = load_tokenizer(rdir)
     prompts = [encode_state(s, tok, max_len=cfg.model.max_context - cfg.rollout.max_tokens, **prompt_kwargs(cfg))
@@ -254,15 +253,11 @@ def stage_train(cfg: RunConfig, store: ArtifactStore, probe: ProbeResult | Mappi
 
 
 def anchor_states(cfg: RunConfig, store: ArtifactStore, probe: ProbeResult) -> list[Any]:
-    """The anchor states of ``training.anchors_per_batch``: every probed state of ``probe``'s table
-    on which every one of π_ref's m probes was accepted (the pivot rule's decision ``all_pass``,
-    :func:`pivotrl.pipeline.probe.apply_pivot_filter`), as turn states in state-id order, read from
-    the candidates and demonstrations the pivot set names in its manifest (``inputs.candidates``; in
-    a copied or moved store, the same content-addressed key). [] when the table has none.
-
-    Raises:
-        DataError: the candidates table the pivot set names is not in this store.
-    """
+    """The anchor states of ``training.anchors_per_batch``: the probed states of ``probe``'s table on
+    which all of π_ref's m probes were accepted (decision ``all_pass``, :func:`apply_pivot_filter`),
+    as turn states in state-id order, from the candidates the pivot set's manifest names
+    (``inputs.candidates``; in a copied or moved store, the same content-addressed key); [] if none.
+    Raises DataError when that candidates table is not in this store."""
     from pivotrl.core.errors import DataError
     from pivotrl.data.states import expand_candidates, frame_to_states
     from pivotrl.pipeline.demos import read_histories
@@ -273,9 +268,7 @@ def anchor_states(cfg: RunConfig, store: ArtifactStore, probe: ProbeResult) -> l
     if not solved:
         return []
     uri = (store.read_manifest(f"{probe.pivots_key}/pivots.parquet").inputs.get("candidates") or {}).get("uri", "")
-    root = store.url("x")[:-1]
-    # The manifest names the table by URL; a store copied or moved elsewhere holds it under the same
-    # content-addressed key (demos/<key>/candidates.parquet), the URL's last three parts.
+    root = store.url("x")[:-1]  # elsewhere: the URL's last three parts, demos/<key>/candidates.parquet
     key = uri[len(root):] if uri.startswith(root) else "/".join(uri.split("/")[-3:])
     if not uri or not store.exists(key):
         raise DataError(f"the pivot set {probe.pivots} names no candidates table in this store ({uri or 'none'}), "
