@@ -145,8 +145,8 @@ def learning_curve(metrics_df: pd.DataFrame | None, *, pivots: int | None = None
                  "reward_mean": finite_or_none(r["anchor_reward_mean"])} for _, r in df.iterrows()
                 if finite_or_none(r.get("anchors")) is not None]
                if "anchor_reward_mean" in df.columns else [])
-    return {"heldout": heldout, "stop": stop, "anchors": anchors, "reward": reward, "window": max(1, int(window)), "pivots": pivots,
-            "pivots_active": active, "pivots_left_filter": left}
+    return {"heldout": heldout, "stop": stop, "anchors": anchors, "reward": reward, "window": max(1, int(window)),
+            "pivots": pivots, "pivots_active": active, "pivots_left_filter": left}
 
 
 def _draw(fig: Any, curve: Mapping[str, Any]) -> None:

@@ -47,8 +47,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("pivotrl.training")
 
 __all__ = [
-    "LoopHooks", "REFRESH_MEAN_TOLERANCE", "anchor_schedule", "check_refresh", "pivot_schedule", "refilter_unused", "refresh_delta",
-    "refresh_ok", "run_rl_loop", "steps_per_epoch",
+    "LoopHooks", "REFRESH_MEAN_TOLERANCE", "anchor_schedule", "check_refresh", "pivot_schedule", "refilter_unused",
+    "refresh_delta", "refresh_ok", "run_rl_loop", "steps_per_epoch",
 ]
 
 #: Mean |Δ| per token allowed between engine and trainer log-probs after a refresh (spec tolerances).
