@@ -237,7 +237,8 @@ def stage_sft_baseline(cfg: RunConfig, store: ArtifactStore, demos: dict[str, An
         steps_dir, wall_dir = Path(tmp) / "steps", Path(tmp) / "wall"
         common = dict(lr=cp.sft_lr or cfg.training.lr, batch_size=cp.sft_batch_size,
                       dtype=TRAINER_DTYPE[cfg.model.dtype], zero_stage=cfg.training.deepspeed.zero_stage,
-                      seed=cfg.run.seed, retain_host_memory=cfg.training.retain_host_memory, cycle=True)
+                      seed=cfg.run.seed, retain_host_memory=cfg.training.retain_host_memory, cycle=True,
+                      label="sft baseline")
         if not examples or (target == 0 and not by_wall):
             summary.update(steps=0, policy="reference", note="no PivotRL step or no example: SFT policy = reference")
             steps_dir = wall_dir = rdir

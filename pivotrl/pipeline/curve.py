@@ -29,7 +29,7 @@ from pivotrl.storage import ArtifactStore
 
 log = logging.getLogger("pivotrl.pipeline")
 
-__all__ = ["curve_states", "heldout_curve_hook", "probe_row_turns", "probe_turns"]
+__all__ = ["curve_states", "heldout_curve_hook", "pivot_candidates_key", "probe_row_turns", "probe_turns"]
 
 
 def probe_row_turns(rec: dict[str, Any]) -> int:
@@ -46,23 +46,33 @@ def probe_turns(store: ArtifactStore, probes_key: str) -> int:
     return sum(probe_row_turns(r) for r in store.read_parquet(f"{probes_key}/probes.parquet").to_dict("records"))
 
 
+def pivot_candidates_key(store: ArtifactStore, probe: ProbeResult) -> str | None:
+    """The store key (``demos/<key>/candidates.parquet``) of the candidates table ``probe``'s pivot
+    set was probed from, as its manifest names it (``inputs.candidates``, a URL); in a store copied
+    or moved since, the same content-addressed key (the URL's last three parts). None when the
+    manifest names none or that key is not in this store."""
+    uri = (store.read_manifest(f"{probe.pivots_key}/pivots.parquet").inputs.get("candidates") or {}).get("uri", "")
+    root = store.url("x")[:-1]
+    key = uri[len(root):] if uri.startswith(root) else "/".join(uri.split("/")[-3:])
+    return key if uri and store.exists(key) else None
+
+
 def curve_states(cfg: RunConfig, store: ArtifactStore, probe: ProbeResult, demos_key: str | None = None,
                  kinds: tuple[str, ...] = ("call", "text_rule")) -> list[Any]:
     """The held-out turn states of the curve: ``training.eval_states`` states of ``kinds`` (candidate
     kinds, :func:`pivotrl.data.text_rules.candidate_kind`) of the held-out split (seeded by
-    ``run.seed``), from the demonstrations named in the pivot set's manifest (``inputs.candidates``),
-    or from ``demos_key``'s when given (the demonstrations the pivot set was probed from, as a stage
-    that has them passes them). [] when neither names any, or the split has no state of ``kinds``."""
+    ``run.seed``), from the demonstrations named in the pivot set's manifest
+    (:func:`pivot_candidates_key`), or from ``demos_key``'s when given (the demonstrations the pivot
+    set was probed from, as a stage that has them passes them). [] when neither names any, or the
+    split has no state of ``kinds``."""
     from pivotrl.data.states import frame_to_states
     from pivotrl.pipeline.demos import read_histories
     from pivotrl.pipeline.probe import select_candidates
 
     if demos_key is None:
-        uri = (store.read_manifest(f"{probe.pivots_key}/pivots.parquet").inputs.get("candidates") or {}).get("uri")
-        root = store.url("x")[:-1]
-        if not uri or not uri.startswith(root):
+        key = pivot_candidates_key(store, probe)
+        if key is None:
             return []
-        key = uri[len(root):]
         demos_key = key.rsplit("/", 1)[0]
     else:
         key = f"{demos_key}/candidates.parquet"

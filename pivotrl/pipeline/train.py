@@ -255,11 +255,12 @@ def stage_train(cfg: RunConfig, store: ArtifactStore, probe: ProbeResult | Mappi
 def anchor_states(cfg: RunConfig, store: ArtifactStore, probe: ProbeResult) -> list[Any]:
     """The anchor states of ``training.anchors_per_batch``: the probed states of ``probe``'s table on
     which all of π_ref's m probes were accepted (decision ``all_pass``, :func:`apply_pivot_filter`),
-    as turn states in state-id order, from the candidates the pivot set's manifest names
-    (``inputs.candidates``; in a copied or moved store, the same content-addressed key); [] if none.
+    as turn states in state-id order, from the candidates the pivot set was probed from
+    (:func:`pivotrl.pipeline.curve.pivot_candidates_key`); [] if none.
     Raises DataError when that candidates table is not in this store."""
     from pivotrl.core.errors import DataError
     from pivotrl.data.states import expand_candidates, frame_to_states
+    from pivotrl.pipeline.curve import pivot_candidates_key
     from pivotrl.pipeline.demos import read_histories
     from pivotrl.pipeline.probe import apply_pivot_filter
 
@@ -267,11 +268,9 @@ def anchor_states(cfg: RunConfig, store: ArtifactStore, probe: ProbeResult) -> l
     solved = sorted(table.loc[table["decision"] == "all_pass", "state_id"].astype(str))
     if not solved:
         return []
-    uri = (store.read_manifest(f"{probe.pivots_key}/pivots.parquet").inputs.get("candidates") or {}).get("uri", "")
-    root = store.url("x")[:-1]  # elsewhere: the URL's last three parts, demos/<key>/candidates.parquet
-    key = uri[len(root):] if uri.startswith(root) else "/".join(uri.split("/")[-3:])
-    if not uri or not store.exists(key):
-        raise DataError(f"the pivot set {probe.pivots} names no candidates table in this store ({uri or 'none'}), "
+    key = pivot_candidates_key(store, probe)
+    if key is None:
+        raise DataError(f"the pivot set {probe.pivots} names no candidates table in this store, "
                         "so its anchor states (training.anchors_per_batch) cannot be read")
     cand = store.read_parquet(key)
     rows = cand[cand["state_id"].astype(str).isin(solved)].sort_values("state_id").reset_index(drop=True)

@@ -126,6 +126,7 @@ def run_sft(
     max_wall_s: float | None = None,
     snapshot_step: int | None = None,
     snapshot_dir: str | os.PathLike[str] | None = None,
+    label: str = "warm start",
 ) -> dict[str, Any]:
     """Fine-tune ``model_dir`` on ``examples`` and export an HF checkpoint (+ tokenizer) to ``out_dir``.
 
@@ -149,6 +150,7 @@ def run_sft(
             the policy at that first step is ``out_dir`` (exported then if the run goes on).
         snapshot_step, snapshot_dir: also export the policy after step ``snapshot_step`` to
             ``snapshot_dir`` (a run that stops before it exports none).
+        label: the progress lines' name (with ``max_wall_s``: the wall budget and no ETA).
 
     Returns:
         metrics: ``losses`` (per step, mean NLL per loss token, nats), ``first_loss``,
@@ -191,7 +193,7 @@ def run_sft(
     losses: list[float] = []
     t0 = time.perf_counter()
     loss_tokens_epoch = sum(int(sum(m[1:])) for _, m in examples)
-    from pivotrl.core.progress import Progress
+    from pivotrl.core.progress import Progress, format_duration
 
     per_batch = math.ceil(math.ceil(batch_size / world) / micro_batch_size)
     n_micro_total = (max_steps * per_batch if cycle else
@@ -228,7 +230,10 @@ def run_sft(
                 marks["out_step"] = step
         return stop
 
-    with Progress("warm start", n_micro_total, "micro-batches", enabled=rank == 0) as bar:
+    bar_total: int | None = n_micro_total
+    if max_wall_s is not None:  # the wall time ends the run, not the micro-batch count
+        label, bar_total = f"{label} (to {format_duration(max_wall_s)} of optimiser steps)", None
+    with Progress(label, bar_total, "micro-batches", enabled=rank == 0) as bar:
         tokens, flop = _sft_epochs(engine, examples, epochs, batch_size, micro_batch_size, order_rng, losses, bar,
                                    cycle=cycle, after_step=after_step)
     elapsed = time.perf_counter() - t0 - export_s

@@ -153,7 +153,9 @@ def test_anchor_states_come_from_the_probe_table_and_train_beside_the_pivots(smo
     """training.anchors_per_batch on the smoke run: the anchors are the probe table's all-pass states
     (every probe accepted; two of its rows get such rewards here, as a reference that solves them
     would leave them), read back as whole turn states, trained one per step beside the pivots and
-    counted apart; the probe table joins the train key."""
+    counted apart; the probe table joins the train key. In the copied store, the held-out curve's
+    states are found as well."""
+    from pivotrl.pipeline.curve import curve_states, pivot_candidates_key
     from pivotrl.pipeline.probe import apply_pivot_filter
     from pivotrl.pipeline.train import anchor_states, train_key
 
@@ -172,6 +174,12 @@ def test_anchor_states_come_from_the_probe_table_and_train_beside_the_pivots(smo
     expected = sorted(decided.loc[decided["decision"] == "all_pass", "state_id"])
     anchors = anchor_states(cfg, store, probe)
     assert set(solved) <= set(expected) and [a.state_id for a in anchors] == expected
+    # The store is a copy: its manifests name the first root's URLs, and the candidates' content key is found.
+    assert not store.read_manifest(f"{probe.pivots_key}/pivots.parquet").inputs["candidates"]["uri"].startswith(
+        store.url("x")[:-1])
+    assert pivot_candidates_key(store, probe) == f"{demos['key']}/candidates.parquet"
+    held = curve_states(cfg, store, probe)
+    assert held and [s.state_id for s in held] == [s.state_id for s in curve_states(cfg, store, probe, demos["key"])]
     cand = store.read_parquet(f"{demos['key']}/candidates.parquet").set_index("state_id")
     assert all(len(a.messages) == int(cand.loc[a.state_id, "history_len"]) for a in anchors)  # whole histories
     cfg2 = cfg.model_copy(update={"training": cfg.training.model_copy(update={"anchors_per_batch": 1,

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 from pathlib import Path
 
@@ -327,10 +328,12 @@ def test_sft_batches_cycle_through_seeded_epochs():
     assert flat == epochs and sorted(flat[:5]) == list(range(5))
 
 
-def test_sft_to_a_wall_time_exports_the_policy_at_a_step_count_on_the_way(ckpt: Path, tmp_path: Path) -> None:
+def test_sft_to_a_wall_time_exports_the_policy_at_a_step_count_on_the_way(ckpt: Path, tmp_path: Path,
+                                                                          caplog: pytest.LogCaptureFixture) -> None:
     """One run gives SFT at a step count (``snapshot_step``) and at a wall time: the same batches as a
     run that stops at that step count, so the same weights; the wall-time policy is exported at the
-    first step past it, and the run goes on to the step count when the wall time came first."""
+    first step past it, and the run goes on to the step count when the wall time came first. Its
+    progress lines name the wall budget and give no ETA from the micro-batch bound."""
     from pivotrl.runtime.models import checkpoint_hash
     from pivotrl.training.sft import run_sft
 
@@ -347,8 +350,12 @@ def test_sft_to_a_wall_time_exports_the_policy_at_a_step_count_on_the_way(ckpt: 
     assert checkpoint_hash(tmp_path / "snap") == checkpoint_hash(tmp_path / "steps")
     assert checkpoint_hash(tmp_path / "wall") != checkpoint_hash(tmp_path / "steps")
     # a wall time never reached: the cap stops it, the policy is the last step's
-    capped = run_sft(ckpt, examples, tmp_path / "capped", max_steps=4, max_wall_s=1e9, snapshot_step=2,
-                     snapshot_dir=tmp_path / "snap2", **common)
+    with caplog.at_level(logging.INFO, logger="pivotrl.core.progress"):
+        capped = run_sft(ckpt, examples, tmp_path / "capped", max_steps=4, max_wall_s=5400, snapshot_step=2,
+                         snapshot_dir=tmp_path / "snap2", label="sft baseline", **common)
+    lines = [r.getMessage() for r in caplog.records if r.name == "pivotrl.core.progress"]
+    assert lines[-1].startswith("sft baseline (to 1h30m of optimiser steps): 8 micro-batches, 48 tokens")
+    assert not any("ETA" in x or "%" in x for x in lines)
     assert (capped["steps"], capped["wall_step"], capped["out_step"], capped["snapshot_step"]) == (4, None, 4, 2)
     with pytest.raises(ConfigError, match="cycle needs max_steps"):
         run_sft(ckpt, examples, tmp_path / "x", cycle=True, dtype="float32")
