@@ -2,7 +2,9 @@
 
 All four policies are evaluated by one engine (weights swapped), with the same seeds, the same
 judge (``quality.judge``), on the same held-out tasks (full task from scratch), the same held-out
-states (local accuracy, greedy) and the same out-of-domain states (``quality.out_of_domain``). The
+states (local accuracy, greedy), the held-out split's stop decisions where it has any (SFT imitates
+every demonstrated turn, stop turns included; PivotRL trains on pivots) and the same out-of-domain
+states (``quality.out_of_domain``). The
 report (``compare/eval/<key>/report.json`` + ``report.md``) holds:
 
 * per method: local accuracy, per-turn pass rate (turns passed / turns) and full-task success,
@@ -55,7 +57,7 @@ SFT_WALL = "sft_wall"
 TURNS_PLOT = "turn_curves.png"
 #: A curve point reaches the target when its accuracy is at least the target less this (float noise).
 #: The state-level measures of the comparison (:data:`pivotrl.pipeline.evaluate.STATE_MEASURES`).
-COMPARE_MEASURES = ("heldout_greedy", "out_of_domain_greedy")
+COMPARE_MEASURES = ("heldout_greedy", "stop_decisions_greedy", "out_of_domain_greedy")
 
 
 def _rate(stats: Mapping[str, Any], *path: str) -> float | None:

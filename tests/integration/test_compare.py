@@ -78,6 +78,9 @@ def test_report_puts_the_methods_side_by_side_with_their_ledgers(compared):
     rep = ev["report"]
     assert set(rep["statistics"]["full_task"]["per_policy"]) == set(METHODS)
     assert "out_of_domain_greedy" in rep["statistics"]["local"]
+    # the held-out stop decisions, every method on the same ones
+    stops = rep["statistics"]["local"]["stop_decisions_greedy"]["per_policy"]
+    assert set(stops) == set(METHODS) and len({r["n"] for r in stops.values()}) == 1 and stops["reference"]["n"] > 0
     assert set(rep["ledgers"]) == set(METHODS) and len(rep["claims"]) == 3
     total = CostLedger.from_dict(rep["ledger_sum"])
     parts = [CostLedger.from_dict(d) for d in rep["ledger_totals"].values()]
