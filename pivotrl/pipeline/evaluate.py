@@ -199,7 +199,8 @@ def policy_state_results(cfg: RunConfig, engine: Any, tok: Any, states: EvalStat
     """Local accuracy of the policy loaded in ``engine`` on ``states``, every seed, added to
     ``parts``. ``measures`` (a subset of :data:`STATE_MEASURES`): held-out states greedy and with m
     samples at the probe temperature, stop decisions, out-of-domain states (greedy) and the pivot set
-    (``evaluation.local_pivots``); ``pivotrl compare`` asks for the greedy ones only. With ``quality.judge: bfcl`` the greedy held-out and out-of-domain
+    (``evaluation.local_pivots``); ``pivotrl compare`` asks for the greedy ones only.
+    With ``quality.judge: bfcl`` the greedy held-out and out-of-domain
     measures (:data:`BFCL_JUDGED`) take BFCL's ``ast_checker`` verdict on BFCL single-turn states,
     pivotrl's verifier's kept beside (:func:`pivotrl.bfcl.single_tables.rejudge_local`)."""
     from pivotrl.evaluation.aggregate import accuracy_by_category
