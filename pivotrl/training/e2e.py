@@ -211,7 +211,8 @@ def e2e_step(trainer: Any, engine: Any, tokenizer: Any, tasks: Sequence[Trajecto
 
     Returns metrics: ``step``, ``episodes``, ``reward_mean`` (episode rewards), ``success_rate``,
     ``model_calls``, ``groups`` (trained calls), the trainer's metrics prefixed ``train_`` and, after a
-    trained step, the refresh's ``refresh_s`` and check deltas (:func:`_refresh`).
+    step that updated the policy (``train_updates`` > 0), the refresh's ``refresh_s`` and check deltas
+    (:func:`_refresh`).
     """
     with ledger.stage("rollout"):
         episodes = collect_episodes(engine, tokenizer, tasks, settings, step_seed=settings.seed * 100_003 + step,
@@ -224,6 +225,7 @@ def e2e_step(trainer: Any, engine: Any, tokenizer: Any, tasks: Sequence[Trajecto
         with ledger.stage("train"):
             metrics = trainer.train_step(groups)
         ledger.add_trainer_metrics(metrics, naive_tokens(groups, int(metrics.get("updates", 0))))
+    if metrics.get("updates"):  # a step without an update leaves the engine's weights as they are
         with ledger.stage("refresh"):
             refresh = _refresh(trainer, engine, groups[0], settings, step, Path(work_dir))
     return {

@@ -22,7 +22,11 @@ in the loss denominator* (the loss is the mean over all sampled pivots, as in J)
 of the other groups is not re-weighted by how many groups happened to be uninformative. With
 β > 0 they are trained (the KL term still has a gradient). With β = 0 and all advantages exactly
 zero their loss and gradient are exactly zero, so they are skipped in the forward/backward passes
-(a pure saving; the result is identical). ``zero_variance_frac`` reports their share.
+(a pure saving; the result is identical). They are skipped too while π_θ is still π_ref (no update taken
+since the trainer was built on π_ref's weights): the KL term is at its minimum there and its exact
+gradient is zero, so what a backward would give is rounding noise, which Adam would turn into a
+full learning-rate step in a random direction. A batch with no task signal at all therefore makes no
+update before the first one that had some. ``zero_variance_frac`` reports their share.
 
 **Data parallelism.** Every rank receives the same global list of groups. The trainable groups
 are dealt round-robin to the ranks; every rank runs the same number of micro-batches
@@ -140,6 +144,8 @@ class PivotRLTrainer:
         self.extra_state: dict[str, Any] = {}
         #: Called with the number of groups after each micro-batch's backward pass (progress lines).
         self.on_groups: Callable[[int], Any] | None = None
+        #: π_θ still has π_ref's weights (built on the same checkpoint, no update taken, nothing loaded).
+        self.at_reference = self.model_dir.resolve() == self.ref_model_dir.resolve()
 
     @classmethod
     def for_run(cls, cfg: RunConfig, model_dir: str | os.PathLike[str]) -> PivotRLTrainer:
@@ -221,7 +227,8 @@ class PivotRLTrainer:
         self._check_groups(groups)
         rank, world = rank_and_world()
         advantages = self._advantages(groups)  # G × (K_g,)
-        trainable = [i for i in range(len(groups)) if s.beta > 0 or bool((advantages[i] != 0).any())]
+        kl_moves = s.beta > 0 and not self.at_reference  # the KL term's gradient is zero at π_θ = π_ref
+        trainable = [i for i in range(len(groups)) if kl_moves or bool((advantages[i] != 0).any())]
         num_actions = sum(len(g.actions) for g in groups)  # global loss denominator: every sampled action
         local = trainable[rank::world]
         per_rank = math.ceil(len(trainable) / world)
@@ -309,6 +316,7 @@ class PivotRLTrainer:
                 if last:
                     sums.add("loss_last", m["loss"])
             self.engine.step()
+            self.at_reference = False
             norm = self.engine.get_global_grad_norm()
             norm = float(norm) if norm is not None else math.nan
             if not math.isfinite(norm):
@@ -373,4 +381,6 @@ class PivotRLTrainer:
         Returns the trainer state dict. Raises TrainingError if the checkpoint is incomplete or was
         written with a different world size under ZeRO ≥ 1 (partitioned optimizer state).
         """
-        return load_trainer_checkpoint(self, directory)
+        state = load_trainer_checkpoint(self, directory)
+        self.at_reference = False
+        return state

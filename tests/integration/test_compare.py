@@ -70,7 +70,14 @@ def test_budgets_are_matched_and_stated(compared):
     # trains (at least one step, at most compare.e2e_max_steps) and its ledger counts what it did.
     e2e_led = CostLedger.from_dict(e2e["ledger"])
     assert e2e["summary"]["tasks"] >= 1 and 1 <= e2e["summary"]["steps"] <= cfg.compare.e2e_max_steps
-    assert e2e_led.generated_tokens >= 1 and e2e_led.optimizer_steps == e2e["summary"]["steps"] * cfg.training.updates_per_batch
+    rows = store.read_parquet(f"{e2e['key']}/metrics.parquet")
+    assert len(rows) == e2e["summary"]["steps"] and e2e_led.generated_tokens >= 1
+    assert e2e_led.optimizer_steps == int(rows["train_updates"].sum())
+    # a step whose episodes all had one reward has Â = 0 everywhere: while the policy is still π_ref it
+    # takes no update (the KL term's gradient is zero there); a step with signal takes every update
+    signal = rows["train_zero_variance_frac"] < 1
+    expected = [cfg.training.updates_per_batch if signal[: i + 1].any() else 0 for i in range(len(rows))]
+    assert rows["train_updates"].astype(int).tolist() == expected
 
 
 def test_report_puts_the_methods_side_by_side_with_their_ledgers(compared):

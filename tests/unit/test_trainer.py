@@ -143,6 +143,27 @@ def test_batch_without_signal_and_beta_zero_changes_nothing(ckpt: Path) -> None:
     assert all(torch.equal(p, q) for p, q in zip(before, trainer.engine.module.parameters()))
 
 
+def test_a_batch_without_signal_leaves_the_reference_as_it_is_but_pulls_a_moved_policy_back(ckpt: Path) -> None:
+    """With β > 0 a group with Â = 0 has only the KL term, whose gradient at π_θ = π_ref is zero: a
+    backward there gives rounding noise, which Adam would scale to a full step. Until the first update
+    such groups are skipped (a batch of them takes no step); once π_θ moved, they are trained."""
+    trainer = PivotRLTrainer.build(ckpt, group_size=4, dtype="float32", lr=1e-2, beta=0.1)
+    before = [p.detach().clone() for p in trainer.engine.module.parameters()]
+    flat = _groups(6, 2, rewards=[[0.0] * 4, [1.0] * 4])
+    m = trainer.train_step(flat)
+    assert m["groups_trained"] == 0.0 and m["updates"] == 0.0 and m["step"] == 1.0
+    assert all(torch.equal(p, q) for p, q in zip(before, trainer.engine.module.parameters()))
+    # a batch with signal: only its informative group is trained at the reference
+    m = trainer.train_step(_groups(7, 1, rewards=[[1.0, 0.0, 0.0, 1.0]]) + flat[:1])
+    assert m["groups_trained"] == 1.0 and m["updates"] == 1.0
+    moved = [p.detach().clone() for p in trainer.engine.module.parameters()]
+    assert any(not torch.equal(p, q) for p, q in zip(before, moved))
+    # π_θ has left π_ref: the same flat batch now trains through its KL term (the spec's case 3)
+    m = trainer.train_step(flat)
+    assert m["groups_trained"] == 2.0 and m["updates"] == 1.0 and m["kl"] > 1e-6 and m["grad_norm"] > 1e-4
+    assert any(not torch.equal(p, q) for p, q in zip(moved, trainer.engine.module.parameters()))
+
+
 def test_first_step_metrics(ckpt: Path) -> None:
     trainer = PivotRLTrainer.build(ckpt, group_size=4, dtype="float32", lr=1e-4, beta=0.1, shared_prefix=True)
     groups = _groups(4, 2)
