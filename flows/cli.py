@@ -181,6 +181,7 @@ def compare(config: str = ConfigOpt, overrides: Optional[list[str]] = SetOpt) ->
     """PivotRL beside SFT and end-to-end RL baselines (shared stages cached); print the report."""
     cfg = _load(config, overrides)
     _preflight(cfg)
+    _console(cfg)
     prepared = _prepared(config, overrides, cfg)
     from pivotrl.flows.compare import compare as compare_flow
 

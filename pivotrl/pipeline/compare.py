@@ -161,15 +161,21 @@ def cached_e2e_baseline(cfg: RunConfig, store: ArtifactStore, demos: dict[str, A
     return _cached(store, e2e_baseline_key(cfg, demos, ref, probe, train))
 
 
+def _settings(cfg: RunConfig, prefix: str) -> dict[str, Any]:
+    """The ``compare`` settings of one baseline (names starting with ``prefix``), as JSON values."""
+    return {k: v for k, v in cfg.compare.model_dump(mode="json").items() if k.startswith(prefix)}
+
+
 def sft_baseline_key(cfg: RunConfig, demos: dict[str, Any], ref: dict[str, Any], probe: dict[str, Any],
                      train: dict[str, Any]) -> str:
     """``compare/sft/<16 hex>``: π_ref's hash, the demonstrations' key, the PivotRL run whose
-    optimiser steps (and wall time) the baseline matches (its probe table and train keys), ``compare``,
+    optimiser steps (and wall time) the baseline matches (its probe table and train keys), the
+    ``compare.sft_*`` settings (the other settings of ``compare`` leave it cached),
     the learning rate, ``prompt``, the dtype, the seed and the code. Reads nothing (the task computes
     it before a stage process starts)."""
     return "compare/sft/" + content_hash({"ref": ref["ref_hash"], "demos": demos["key"], "train": train["train_key"],
-                                          "probes": probe["probes_key"],
-                                          "compare": cfg.compare.model_dump(mode="json"), "lr": cfg.training.lr,
+                                          "probes": probe["probes_key"], "compare": _settings(cfg, "sft_"),
+                                          "lr": cfg.training.lr,
                                           "prompt": cfg.prompt.model_dump(mode="json"), "dtype": cfg.model.dtype,
                                           "seed": cfg.run.seed, "code": compare_code_digest()})[:16]
 
@@ -177,10 +183,11 @@ def sft_baseline_key(cfg: RunConfig, demos: dict[str, Any], ref: dict[str, Any],
 def e2e_baseline_key(cfg: RunConfig, demos: dict[str, Any], ref: dict[str, Any], probe: dict[str, Any],
                      train: dict[str, Any]) -> str:
     """``compare/e2e/<16 hex>``: π_ref's hash, the demonstrations' key, the PivotRL run whose cost is
-    the budget (its probe table and train keys), ``compare``, ``training``, ``rollout``, ``prompt``,
-    the judge, the dtype, the seed and the code. Reads nothing (the task computes it before a stage process starts)."""
+    the budget (its probe table and train keys), the ``compare.e2e_*`` settings, ``training``,
+    ``rollout``, ``prompt``, the judge, the dtype, the seed and the code. Reads nothing (the task
+    computes it before a stage process starts)."""
     return "compare/e2e/" + content_hash({"ref": ref["ref_hash"], "demos": demos["key"], "probes": probe["probes_key"],
-                                          "train": train["train_key"], "compare": cfg.compare.model_dump(mode="json"),
+                                          "train": train["train_key"], "compare": _settings(cfg, "e2e_"),
                                           "training": cfg.training.model_dump(mode="json"),
                                           "rollout": cfg.rollout.model_dump(mode="json"),
                                           "prompt": cfg.prompt.model_dump(mode="json"), "judge": cfg.quality.judge,

@@ -20,12 +20,12 @@ evaluate           :func:`pivotrl.pipeline.evaluate.eval_key` (``evaluation``, `
                    ``quality``, the trained run's key); inside it each policy's part of a
                    shard has its own :func:`~pivotrl.pipeline.evaluate.policy_part_key` (the
                    policy's weights, not the trained run), reused across training changes
-sft_baseline       :func:`pivotrl.pipeline.compare.sft_baseline_key` (``compare``, ``prompt``,
+sft_baseline       :func:`pivotrl.pipeline.compare.sft_baseline_key` (``compare.sft_*``, ``prompt``,
                    the learning rate, π_ref's hash, the PivotRL run's keys)
-e2e_baseline       :func:`pivotrl.pipeline.compare.e2e_baseline_key` (``compare``, ``training``,
+e2e_baseline       :func:`pivotrl.pipeline.compare.e2e_baseline_key` (``compare.e2e_*``, ``training``,
                    ``rollout``, ``prompt``, the judge, π_ref's hash, the PivotRL run's keys)
 compare_evaluate   :func:`pivotrl.pipeline.compare_eval.compare_eval_key` (``evaluation``,
-                   ``quality``, ``rollout``, the four policies' run keys)
+                   ``quality``, ``rollout``, ``compare.num_tasks``, the baselines' run keys)
 =================  ==========================================================================
 
 So a change to ``training`` alone leaves the demonstrations, reference and probe keys as they

@@ -1,11 +1,12 @@
-"""Ctrl-C on ``pivotrl run``: every process of the run stops, and a rerun completes.
+"""Ctrl-C on ``pivotrl run`` and ``pivotrl compare``: every process of the run stops, and a rerun completes.
 
 A real run of the smoke config (tiny random model, transformers engine, ephemeral Prefect server
 started by the CLI) is interrupted with SIGINT during the warm start, during probing and during
 training (there with a second SIGINT right after the first: it must exit at once too), and with
 SIGTERM during evaluation. Every
 process ever seen in the CLI's tree (the Prefect server, stage processes, sandbox workers) must be
-gone when the CLI has exited; then a rerun resumes from what was published and finishes.
+gone when the CLI has exited; then a rerun resumes from what was published and finishes, and
+``pivotrl compare`` on that run is interrupted during its SFT baseline the same way.
 """
 
 from __future__ import annotations
@@ -32,17 +33,17 @@ STOP_LIMIT_S = 120.0
 
 
 class Run:
-    """``pivotrl run`` on the smoke config in a child process; its output lines and the set of
+    """``pivotrl <command>`` on the smoke config in a child process; its output lines and the set of
     processes ever seen in its tree."""
 
-    def __init__(self, tmp: Path, model: Path) -> None:
+    def __init__(self, tmp: Path, model: Path, command: str = "run") -> None:
         env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API")}
         # A cache of its own (what a killed stage leaves there stays in tmp), sharing the BFCL data.
         env.update(PREFECT_HOME=str(tmp / "prefect"), PIVOTRL_PROGRESS_INTERVAL_S="2", OMP_NUM_THREADS="1",
                    PYTHONUNBUFFERED="1", PIVOTRL_CACHE_DIR=str(_run_cache(tmp)))
         cli = Path(sys.executable).with_name("pivotrl")
         sets = [f"run.storage_root={tmp / 'runs'}", f"model.source={model}"]
-        cmd = [str(cli), "run", "--config", str(REPO / "configs" / "smoke.yaml")]
+        cmd = [str(cli), command, "--config", str(REPO / "configs" / "smoke.yaml")]
         for s in sets:
             cmd += ["--set", s]
         self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -136,8 +137,9 @@ def tiny_model(tmp_path_factory):
     return save_tiny_checkpoint(tmp_path_factory.mktemp("model") / "tiny")
 
 
-def _interrupt_during(tmp: Path, model: Path, pattern: str, times: int = 1, sig: int = signal.SIGINT) -> Run:
-    run = Run(tmp, model)
+def _interrupt_during(tmp: Path, model: Path, pattern: str, times: int = 1, sig: int = signal.SIGINT,
+                      command: str = "run") -> Run:
+    run = Run(tmp, model, command)
     run.wait_for(pattern)
     took = run.interrupt(times=times, sig=sig)
     left = run.leftovers()
@@ -175,3 +177,8 @@ def test_ctrl_c_stops_every_process_in_every_stage_and_a_rerun_completes(tmp_pat
     assert "PivotRL run finished" in out and "report:" in out
     assert "stage reference: started" not in out  # published stages are not redone
     assert rerun.leftovers() == []
+
+    # The comparison's own stages stop the same way (the run's stages are cached by then).
+    sft = _interrupt_during(tmp_path, tiny_model, r"sft baseline", command="compare")
+    out = "".join(sft.lines)
+    assert "stage sft_baseline: started" in out and "comparison finished" not in out

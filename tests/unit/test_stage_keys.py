@@ -274,9 +274,10 @@ def smoke(tmp_path):
     ("warm_start.epochs=2", {"reference", "probe", "train", "evaluate"} | COMPARE),
     ("data.split.seed=7", set(STAGES)),
     ("tracking.backend=mlflow", set()),  # where a run is recorded changes no result
-    # the baselines' own settings re-key the baselines and the comparison only
-    ("compare.sft_lr=1e-3", COMPARE),
-    ("compare.num_tasks=3", COMPARE),
+    # a baseline's own settings re-key that baseline and the comparison's evaluation only
+    ("compare.sft_lr=1e-3", {"sft_baseline", "compare_evaluate"}),
+    ("compare.e2e_max_steps=3", {"e2e_baseline", "compare_evaluate"}),
+    ("compare.num_tasks=3", {"compare_evaluate"}),
 ])
 def test_a_change_re_keys_its_stage_and_the_later_ones_only(smoke, override, changed):
     cfg, store = smoke
