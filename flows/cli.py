@@ -289,6 +289,35 @@ def lineage(uri: str = typer.Argument(..., help="URI of an artifact (its manifes
     typer.echo(json.dumps(tree, indent=2) if as_json else "\n".join(render_tree(tree)))
 
 
+@app.command()
+def pool(reports: list[str] = typer.Argument(..., help="report.json of each run (path or fsspec URL), two or more."),
+         names: Optional[list[str]] = typer.Option(None, "--name", metavar="NAME",
+                                                   help="Label of each report, in order (default: run 1, run 2, ...)."),
+         as_json: bool = typer.Option(False, "--json", help="Print the pooled comparisons as JSON.")) -> None:
+    """Paired comparisons pooled over runs of one config (e.g. split seeds 0 and 1), beside each run's own."""
+    import os
+
+    import fsspec
+
+    from pivotrl.core.errors import DataError
+    from pivotrl.evaluation.pooled import pool_reports, pooled_markdown
+
+    parsed = []
+    for uri in reports:
+        try:
+            with fsspec.open(os.path.expanduser(uri), "rt") as f:
+                parsed.append(json.load(f))
+        except (OSError, ValueError) as e:
+            typer.echo(f"pool: {uri}: {e}", err=True)
+            raise typer.Exit(2)
+    try:
+        pooled = pool_reports(parsed, list(names or [f"run {i + 1}" for i in range(len(reports))]))
+    except DataError as e:
+        typer.echo(f"pool: {e}", err=True)
+        raise typer.Exit(2)
+    typer.echo(json.dumps(pooled, indent=2) if as_json else "\n".join(pooled_markdown(pooled)))
+
+
 pivots_app = typer.Typer(add_completion=False, no_args_is_help=True, help="Inspect pivot sets.")
 app.add_typer(pivots_app, name="pivots")
 

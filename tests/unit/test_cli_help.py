@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 
 from pivotrl.flows.cli import app
 
-COMMANDS = [[], ["run"], ["compare"], ["probe"], ["demos"], ["config"], ["lineage"], ["rollouts"], ["pivots"],
+COMMANDS = [[], ["run"], ["compare"], ["probe"], ["demos"], ["config"], ["lineage"], ["pool"], ["rollouts"], ["pivots"],
             ["pivots", "diff"], ["pivots", "export"]]
 
 
