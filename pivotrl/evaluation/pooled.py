@@ -2,8 +2,9 @@
 
 A run's report (``report.json`` of ``pivotrl run`` or ``pivotrl compare``) holds, for every local
 measure (``statistics.local.<measure>``) and pair of policies A, B evaluated on the same items, the
-paired 2×2 table in counts: ``n`` items, ``only_a`` / ``only_b`` items only A / only B got right,
-and each policy's ``k`` right (``per_policy``). Pooling adds the tables of the runs: every run's items
+paired 2×2 table in counts: ``n`` items, ``both`` / ``only_a`` / ``only_b`` items both / only A /
+only B got right (reports written before ``both`` was stored give it through each policy's ``k``
+where both policies were scored on the same items). Pooling adds the tables of the runs: every run's items
 are its own units (another split of the records and another training run), and the pooled exact
 McNemar test (:func:`pivotrl.evaluation.stats.mcnemar_exact`) asks whether A beats B across all of
 them, with Newcombe's interval on the pooled difference
@@ -28,11 +29,19 @@ __all__ = ["pool_reports", "pooled_markdown"]
 MCNEMAR = "exact McNemar"
 
 
-def _table(block: Mapping[str, Any], pair: Mapping[str, Any], a: str, b: str) -> tuple[int, int, int, int]:
-    """(both, only_a, only_b, neither) of ``pair`` oriented as a − b."""
+def _table(block: Mapping[str, Any], pair: Mapping[str, Any], a: str, b: str) -> tuple[int, int, int, int] | None:
+    """(both, only_a, only_b, neither) of ``pair`` oriented as a − b, or None when the report does not
+    give it: ``both`` is stored with the pair, or (reports before it was) read from A's ``k`` where
+    both policies were scored on exactly the pair's items."""
     only_a, only_b = (pair["only_a"], pair["only_b"]) if pair["a"] == a else (pair["only_b"], pair["only_a"])
-    both = int(block["per_policy"][a]["k"]) - int(only_a)
     n = int(pair["n"])
+    if "both" in pair:
+        both = int(pair["both"])
+    else:
+        pa, pb = (block.get("per_policy") or {}).get(a), (block.get("per_policy") or {}).get(b)
+        if not pa or not pb or pa.get("n") != n or pb.get("n") != n or pa["k"] - only_a != pb["k"] - only_b:
+            return None
+        both = int(pa["k"]) - int(only_a)
     return both, int(only_a), int(only_b), n - both - int(only_a) - int(only_b)
 
 
@@ -68,10 +77,15 @@ def pool_reports(reports: Sequence[Mapping[str, Any]], names: Sequence[str]) -> 
                      for blk in blocks]
             if any(q is None for q in found):
                 continue
-            if any(q.get("test") != MCNEMAR or "only_a" not in q for q in found):
-                not_pooled[measure] = f"its test is not the exact McNemar test ({pair.get('test')})"
+            other = next((q for q in found if q.get("test") != MCNEMAR or "only_a" not in q), None)
+            if other is not None:
+                not_pooled[measure] = f"its test is not the exact McNemar test ({other.get('test')})"
                 break
             tables = [_table(blk[measure], q, a, b) for blk, q in zip(blocks, found)]
+            if any(t is None for t in tables):
+                not_pooled[measure] = (f"a report lacks the whole 2×2 table of {a} − {b} (a policy scored on items "
+                                       "the other was not)")
+                break
             both, only_a, only_b, neither = (sum(t[i] for t in tables) for i in range(4))
             n = both + only_a + only_b + neither
             low, high = paired_difference_interval(both, only_a, only_b, neither)

@@ -26,7 +26,9 @@ zero their loss and gradient are exactly zero, so they are skipped in the forwar
 since the trainer was built on π_ref's weights): the KL term is at its minimum there and its exact
 gradient is zero, so what a backward would give is rounding noise, which Adam would turn into a
 full learning-rate step in a random direction. A batch with no task signal at all therefore makes no
-update before the first one that had some. ``zero_variance_frac`` reports their share.
+update before the first one that had some (the rule is read once per batch: with
+``updates_per_batch`` > 1 the first batch that updates keeps them out of all its updates). A
+checkpoint keeps whether π_θ is still π_ref. ``zero_variance_frac`` reports their share.
 
 **Data parallelism.** Every rank receives the same global list of groups. The trainable groups
 are dealt round-robin to the ranks; every rank runs the same number of micro-batches
@@ -144,7 +146,7 @@ class PivotRLTrainer:
         self.extra_state: dict[str, Any] = {}
         #: Called with the number of groups after each micro-batch's backward pass (progress lines).
         self.on_groups: Callable[[int], Any] | None = None
-        #: π_θ still has π_ref's weights (built on the same checkpoint, no update taken, nothing loaded).
+        #: π_θ still has π_ref's weights (built on the same checkpoint, no update taken since; checkpointed).
         self.at_reference = self.model_dir.resolve() == self.ref_model_dir.resolve()
 
     @classmethod
@@ -381,6 +383,4 @@ class PivotRLTrainer:
         Returns the trainer state dict. Raises TrainingError if the checkpoint is incomplete or was
         written with a different world size under ZeRO ≥ 1 (partitioned optimizer state).
         """
-        state = load_trainer_checkpoint(self, directory)
-        self.at_reference = False
-        return state
+        return load_trainer_checkpoint(self, directory)

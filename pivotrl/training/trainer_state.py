@@ -115,7 +115,8 @@ def save_trainer_checkpoint(trainer: Any, directory: str | os.PathLike[str]) -> 
     Layout: ``deepspeed/`` (engine checkpoint: weights, fp32 master weights, optimizer
     state, tag ``step<N>``), ``hf/`` (HF export of the current weights), ``rng_rank<r>.pt``
     (each rank's Python/NumPy/torch RNG states), ``trainer_state.json`` (step,
-    ``data_position``, ``extra_state``, settings, world size). Written into
+    ``data_position``, ``extra_state``, ``at_reference``: π_θ still has π_ref's weights, settings,
+    world size). Written into
     ``<directory>.partial`` and renamed when complete. π_ref is not saved (it is frozen and
     re-read from ``ref_model_dir``).
     """
@@ -137,6 +138,7 @@ def save_trainer_checkpoint(trainer: Any, directory: str | os.PathLike[str]) -> 
             "tag": tag,
             "data_position": trainer.data_position,
             "extra_state": trainer.extra_state,
+            "at_reference": bool(getattr(trainer, "at_reference", False)),
             "world_size": world,
             "settings": {"training": trainer.settings.model_dump(mode="json"), "dtype": trainer.dtype, "seed": trainer.seed},
         }
@@ -172,6 +174,7 @@ def load_trainer_checkpoint(trainer: Any, directory: str | os.PathLike[str]) -> 
     trainer.step = int(state["step"])
     trainer.data_position = int(state["data_position"])
     trainer.extra_state = dict(state.get("extra_state") or {})
+    trainer.at_reference = bool(state.get("at_reference", False))  # older checkpoints: as if it had moved
     rank, _ = rank_and_world()
     rng_path = root / f"rng_rank{rank}.pt"
     if rng_path.is_file():

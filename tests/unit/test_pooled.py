@@ -54,6 +54,27 @@ def test_the_pooled_test_is_the_test_on_every_runs_items_and_each_run_keeps_its_
     assert "| pivotrl − reference |" in md and "seed 1: Δ (p)" in md and "heldout_sampled: not pooled" in md
 
 
+def test_items_one_policy_could_not_be_scored_on_leave_the_table_whole() -> None:
+    """A verifier error for one policy on an item drops that item from its pairs but not from the
+    other policy's rate: the pair's own ``both`` keeps the 2×2 table right; a report without it
+    (written before it was stored) is not pooled rather than pooled wrong."""
+    runs = [_local(5, 50, {"pivotrl": 0.6, "reference": 0.3}), _local(6, 50, {"pivotrl": 0.6, "reference": 0.3})]
+    for df in runs:
+        hit = (df["policy"] == "reference") & (df["state_id"].isin(df["state_id"].unique()[:5]))
+        df.loc[hit, "status"] = "verifier_error"
+    reports = [{"statistics": compare_policies(None, df, ["pivotrl", "reference"])} for df in runs]
+    row = pool_reports(reports, ["a", "b"])["measures"]["heldout_greedy"][0]
+    whole = compare_policies(None, pd.concat(runs), ["pivotrl", "reference"])["local"]["heldout_greedy"]["pairs"][0]
+    assert row["n"] == whole["n"] == 90
+    assert (row["low"], row["high"], row["p_value"]) == (pytest.approx(whole["low"]), pytest.approx(whole["high"]),
+                                                         pytest.approx(whole["p_value"]))
+    for rep in reports:
+        for pair in rep["statistics"]["local"]["heldout_greedy"]["pairs"]:
+            del pair["both"]
+    pooled = pool_reports(reports, ["a", "b"])
+    assert "heldout_greedy" not in pooled["measures"] and "2×2 table" in pooled["not_pooled"]["heldout_greedy"]
+
+
 def test_a_pair_stored_the_other_way_round_is_turned_before_pooling() -> None:
     df = _local(2, 60, {"pivotrl": 0.6, "reference": 0.2})
     first = {"statistics": compare_policies(None, df, ["pivotrl", "reference"])}

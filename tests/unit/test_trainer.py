@@ -143,7 +143,7 @@ def test_batch_without_signal_and_beta_zero_changes_nothing(ckpt: Path) -> None:
     assert all(torch.equal(p, q) for p, q in zip(before, trainer.engine.module.parameters()))
 
 
-def test_a_batch_without_signal_leaves_the_reference_as_it_is_but_pulls_a_moved_policy_back(ckpt: Path) -> None:
+def test_no_step_without_signal_at_the_reference_but_the_kl_term_once_moved(ckpt: Path, tmp_path: Path) -> None:
     """With β > 0 a group with Â = 0 has only the KL term, whose gradient at π_θ = π_ref is zero: a
     backward there gives rounding noise, which Adam would scale to a full step. Until the first update
     such groups are skipped (a batch of them takes no step); once π_θ moved, they are trained."""
@@ -153,6 +153,12 @@ def test_a_batch_without_signal_leaves_the_reference_as_it_is_but_pulls_a_moved_
     m = trainer.train_step(flat)
     assert m["groups_trained"] == 0.0 and m["updates"] == 0.0 and m["step"] == 1.0
     assert all(torch.equal(p, q) for p, q in zip(before, trainer.engine.module.parameters()))
+    # a resumed run knows π_θ is still π_ref
+    trainer.save_checkpoint(tmp_path / "at-ref")
+    resumed = PivotRLTrainer.build(ckpt, group_size=4, dtype="float32", lr=1e-2, beta=0.1)
+    resumed.at_reference = False
+    resumed.load_checkpoint(tmp_path / "at-ref")
+    assert resumed.at_reference and resumed.train_step(flat)["updates"] == 0.0
     # a batch with signal: only its informative group is trained at the reference
     m = trainer.train_step(_groups(7, 1, rewards=[[1.0, 0.0, 0.0, 1.0]]) + flat[:1])
     assert m["groups_trained"] == 1.0 and m["updates"] == 1.0
