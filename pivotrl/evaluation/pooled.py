@@ -10,7 +10,7 @@ McNemar test (:func:`pivotrl.evaluation.stats.mcnemar_exact`) asks whether A bea
 them, with Newcombe's interval on the pooled difference
 (:func:`pivotrl.evaluation.stats.paired_difference_interval`). Each run's own Δ and p stay beside the
 pooled one, so a win that exists for one split only shows as such. The runs must be separate
-evaluations (other splits or seeds): a report pooled with itself counts its items twice.
+evaluations (other splits or seeds): a report given twice is refused.
 
 Only measures scored by the exact McNemar test pool this way (binary outcomes per item: the greedy
 measures); a measure with another test (the sampled accuracy's sign-flip test over per-item rates)
@@ -53,21 +53,26 @@ def pool_reports(reports: Sequence[Mapping[str, Any]], names: Sequence[str]) -> 
     row per pair of policies present in every run (oriented as in the first): ``a``, ``b``, ``n``,
     ``difference`` (pooled mean of A − B per item), ``low``/``high`` (95 % interval), ``p_value``,
     ``only_a``, ``only_b`` and ``per_run`` (each run's ``n``, ``difference``, ``p_value``).
-    Raises DataError for fewer than two reports, a count of names that differs, or a report without
-    ``statistics.local`` (naming which).
+    Raises DataError for fewer than two reports, a count of names that differs, a report without
+    ``statistics.local`` or given twice (naming which), and when no measure could be pooled.
     """
     if len(reports) < 2 or len(names) != len(reports):
-        raise DataError(f"pooling needs two or more reports, one name each (got {len(reports)} reports, {len(names)} names)")
-    blocks = []
+        raise DataError(f"pooling needs two or more reports and one name per report (got {len(reports)} report(s) "
+                        f"and {len(names)} name(s))")
+    blocks: list[Mapping[str, Any]] = []
     for name, rep in zip(names, reports):
-        local = (rep.get("statistics") or {}).get("local")
+        stats = rep.get("statistics") if isinstance(rep, Mapping) else None
+        local = stats.get("local") if isinstance(stats, Mapping) else None
         if not isinstance(local, Mapping):
             raise DataError(f"{name}: the report has no statistics.local (is it a pivotrl report.json?)")
+        same = next((other for other, blk in zip(names, blocks) if blk == local), None)
+        if same is not None:
+            raise DataError(f"{name}: the same results as {same} (pooling a run with itself counts its items twice)")
         blocks.append(local)
     measures: dict[str, list[dict[str, Any]]] = {}
     not_pooled: dict[str, str] = {}
     for measure in blocks[0]:
-        if any(measure not in blk for blk in blocks[1:]):
+        if any(not isinstance(blk.get(measure), Mapping) for blk in blocks):
             not_pooled[measure] = "not in every report"
             continue
         rows = []
@@ -97,6 +102,9 @@ def pool_reports(reports: Sequence[Mapping[str, Any]], names: Sequence[str]) -> 
                                      for name, t in zip(names, tables)]})
         if rows and measure not in not_pooled:
             measures[measure] = rows
+    if not measures:
+        why = "; ".join(f"{m}: {w}" for m, w in not_pooled.items()) or "no paired comparison in the reports"
+        raise DataError(f"nothing to pool ({why})")
     return {"runs": list(names), "measures": measures, "not_pooled": not_pooled}
 
 

@@ -71,8 +71,8 @@ def test_items_one_policy_could_not_be_scored_on_leave_the_table_whole() -> None
     for rep in reports:
         for pair in rep["statistics"]["local"]["heldout_greedy"]["pairs"]:
             del pair["both"]
-    pooled = pool_reports(reports, ["a", "b"])
-    assert "heldout_greedy" not in pooled["measures"] and "2×2 table" in pooled["not_pooled"]["heldout_greedy"]
+    with pytest.raises(DataError, match="nothing to pool .*heldout_greedy: a report lacks the whole 2×2 table"):
+        pool_reports(reports, ["a", "b"])
 
 
 def test_a_pair_stored_the_other_way_round_is_turned_before_pooling() -> None:
@@ -88,15 +88,25 @@ def test_a_pair_stored_the_other_way_round_is_turned_before_pooling() -> None:
 def test_bad_input_is_named_and_the_command_ends_in_one_line(tmp_path) -> None:
     good = {"statistics": compare_policies(None, _local(4, 30, {"pivotrl": 0.5, "reference": 0.3}),
                                            ["pivotrl", "reference"])}
+    other = {"statistics": compare_policies(None, _local(7, 30, {"pivotrl": 0.5, "reference": 0.3}),
+                                            ["pivotrl", "reference"])}
     with pytest.raises(DataError, match="two or more reports"):
         pool_reports([good], ["only"])
-    with pytest.raises(DataError, match="second: the report has no statistics.local"):
-        pool_reports([good, {"statistics": {}}], ["first", "second"])
+    for bad in ({"statistics": {}}, [1, 2], None, {"statistics": 1}):
+        with pytest.raises(DataError, match="second: the report has no statistics.local"):
+            pool_reports([good, bad], ["first", "second"])
+    with pytest.raises(DataError, match="second: the same results as first"):
+        pool_reports([good, json.loads(json.dumps(good))], ["first", "second"])
+    with pytest.raises(DataError, match="nothing to pool"):
+        pool_reports([good, {"statistics": {"local": {"x": 1}}}], ["first", "second"])
     a, b = tmp_path / "a.json", tmp_path / "b.json"
     a.write_text(json.dumps(good))
-    b.write_text(json.dumps(good))
+    b.write_text(json.dumps(other))
     runner = CliRunner()
     out = runner.invoke(app, ["pool", str(a), str(b), "--name", "s0", "--name", "s1"])
     assert out.exit_code == 0 and "pooled over 2 runs (s0, s1)" in out.output
     missing = runner.invoke(app, ["pool", str(a), str(tmp_path / "none.json")])
     assert missing.exit_code == 2 and "none.json" in missing.output and "Traceback" not in missing.output
+    (tmp_path / "list.json").write_text("[1, 2]")
+    odd = runner.invoke(app, ["pool", str(a), str(tmp_path / "list.json")])
+    assert odd.exit_code == 2 and "run 2: the report has no statistics.local" in odd.output
