@@ -58,7 +58,7 @@ def _paired(r: PairedResult) -> dict[str, Any]:
            "significant": r.significant, "verdict": r.verdict,
            "low": None if r.low != r.low else r.low, "high": None if r.high != r.high else r.high}
     if r.b is not None:
-        out.update({"only_a": r.b, "only_b": r.c})
+        out.update({"only_a": r.b, "only_b": r.c, "both": r.both})
     return out
 
 
@@ -113,12 +113,10 @@ def _local(local: pd.DataFrame, kind: str, policies: Sequence[str], seed: int) -
         j = df[df["policy"] == a].merge(df[df["policy"] == b], on=unit, suffixes=("_a", "_b"))
         if greedy:
             r = paired_binary([x > 0 for x in j["n_accepted_a"]], [x > 0 for x in j["n_accepted_b"]])
-            both = {"both": int(((j["n_accepted_a"] > 0) & (j["n_accepted_b"] > 0)).sum())}  # the 2×2 table whole
         else:
             r = paired_bootstrap(list(j["n_accepted_a"] / j["n_samples_a"]), list(j["n_accepted_b"] / j["n_samples_b"]),
                                  seed=seed)
-            both = {}
-        out["pairs"].append({"a": a, "b": b, **_paired(r), **both})
+        out["pairs"].append({"a": a, "b": b, **_paired(r)})
     return out
 
 

@@ -133,7 +133,8 @@ class PairedResult:
 
     ``difference`` = mean(A) - mean(B); ``low``/``high`` its interval (Newcombe's for McNemar,
     the paired bootstrap's otherwise);
-    ``b``/``c`` = units where only A / only B succeeded (McNemar only); ``p_value`` two-sided;
+    ``b``/``c`` = units where only A / only B succeeded and ``both`` where both did (McNemar only);
+    ``p_value`` two-sided;
     ``test`` = "exact McNemar" or :data:`PAIRED_TEST`; ``significant`` = p < 1 - confidence.
     """
 
@@ -146,6 +147,7 @@ class PairedResult:
     high: float = float("nan")
     b: int | None = None
     c: int | None = None
+    both: int | None = None
 
     @property
     def verdict(self) -> str:
@@ -197,7 +199,8 @@ def paired_binary(a: Sequence[bool], b: Sequence[bool], confidence: float = 0.95
     p = mcnemar_exact(only_a, only_b)
     diff = (only_a - only_b) / n if n else float("nan")
     low, high = paired_difference_interval(both, only_a, only_b, n - both - only_a - only_b, confidence)
-    return PairedResult(n, diff, p, "exact McNemar", p < 1 - confidence, low=low, high=high, b=only_a, c=only_b)
+    return PairedResult(n, diff, p, "exact McNemar", p < 1 - confidence, low=low, high=high, b=only_a, c=only_b,
+                        both=both)
 
 
 def sign_flip_p(d: Sequence[float], *, n_draws: int = 2000, seed: int = 0) -> float:
