@@ -4,7 +4,7 @@ shapes vs a roofline batch.
 Usage::
 
     python benchmarks/bench_generation.py [--prompts 16] [--prompt-len 512] [--n 4] [--max-tokens 32]
-        [--threads 2] [--kv-gib 1] [--json OUT]
+        [--threads 2] [--kv-gib 1] [--dtype fp32|bf16] [--json OUT]
 
 "stage shapes": ``--prompts`` synthetic prompts of ``--prompt-len`` tokens, ``n`` samples each at
 temperature 1 (probing's shape, eos allowed), one ``generate`` call, fresh prefix cache.
@@ -12,7 +12,8 @@ temperature 1 (probing's shape, eos allowed), one ``generate`` call, fresh prefi
 tokens), as many at once as the KV cache holds (``kv_cache_gib`` / KV bytes per token / sequence
 length, capped by vLLM's ``max_num_seqs``), so the gap between the two rows is scheduling (ragged
 batches, a draining tail), not kernels. Both count FLOPs and MFU with the engine's meter against
-the calibrated fp32 peak × the engine's threads.
+the calibrated peak of ``--dtype`` (fp32 by default; bf16 where the CPU has ``avx512_bf16``, as
+``model.dtype: auto`` chooses there) × the engine's threads.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--kv-gib", type=int, default=1)
+    ap.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
 
@@ -49,7 +51,7 @@ def main(argv: list[str] | None = None) -> None:
 
     print(header("Generation MFU: stage shapes vs roofline (vLLM CPU)", sys.argv))
     model_dir = str(resolve_model(args.model or DEFAULT_MODEL_SOURCE, args.cache_dir))
-    eng = make_engine("vllm", model_dir, dtype="fp32", max_model_len=2048, kv_cache_gib=args.kv_gib,
+    eng = make_engine("vllm", model_dir, dtype=args.dtype, max_model_len=2048, kv_cache_gib=args.kv_gib,
                       cpu_threads=args.threads)
     rng, rows, out = random.Random(0), [], {}
 
@@ -75,7 +77,7 @@ def main(argv: list[str] | None = None) -> None:
     cfg = eng.llm.llm_engine.model_config.hf_config
     kv_heads = getattr(cfg, "num_key_value_heads", cfg.num_attention_heads)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    per_token = 2 * cfg.num_hidden_layers * kv_heads * head_dim * 4  # K and V, fp32
+    per_token = 2 * cfg.num_hidden_layers * kv_heads * head_dim * (4 if args.dtype == "fp32" else 2)  # K and V
     seq = 128 + 2 * args.max_tokens
     max_seqs = int(eng.llm.llm_engine.vllm_config.scheduler_config.max_num_seqs)
     batch = max(1, min(args.kv_gib * 2**30 // per_token // seq, max_seqs))

@@ -30,7 +30,8 @@ two SDPA calls, :mod:`pivotrl.training.packed_attention`; fused AdamW); ``full_m
 one masked SDPA call per layer (transformers' ``"sdpa"``, the packed path before the split);
 ``cache``, ``packed`` and ``unfused`` force one choice; ``unpacked`` runs one forward per group
 (``training.pack_tokens: 1``, π_ref's groups not packed together); ``mb2`` and ``mb4`` put 2 or 4
-groups in a micro-batch (packed into one forward).
+groups in a micro-batch (packed into one forward); ``compiled`` is ``after`` with both models' forwards
+under ``torch.compile`` (inductor, dynamic shapes; the warm-up step pays the compilation).
 
 **ceiling** times only the matrix products and the attention one step of those groups needs —
 every linear layer's forward GEMM for π_ref and π_θ and its two backward GEMMs (input and weight
@@ -71,6 +72,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "mb2": {"micro_batch_groups": 2},
     "mb4": {"micro_batch_groups": 4},
     "after": {},
+    "compiled": {"compile": True},
 }
 
 
@@ -95,6 +97,7 @@ def _trainer(model_dir: str, args: argparse.Namespace, **overrides: Any) -> Any:
     tr = load_config(str(Path(__file__).resolve().parents[1] / "configs" / "default.yaml")).training
     env = overrides.pop("env", {})
     attention = overrides.pop("attention", None)
+    compiled = overrides.pop("compile", False)
     fields = {**tr.model_dump(), "group_size": args.group_size, "lr": 1e-7, **overrides}
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
@@ -109,6 +112,9 @@ def _trainer(model_dir: str, args: argparse.Namespace, **overrides: Any) -> Any:
     if attention is not None:  # e.g. "sdpa": the packed sequence under one masked SDPA call per layer
         for model in (trainer.engine.module, trainer.ref_model):
             model.set_attn_implementation(attention)
+    if compiled:  # torch.compile (inductor) of both models' forwards, shapes dynamic as in a run
+        for model in (trainer.engine.module, trainer.ref_model):
+            model.compile(dynamic=True)
     trainer.peak_gflops_per_thread = calibrated_peak_gflops(args.dtype, args.cache_dir)
     return trainer
 
