@@ -117,7 +117,7 @@ def make_rollout_engine(cfg: RunConfig, model_dir: Path | str, *, engine: str | 
     if name == "vllm":
         kwargs.update(kv_cache_gib=cfg.rollout.kv_cache_gib,
                       enable_prefix_caching=cfg.rollout.enable_prefix_caching, seed=cfg.run.seed,
-                      cpu_threads=cfg.rollout.num_threads)
+                      cpu_threads=cfg.rollout.num_threads, block_size=cfg.rollout.block_size)
         if cfg.rollout.tensor_parallel_size > 1:
             kwargs["tensor_parallel_size"] = cfg.rollout.tensor_parallel_size
         if cfg.rollout.gpu_memory_utilization is not None:

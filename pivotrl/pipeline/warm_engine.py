@@ -31,7 +31,7 @@ def shard_engine(cfg: RunConfig, model_dir: Path, warm: bool, *, any_weights: bo
     if not warm:
         return make_rollout_engine(cfg, model_dir), False
     key = (f"{Path(model_dir).resolve()}|{cfg.rollout.engine, cfg.rollout.max_tokens, cfg.model.dtype, cfg.model.max_context}"
-           f"|{cfg.rollout.kv_cache_gib}")
+           f"|{cfg.rollout.kv_cache_gib}|{cfg.rollout.block_size}")
     if key in _WARM and (any_weights or key not in _SWAPPED):
         if any_weights:
             _SWAPPED.add(key)

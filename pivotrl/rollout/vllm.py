@@ -41,7 +41,12 @@ from pivotrl.rollout.vllm_placement import engine_cpu_bind, is_cpu_platform, vis
 from pivotrl.rollout.vllm_worker import refresh_tied_head, reload_shared
 from pivotrl.runtime.generation import GenerationMeter, shape_of_checkpoint
 
-__all__ = ["VLLMEngine"]
+__all__ = ["CPU_BLOCK_SIZE", "VLLMEngine"]
+
+#: KV block size on vLLM's CPU build unless one is given: the smallest its attention kernel takes
+#: (multiples of 32), so a sibling sample of an n-sample request prefills at most 31 prompt tokens
+#: again where the build's own 128 made it up to 127 (benchmarks/RESULTS.md §28f).
+CPU_BLOCK_SIZE = 32
 
 
 class VLLMEngine:
@@ -54,6 +59,10 @@ class VLLMEngine:
         kv_cache_gib: KV-cache size on CPU (sets ``VLLM_CPU_KVCACHE_SPACE``, whole GiB, ≥ 1);
             ignored on GPUs, where ``gpu_memory_utilization`` (in ``llm_kwargs``) applies.
         enable_prefix_caching: reuse KV blocks of shared prompt prefixes across requests.
+        block_size: tokens per KV-cache block, the unit of prefix caching (None: 32 on vLLM's
+            CPU build, the smallest its attention kernel takes, where vLLM's own default is 128;
+            vLLM's default on GPUs). The sibling samples of an n-sample request reuse only the
+            prompt's full blocks and prefill the rest again (benchmarks/RESULTS.md §23, §28f).
         seed: engine seed (used when ``SamplingConfig.seed`` is None).
         cpu_threads: CPU builds only: OpenMP threads of the model worker, bound to
             ``cpu_threads`` CPUs this process may run on (None: all of them), claimed
@@ -90,6 +99,7 @@ class VLLMEngine:
         max_model_len: int = 8192,
         kv_cache_gib: float = 1.0,
         enable_prefix_caching: bool = True,
+        block_size: int | None = None,
         seed: int = 0,
         cpu_threads: int | None = None,
         cpu_ids: Sequence[int] | None = None,
@@ -102,6 +112,8 @@ class VLLMEngine:
             raise ConfigError(f"kv_cache_gib must be > 0, got {kv_cache_gib!r}")
         if max_model_len < 2:
             raise ConfigError(f"max_model_len must be >= 2, got {max_model_len!r}")
+        if block_size is not None and block_size < 1:
+            raise ConfigError(f"block_size must be >= 1, got {block_size!r}")
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, math.ceil(kv_cache_gib)))
         # load_weights sends a small function (re-tying embeddings) to the engine's own workers;
         # vLLM only accepts pickled callables with this flag.
@@ -121,6 +133,10 @@ class VLLMEngine:
         self.max_model_len = int(max_model_len)
         bind, self._cpu_claim = None, None
         on_cpu = is_cpu_platform()
+        if block_size is None and on_cpu:
+            block_size = CPU_BLOCK_SIZE
+        if block_size is not None:
+            llm_kwargs["block_size"] = int(block_size)
         if int(llm_kwargs.get("tensor_parallel_size", 1)) == 1 and on_cpu:
             bind, self._cpu_claim = engine_cpu_bind(cpu_threads, os.environ, cpu_ids)
         self.cpu_bind = bind or os.environ.get("VLLM_CPU_OMP_THREADS_BIND")

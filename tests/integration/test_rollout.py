@@ -382,11 +382,55 @@ def test_vllm_generate_groups_counts_prompts_in_the_pass_and_meters_same_tokens(
 
 
 @pytest.mark.vllm
+def test_vllm_cpu_blocks_of_32_prefill_less_and_sample_the_same_tokens_as_vllms_128(vllm_setup, prompts) -> None:
+    """On vLLM's CPU build the engine takes 32-token KV blocks (vLLM's own default there: 128). The
+    sibling samples of an n-sample request reuse the first sample's full blocks only, so a prompt is
+    prefilled once plus its tail past the last full block per sibling: the same seeded samples, with
+    fewer prompt tokens computed (a prompt under one block of 128 was computed once per sample)."""
+    import random
+
+    from pivotrl.rollout.vllm import CPU_BLOCK_SIZE
+    from pivotrl.rollout.vllm_placement import is_cpu_platform
+
+    eng, ckpt0, _ = vllm_setup
+    if not is_cpu_platform():
+        pytest.skip("the default block size is set on vLLM's CPU build only")
+    assert eng.llm.llm_engine.vllm_config.cache_config.block_size == CPU_BLOCK_SIZE == 32
+    rng = random.Random(20261207)
+    batch = [*prompts, [rng.randrange(5, eng.vocab_size) for _ in range(300)]]
+    sampling = SamplingConfig(n=4, temperature=1.0, max_tokens=8, seed=3)
+
+    def run(e):
+        e.llm.reset_prefix_cache()
+        before = e.meter.totals()
+        gens = e.generate(batch, sampling)
+        return gens, e.meter.totals().minus(before).prefill_tokens
+
+    def expected(block: int) -> int:  # every prompt once, then its tail past the last full block per sibling
+        return sum(len(p) + 3 * (len(p) - (len(p) - 1) // block * block) for p in batch)
+
+    narrow, narrow_prefill = run(eng)
+    wide_engine = make_engine("vllm", str(ckpt0), dtype="fp32", max_model_len=512, kv_cache_gib=1, seed=0,
+                              block_size=128)
+    try:
+        assert wide_engine.llm.llm_engine.vllm_config.cache_config.block_size == 128
+        wide, wide_prefill = run(wide_engine)
+    finally:
+        wide_engine.close()
+    assert [[g.token_ids for g in row] for row in narrow] == [[g.token_ids for g in row] for row in wide]
+    for row_n, row_w in zip(narrow, wide):
+        for g_n, g_w in zip(row_n, row_w):
+            assert g_n.rollout_logprobs == pytest.approx(g_w.rollout_logprobs, abs=1e-4)
+    assert (narrow_prefill, wide_prefill) == (expected(32), expected(128))
+    assert narrow_prefill < wide_prefill
+
+
+@pytest.mark.vllm
 def test_vllm_meter_counts_the_prefill_of_every_sample_of_a_request(vllm_setup, capfd) -> None:
     """vLLM runs an n-sample request as n child requests: the first computes a fresh prompt, each
     sibling hits its full KV blocks and recomputes the partial last block. The meter counts what the
     engine computed, the scheduler's prefix-cache queries − hits (before: the one num_cached_tokens
-    of the request, 44 of 432 here); a repeated prompt counts only the uncached tail of each child.
+    of the request, 12 of 144 here); a repeated prompt counts only the uncached tail of each child.
     The statistics print nothing."""
     import random
 
@@ -413,8 +457,8 @@ def test_vllm_meter_counts_the_prefill_of_every_sample_of_a_request(vllm_setup, 
         counted[label] = gen.prefill_tokens
     # the whole prompt once plus the partial block per sibling; then the partial block per child
     assert counted == {"fresh": len(prompt) + 3 * tail, "repeated": 4 * tail}
-    if block == 128:  # vLLM CPU's default
-        assert counted == {"fresh": 300 + 3 * 44, "repeated": 4 * 44}
+    if block == 32:  # pivotrl's default on vLLM's CPU build: 108 tokens = 3 full blocks + 12
+        assert counted == {"fresh": 108 + 3 * 12, "repeated": 4 * 12}
     assert not stats.cached  # every request's statistics taken
     capfd.readouterr()
     eng.llm.llm_engine.do_log_stats()  # what vLLM's loop calls every VLLM_LOG_STATS_INTERVAL seconds
