@@ -20,7 +20,7 @@ Each block size runs in its own process (the block size is an engine setting), a
 End of sequence is ignored so every run decodes the same number of tokens. Per run it prints the
 wall seconds, the prefilled tokens (the generation meter: the scheduler's queries − hits), the
 forward TFLOP and the generation MFU against the calibrated peak, and whether the sampled token ids
-equal those of the first block size's run (same seeds). Results: benchmarks/RESULTS.md §28f.
+equal those of the first block size's run (same seeds). Results: benchmarks/RESULTS.md §28e.
 """
 
 from __future__ import annotations

@@ -277,8 +277,8 @@ class RolloutSection(Section):
         "vLLM: tokens per KV-cache block, the unit of prefix caching. null: 32 on vLLM's CPU build (the "
         "smallest its attention kernel takes), vLLM's own default on GPUs. The samples of an n-sample "
         "request after the first reuse only the prompt's full blocks and prefill the rest again, so with "
-        "the CPU build's own 128 a 200-token state was prefilled about 3.5 times with m = 8 "
-        "(benchmarks/RESULTS.md §28f). Use a multiple of 32 on CPUs."))
+        "the CPU build's own 128 the single-turn showcase's probe (m = 8, states of 194 tokens on average) "
+        "computed 2.9 times its prompt tokens (benchmarks/RESULTS.md §28e). Use a multiple of 32 on CPUs."))
     tensor_parallel_size: Int = Field(
         1, ge=1, description="vLLM tensor parallelism: GPUs one rollout engine spans (1 on CPU)."
     )

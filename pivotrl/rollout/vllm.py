@@ -45,7 +45,7 @@ __all__ = ["CPU_BLOCK_SIZE", "VLLMEngine"]
 
 #: KV block size on vLLM's CPU build unless one is given: the smallest its attention kernel takes
 #: (multiples of 32), so a sibling sample of an n-sample request prefills at most 31 prompt tokens
-#: again where the build's own 128 made it up to 127 (benchmarks/RESULTS.md §28f).
+#: again where the build's own 128 made it up to 127 (benchmarks/RESULTS.md §28e).
 CPU_BLOCK_SIZE = 32
 
 
@@ -62,7 +62,7 @@ class VLLMEngine:
         block_size: tokens per KV-cache block, the unit of prefix caching (None: 32 on vLLM's
             CPU build, the smallest its attention kernel takes, where vLLM's own default is 128;
             vLLM's default on GPUs). The sibling samples of an n-sample request reuse only the
-            prompt's full blocks and prefill the rest again (benchmarks/RESULTS.md §23, §28f).
+            prompt's full blocks and prefill the rest again (benchmarks/RESULTS.md §23, §28e).
         seed: engine seed (used when ``SamplingConfig.seed`` is None).
         cpu_threads: CPU builds only: OpenMP threads of the model worker, bound to
             ``cpu_threads`` CPUs this process may run on (None: all of them), claimed
