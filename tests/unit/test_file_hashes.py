@@ -54,3 +54,45 @@ def test_checkpoint_hash_is_unchanged(tmp_path: Path) -> None:
         want.update(f"{name}\0{p.stat().st_size}\0".encode())
         _chunked(p, want)
     assert checkpoint_hash(tmp_path) == want.hexdigest()
+
+
+def test_weights_hash_is_the_tensors_not_the_files(tmp_path: Path) -> None:
+    """Two checkpoints with the same tensors written in another order, with other header metadata,
+    config and tokenizer files hash the same; one changed value, dtype or name does not; a truncated
+    file is a named error."""
+    import torch
+    from safetensors.torch import save_file
+
+    from pivotrl.core.errors import ModelError
+    from pivotrl.runtime.models import checkpoint_hash, weights_hash
+
+    g = torch.Generator().manual_seed(0)
+    tensors = {"embed.weight": torch.randn(8, 4, generator=g), "lm_head.bias": torch.randn(8, generator=g),
+               "norm.weight": torch.randn(4, generator=g).to(torch.bfloat16)}
+
+    def ckpt(name: str, ts: dict, meta: dict | None = None, config: str = "{}") -> Path:
+        d = tmp_path / name
+        d.mkdir()
+        save_file(ts, str(d / "model.safetensors"), metadata=meta)
+        (d / "config.json").write_text(config)
+        return d
+
+    a = ckpt("a", tensors, {"format": "pt"})
+    b = ckpt("b", dict(reversed(list(tensors.items()))), {"format": "pt", "written_by": "another exporter"},
+             config='{"torch_dtype": "float32"}')
+    assert weights_hash(a) == weights_hash(b) and checkpoint_hash(a) != checkpoint_hash(b)
+    changed = dict(tensors, **{"lm_head.bias": tensors["lm_head.bias"].clone()})
+    changed["lm_head.bias"][3] += 1e-3
+    recast = dict(tensors, **{"norm.weight": tensors["norm.weight"].float()})
+    renamed = {("model." + k): v for k, v in tensors.items()}
+    others = {weights_hash(ckpt(n, ts)) for n, ts in (("c", changed), ("d", recast), ("e", renamed))}
+    assert len(others) == 3 and weights_hash(a) not in others
+    blob = (a / "model.safetensors").read_bytes()
+    (a / "model.safetensors").write_bytes(blob[:-5])
+    with pytest.raises(ModelError, match=r"model\.safetensors"):
+        weights_hash(a)
+    (a / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00not json at all!")
+    with pytest.raises(ModelError, match="not a readable safetensors file"):
+        weights_hash(a)
+    with pytest.raises(ModelError, match="no \\*.safetensors"):
+        weights_hash(tmp_path)
