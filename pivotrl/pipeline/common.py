@@ -103,13 +103,11 @@ def sampling_for(cfg: RunConfig, *, n: int, temperature: float, seed: int | None
                           max_tokens=cfg.rollout.max_tokens, seed=seed)
 
 
-def make_rollout_engine(cfg: RunConfig, model_dir: Path | str, *, engine: str | None = None, **extra: Any) -> Any:
-    """The configured rollout engine on ``model_dir`` (vLLM by default, transformers fallback);
-    ``extra`` keywords go to the engine's constructor (e.g. ``cpu_ids`` of one of several vLLM engines)."""
-    from pivotrl.rollout import make_engine
-
-    if Path(model_dir).is_dir():
-        verify_checkpoint(model_dir)
+def rollout_engine_settings(cfg: RunConfig, engine: str | None = None) -> tuple[str, dict[str, Any]]:
+    """``(engine name, constructor keywords)`` of the configured rollout engine: everything
+    :func:`make_rollout_engine` gives the engine but the model and the caller's ``extra``. The
+    dtype is resolved (``model.dtype: auto`` → what this CPU or GPU runs). A warm engine's identity
+    (:func:`pivotrl.pipeline.warm_engine.shard_engine`) is this and the model directory."""
     from pivotrl.runtime.precision import with_resolved_dtype
 
     name = engine or cfg.rollout.engine
@@ -122,6 +120,18 @@ def make_rollout_engine(cfg: RunConfig, model_dir: Path | str, *, engine: str | 
             kwargs["tensor_parallel_size"] = cfg.rollout.tensor_parallel_size
         if cfg.rollout.gpu_memory_utilization is not None:
             kwargs["gpu_memory_utilization"] = cfg.rollout.gpu_memory_utilization
+    return name, kwargs
+
+
+def make_rollout_engine(cfg: RunConfig, model_dir: Path | str, *, engine: str | None = None, **extra: Any) -> Any:
+    """The configured rollout engine on ``model_dir`` (vLLM by default, transformers fallback), built
+    with :func:`rollout_engine_settings`; ``extra`` keywords go to the engine's constructor (e.g.
+    ``cpu_ids`` of one of several vLLM engines)."""
+    from pivotrl.rollout import make_engine
+
+    if Path(model_dir).is_dir():
+        verify_checkpoint(model_dir)
+    name, kwargs = rollout_engine_settings(cfg, engine)
     return make_engine(name, str(model_dir), **kwargs, **extra)
 
 

@@ -2,7 +2,8 @@
 
 A Ray worker runs many probe and evaluation shards; building a vLLM engine costs tens of seconds,
 so the worker keeps one engine per (model directory, engine settings) and hands it to its next
-shard. An evaluation shard swaps policies' weights into it, so such an engine is marked as holding
+shard; the settings are what the engine is built with (``rollout_engine_settings``), so a setting
+that reaches the engine also decides whether a warm one fits. An evaluation shard swaps policies' weights into it, so such an engine is marked as holding
 other weights than its directory's, and a probe shard (which must sample the reference) rebuilds it.
 """
 
@@ -12,9 +13,10 @@ from pathlib import Path
 from typing import Any
 
 from pivotrl.config import RunConfig
-from pivotrl.pipeline.common import make_rollout_engine
+from pivotrl.core.hashing import content_hash
+from pivotrl.pipeline.common import make_rollout_engine, rollout_engine_settings
 
-# One warm engine per worker process: key (model dir, settings) → engine.
+# One warm engine per worker process: key (model dir, the engine's settings as built) → engine.
 _WARM: dict[str, Any] = {}
 # Keys of warm engines that hold other weights than their model dir's (an evaluation shard swapped them).
 _SWAPPED: set[str] = set()
@@ -30,8 +32,7 @@ def shard_engine(cfg: RunConfig, model_dir: Path, warm: bool, *, any_weights: bo
     """
     if not warm:
         return make_rollout_engine(cfg, model_dir), False
-    key = (f"{Path(model_dir).resolve()}|{cfg.rollout.engine, cfg.rollout.max_tokens, cfg.model.dtype, cfg.model.max_context}"
-           f"|{cfg.rollout.kv_cache_gib}|{cfg.rollout.block_size}")
+    key = f"{Path(model_dir).resolve()}|{content_hash(rollout_engine_settings(cfg))}"
     if key in _WARM and (any_weights or key not in _SWAPPED):
         if any_weights:
             _SWAPPED.add(key)
