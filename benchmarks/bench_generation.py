@@ -4,13 +4,14 @@ shapes vs a roofline batch.
 Usage::
 
     python benchmarks/bench_generation.py [--prompts 16] [--prompt-len 512] [--n 4] [--max-tokens 32]
-        [--threads 2] [--kv-gib 1] [--dtype fp32|bf16] [--json OUT]
+        [--threads 2] [--kv-gib 1] [--dtype fp32|bf16] [--roofline-seqs N] [--json OUT]
 
 "stage shapes": ``--prompts`` synthetic prompts of ``--prompt-len`` tokens, ``n`` samples each at
 temperature 1 (probing's shape, eos allowed), one ``generate`` call, fresh prefix cache.
 "roofline": every sequence of equal length (eos ignored, 128-token prompts, ``--max-tokens`` × 2
 tokens), as many at once as the KV cache holds (``kv_cache_gib`` / KV bytes per token / sequence
-length, capped by vLLM's ``max_num_seqs``), so the gap between the two rows is scheduling (ragged
+length, capped by vLLM's ``max_num_seqs``, or ``--roofline-seqs``: the ceiling at a phase's own
+concurrency, e.g. 32 for the default run's training rollouts), so the gap between the two rows is scheduling (ragged
 batches, a draining tail), not kernels. Both count FLOPs and MFU with the engine's meter against
 the calibrated peak of ``--dtype`` (fp32 by default; bf16 where the CPU has ``avx512_bf16``, as
 ``model.dtype: auto`` chooses there) × the engine's threads.
@@ -39,6 +40,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--kv-gib", type=int, default=1)
     ap.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
+    ap.add_argument("--roofline-seqs", type=int, default=None,
+                    help="sequences at once in the roofline (default: as many as the KV cache holds)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
 
@@ -80,7 +83,7 @@ def main(argv: list[str] | None = None) -> None:
     per_token = 2 * cfg.num_hidden_layers * kv_heads * head_dim * (4 if args.dtype == "fp32" else 2)  # K and V
     seq = 128 + 2 * args.max_tokens
     max_seqs = int(eng.llm.llm_engine.vllm_config.scheduler_config.max_num_seqs)
-    batch = max(1, min(args.kv_gib * 2**30 // per_token // seq, max_seqs))
+    batch = max(1, min(args.kv_gib * 2**30 // per_token // seq, max_seqs, args.roofline_seqs or max_seqs))
     print(f"roofline: {per_token} KV bytes per token, {seq}-token sequences, {batch} at once "
           f"(KV cache {args.kv_gib} GiB, max_num_seqs {max_seqs})", flush=True)
     roof = [TokensPrompt(prompt_token_ids=synthetic_ids(rng, vocab, 128)) for _ in range(batch)]
