@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
             t1 = time.perf_counter()
             reload(engine, source)
             t_load = time.perf_counter() - t1
-            d_max, d_mean = refresh_delta(engine, prompt, action, trainer.old_policy_logprobs(prompt, action))
+            d_max, d_mean = refresh_delta(engine, prompt, [action], [trainer.old_policy_logprobs(prompt, action)])
             by[mode].append(t_write + t_load)
             rows.append([rep, mode, round(t_write, 3), round(t_load, 3), round(t_write + t_load, 3),
                          f"{d_max:.3g}", f"{d_mean:.3g}", la])

@@ -156,7 +156,7 @@ def refresh_check(model_dir: str) -> dict[str, Any]:
             reload(eng, source)
             torch.cuda.synchronize()
             secs = time.perf_counter() - t0
-            d_max, d_mean = refresh_delta(eng, prompt, action, trainer.old_policy_logprobs(prompt, action))
+            d_max, d_mean = refresh_delta(eng, prompt, [action], [trainer.old_policy_logprobs(prompt, action)])
             out[mode] = {"refresh_s": secs, "max_abs_delta": d_max, "mean_abs_delta": d_mean,
                          "passes_bf16_check": d_mean <= 0.05}
     eng.close()
@@ -232,20 +232,20 @@ def vllm_check(model_dir: str, *, gpu_memory_utilization: float | None = 0.35,
         action = [rng.randrange(100, vocab) for _ in range(20)]
         # the engine and the trainer on the same weights: the bf16 kernels' own disagreement
         out["same_weights"] = dict(zip(("max_abs_delta", "mean_abs_delta"), refresh_delta(
-            eng, prompt, action, trainer.old_policy_logprobs(prompt, action))))
+            eng, prompt, [action], [trainer.old_policy_logprobs(prompt, action)])))
         with tempfile.TemporaryDirectory() as tmp:
             for mode in ("memory", "disk"):
                 with torch.no_grad():
                     for p in trainer.engine.module.parameters():
                         p.add_(torch.randn_like(p) * perturb * p.float().std().to(p.dtype))
                 trainer_lp = trainer.old_policy_logprobs(prompt, action)
-                stale = refresh_delta(eng, prompt, action, trainer_lp)
+                stale = refresh_delta(eng, prompt, [action], [trainer_lp])
                 t0 = time.perf_counter()
                 source: Any = trainer.shared_weights() if mode == "memory" else str(
                     trainer.export_hf(str(Path(tmp) / mode)))
                 write_s = time.perf_counter() - t0
                 timing: dict[str, float] = {}
-                d_max, d_mean, _ = refresh_step(eng, source, prompt, action, trainer_lp, rank=0, world=1,
+                d_max, d_mean, _ = refresh_step(eng, source, prompt, [action], [trainer_lp], rank=0, world=1,
                                                 timing=timing)
                 out[f"refresh_{mode}"] = {
                     "write_s": write_s, "reload_s": timing.get("reload_s"),

@@ -33,7 +33,7 @@ from typing import Any, Callable, Sequence
 
 from pivotrl.core.errors import ConfigError
 
-__all__ = ["EnginePool", "engine_cpus", "split_positions"]
+__all__ = ["EnginePool", "engine_cpus", "refresh_delta", "split_positions"]
 
 
 def split_positions(n: int, num_engines: int) -> list[range]:
@@ -57,6 +57,22 @@ def engine_cpus(j: int, num_engines: int, allowed: Sequence[int] | None = None) 
     if len(cpus) < num_engines:
         return [cpus[j % len(cpus)]] if cpus else []
     return [cpus[i] for i in split_positions(len(cpus), num_engines)[j]]
+
+
+def refresh_delta(engine: Any, prompt: list[int] | None, actions: Sequence[list[int]],
+                  trainer_lps: Sequence[Sequence[float]]) -> tuple[float, float]:
+    """Max and mean |Δ| per token (nats) between the engine's and the trainer's log-probs of
+    ``actions`` (A action token lists after one ``prompt``; ``trainer_lps``: A lists of per-token
+    log-probs), pooled over every token of every action; (0, 0) without an action.
+
+    Several actions: in bf16 one action's mean is a noisy statistic (one sampled token of low
+    probability can carry |Δ| > 1), so the check reads a group's actions together."""
+    actions = [a for a in actions if a]
+    if not actions:
+        return 0.0, 0.0
+    eng = engine.score([prompt] * len(actions), actions)
+    deltas = [abs(a - float(b)) for e, t in zip(eng, trainer_lps) for a, b in zip(e, t)]
+    return (max(deltas), sum(deltas) / len(deltas)) if deltas else (0.0, 0.0)
 
 
 class EnginePool:
@@ -144,19 +160,15 @@ class EnginePool:
         """Refresh every engine from a shared-memory block of weights (concurrently)."""
         self._each(lambda j: self.engines[j].update_weights(block, meta))
 
-    def refresh_deltas(self, prompt: list[int] | None, action: list[int] | None,
-                       trainer_lp: Sequence[float]) -> list[tuple[float, float] | None]:
-        """Per engine: max and mean |Δ| per token (nats) between its log-probs of ``action`` and the
-        trainer's ``trainer_lp``; None for every engine when there is no action to check."""
-        if not action:
+    def refresh_deltas(self, prompt: list[int] | None, actions: Sequence[list[int]],
+                       trainer_lps: Sequence[Sequence[float]]) -> list[tuple[float, float] | None]:
+        """Per engine: max and mean |Δ| per token (nats) between its log-probs of ``actions`` and the
+        trainer's ``trainer_lps``, pooled over their tokens
+        (:func:`pivotrl.training.rank_engines.refresh_delta`); None for every engine when there is
+        no action to check."""
+        if not any(actions):
             return [None] * len(self.engines)
-
-        def delta(j: int) -> tuple[float, float]:
-            eng = self.engines[j].score([prompt], [action])[0]
-            d = [abs(a - float(b)) for a, b in zip(eng, trainer_lp)]
-            return (max(d), sum(d) / len(d)) if d else (0.0, 0.0)
-
-        return self._each(delta)
+        return self._each(lambda j: refresh_delta(self.engines[j], prompt, actions, trainer_lps))
 
     def close(self) -> None:
         """Close every engine (each one even if another fails; the first error is raised)."""

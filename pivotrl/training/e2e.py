@@ -244,7 +244,7 @@ def _refresh(trainer: Any, engine: Any, group: Group, settings: E2ESettings, ste
              work_dir: Path) -> dict[str, float]:
     """Refresh π_old in ``engine`` the way PivotRL's loop does (``rollout.weight_sync``: ``memory`` =
     the trainer's shared-memory block, ``disk`` = an HF export read back), then check that it took:
-    the engine's log-probs of the step's first trained action against the trainer's
+    the engine's log-probs of the step's first trained group's actions against the trainer's
     (:func:`pivotrl.training.loop.check_refresh`, raising TrainingError). → ``refresh_s``,
     ``refresh_max_abs_delta``, ``refresh_mean_abs_delta`` (nats per token)."""
     from pivotrl.training.loop import check_refresh
@@ -259,9 +259,9 @@ def _refresh(trainer: Any, engine: Any, group: Group, settings: E2ESettings, ste
         reload(engine, str(export))
         shutil.rmtree(export, ignore_errors=True)
     refresh_s = time.perf_counter() - t0
-    action = group.actions[0] if group.actions else None
-    trainer_lp = trainer.old_policy_logprobs(group.prompt_ids, action) if action else []
-    d_max, d_mean = refresh_delta(engine, group.prompt_ids, action, trainer_lp)
+    check = [a for a in group.actions if a]
+    trainer_lps = trainer.group_logprobs(group.prompt_ids, check) if check else []
+    d_max, d_mean = refresh_delta(engine, group.prompt_ids, check, trainer_lps)
     check_refresh(step + 1, d_max, d_mean, settings.refresh_tolerance, settings.dtype)
     return {"refresh_s": round(refresh_s, 4), "refresh_max_abs_delta": d_max, "refresh_mean_abs_delta": d_mean}
 

@@ -152,7 +152,7 @@ def run_rl_loop(trainer: Any, engine: Any, verifier: Any, pivots: Sequence[Any],
     """Run steps ``start .. len(schedule) - 1`` of PivotRL training and return every step's metrics row.
 
     Args:
-        trainer: a ``PivotRLTrainer`` (``train_step``, ``export_hf``, ``old_policy_logprobs``).
+        trainer: a ``PivotRLTrainer`` (``train_step``, ``export_hf``, ``group_logprobs``).
         engine: the rollout engine serving π_old on a host rank (None elsewhere), or an
             ``EnginePool`` of several on rank 0; refreshed in place (``load_weights``, every engine)
             after every step.
@@ -265,11 +265,12 @@ def run_rl_loop(trainer: Any, engine: Any, verifier: Any, pivots: Sequence[Any],
                     trainer.export_hf(str(export), writers=list(hosts))
                 export = str(export)
             t_write = time.perf_counter() - t_sync
+            # The check reads every action of the first trained group (one prompt, K actions).
             probe_prompt = groups[0].prompt_ids if groups else None
-            action = groups[0].actions[0] if groups else None
-            trainer_lp = trainer.old_policy_logprobs(probe_prompt, action) if action else []
+            check = [a for a in groups[0].actions if a] if groups else []
+            trainer_lps = trainer.group_logprobs(probe_prompt, check) if check else []
             timing: dict[str, float] = {}
-            d_max, d_mean, per_engine = refresh_step(engine, export, probe_prompt, action, trainer_lp,
+            d_max, d_mean, per_engine = refresh_step(engine, export, probe_prompt, check, trainer_lps,
                                                      rank=rank, world=world, hosts=hosts, timing=timing)
             engines_row = _engines_row(per_engine, served, cfg) if per_engine else {}
             shutil.rmtree(work / f"policy-{step - 1}", ignore_errors=True)
@@ -368,10 +369,14 @@ def check_refresh(step: int, d_max: float, d_mean: float, tol_max: float, dtype:
                   engine: int | None = None) -> None:
     """Fail loudly if the rollout engine is not serving the trainer's weights after a refresh.
 
+    ``d_max`` / ``d_mean``: over every token of the first trained group's K actions
+    (:func:`~pivotrl.rollout.pool.refresh_delta`).
     fp32: both the max and the mean per-token |Δ| must be within tolerance (engines agree to ~1e-5).
     bf16: the mean must be ≤ 0.05; a max above ``refresh_tolerance`` alone is logged, not fatal —
     single bf16 tokens differ by up to ~0.3–0.5 between kernels (measured), while a refresh that did
-    not take shows on the mean. Raises TrainingError naming the step, the engine (``engine``: its
+    not take shows on the mean. One action's mean is not enough in bf16: on the multi-turn
+    showcase's ≈1,400-token states single actions' means under the same weights reached 0.035, and
+    after a refresh 0.054 and 0.113 (benchmarks/RESULTS.md §29), so the mean pools the group. Raises TrainingError naming the step, the engine (``engine``: its
     index in a pool of several) and the numbers."""
     mean_tol = REFRESH_MEAN_TOLERANCE.get(dtype, 0.05)
     which = "" if engine is None else f" (rollout engine {engine})"

@@ -341,10 +341,16 @@ class PivotRLTrainer:
         Under ZeRO-3 every rank must call this (parameters are gathered collectively).
         Raises DataError for empty inputs.
         """
+        return self.group_logprobs(prompt_ids, [action_ids])[0]
+
+    def group_logprobs(self, prompt_ids: Sequence[int], actions: Sequence[Sequence[int]]) -> list[list[float]]:
+        """:meth:`old_policy_logprobs` of several actions after one prompt (A lists of T_i floats),
+        in one pass (the shared-prefix path where ``training.shared_prefix`` allows it)."""
         with torch.no_grad():
-            res = compute_group_logprobs(self.engine, prompt_ids, [list(action_ids)], shared_prefix=self.settings.shared_prefix,
+            res = compute_group_logprobs(self.engine, prompt_ids, [list(a) for a in actions],
+                                         shared_prefix=self.settings.shared_prefix,
                                          prefix_method=self.settings.prefix_method)
-        return res.logprobs[0, : len(action_ids)].double().tolist()
+        return [res.logprobs[i, : len(a)].double().tolist() for i, a in enumerate(actions)]
 
     def export_hf(self, directory: str | os.PathLike[str], writers: Sequence[int] = (0,)) -> Path:
         """Write the current weights + tokenizer files as an HF checkpoint (atomic); every rank

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
 from pivotrl.core.errors import ConfigError
-from pivotrl.rollout.pool import split_positions
+from pivotrl.rollout.pool import refresh_delta, split_positions
 from pivotrl.training.checkpoints import broadcast
 
 log = logging.getLogger("pivotrl.training")
@@ -165,16 +165,6 @@ def rollout_step(engine: Any, verifier: Any, pivots: Sequence[Any], prompts: Seq
     return merged, [len(b) for b in blocks]
 
 
-def refresh_delta(engine: Any, prompt: list[int] | None, action: list[int] | None,
-                  trainer_lp: Sequence[float]) -> tuple[float, float]:
-    """Max and mean |Δ| per token (nats) between the engine's and the trainer's log-probs of ``action``."""
-    if not action:
-        return 0.0, 0.0
-    eng = engine.score([prompt], [action])[0]
-    deltas = [abs(a - float(b)) for a, b in zip(eng, trainer_lp)]
-    return (max(deltas), sum(deltas) / len(deltas)) if deltas else (0.0, 0.0)
-
-
 def reload(engine: Any, source: Any) -> None:
     """Give ``engine`` new weights from ``source``: an HF export directory (``load_weights``, the
     ``disk`` path) or a shared-memory block ``(name, metadata)`` (``update_weights``, the ``memory``
@@ -186,13 +176,14 @@ def reload(engine: Any, source: Any) -> None:
         engine.update_weights(block, meta)
 
 
-def refresh_step(engine: Any, export_dir: Any, prompt: list[int] | None, action: list[int] | None,
-                 trainer_lp: Sequence[float], *, rank: int, world: int, hosts: Sequence[int] = (0,),
+def refresh_step(engine: Any, export_dir: Any, prompt: list[int] | None, actions: Sequence[list[int]],
+                 trainer_lps: Sequence[Sequence[float]], *, rank: int, world: int, hosts: Sequence[int] = (0,),
                  timing: dict[str, float] | None = None
                  ) -> tuple[float, float, list[tuple[float, float] | None]]:
     """Reload every engine from ``export_dir`` (each host its own export there; or, for
     ``rollout.weight_sync: memory``, its shared-memory block ``(name, metadata)``: :func:`reload`)
-    and check it; ``timing["reload_s"]`` receives this rank's reload seconds →
+    and check it on ``actions`` after ``prompt`` against the trainer's ``trainer_lps``
+    (:func:`refresh_delta`); ``timing["reload_s"]`` receives this rank's reload seconds →
     ``(max |Δ|, max mean |Δ| over the engines, per-engine (max, mean) or None without an action)``
     on every rank. The per-engine list is empty for one engine on rank 0 (``hosts == [0]`` and no
     pool). The caller raises on a failed check (``pivotrl.training.loop.check_refresh``)."""
@@ -206,11 +197,11 @@ def refresh_step(engine: Any, export_dir: Any, prompt: list[int] | None, action:
             if timing is not None:
                 timing["reload_s"] = time.perf_counter() - t0
             if hasattr(engine, "refresh_deltas") and len(getattr(engine, "engines", ())) > 1:
-                per_engine = engine.refresh_deltas(prompt, action, trainer_lp)
+                per_engine = engine.refresh_deltas(prompt, actions, trainer_lps)
                 d_max = max((d[0] for d in per_engine if d), default=0.0)
                 d_mean = max((d[1] for d in per_engine if d), default=0.0)
             else:
-                d_max, d_mean = refresh_delta(engine, prompt, action, trainer_lp)
+                d_max, d_mean = refresh_delta(engine, prompt, actions, trainer_lps)
         return broadcast((d_max, d_mean, per_engine), world)
     mine: tuple[float, float] | None = None
     if rank in hosts:
@@ -218,7 +209,7 @@ def refresh_step(engine: Any, export_dir: Any, prompt: list[int] | None, action:
         reload(engine, export_dir)
         if timing is not None:
             timing["reload_s"] = time.perf_counter() - t0
-        mine = refresh_delta(engine, prompt, action, trainer_lp) if action else None
+        mine = refresh_delta(engine, prompt, actions, trainer_lps) if any(actions) else None
     gathered = all_gather(mine, world)
     per_engine = [gathered[h] for h in hosts]
     d_max = max((d[0] for d in per_engine if d), default=0.0)

@@ -173,6 +173,38 @@ def test_a_refresh_that_did_not_take_fails_loudly() -> None:
         check_refresh(1, 2e-4, 1e-5, 1e-4, "fp32")
 
 
+def test_the_refresh_check_reads_the_whole_group_so_one_noisy_action_does_not_fail_it() -> None:
+    """bf16: one action of a group can differ by 0.11 nats per token between engine and trainer on
+    the same weights (measured on multi-turn states); the check pools the tokens of the group's K
+    actions in one scoring call, so that action alone no longer fails a refresh that took, while an
+    engine left on other weights (every action off) still fails."""
+    from pivotrl.rollout.pool import refresh_delta
+
+    actions = [[10 + i, 20 + i, 30 + i, 40 + i, 50 + i] for i in range(8)]
+    trainer_lps = [[-1.0 - 0.1 * t for t in range(5)] for _ in actions]
+
+    class Engine:
+        def __init__(self, off: list[float]) -> None:
+            self.off, self.calls = off, []
+
+        def score(self, prompts, acts):
+            self.calls.append((len(prompts), [tuple(a) for a in acts]))
+            return [[lp + self.off[actions.index(list(a))] for lp in trainer_lps[0]] for a in acts]
+
+    noisy = Engine([0.113] + [0.01] * 7)  # one action off by 0.113 per token, the others by 0.01
+    assert refresh_delta(noisy, [1, 2, 3], actions[:1], trainer_lps[:1]) == pytest.approx((0.113, 0.113))
+    with pytest.raises(TrainingError):  # the former one-action check
+        check_refresh(1, 0.113, 0.113, 0.3, "bf16")
+    d_max, d_mean = refresh_delta(noisy, [1, 2, 3], actions, trainer_lps)
+    assert noisy.calls[-1] == (8, [tuple(a) for a in actions])  # the group in one scoring call
+    assert (d_max, d_mean) == pytest.approx((0.113, (0.113 + 7 * 0.01) / 8))
+    check_refresh(1, d_max, d_mean, 0.3, "bf16")
+    stale = Engine([0.2] * 8)
+    with pytest.raises(TrainingError, match="step 2"):
+        check_refresh(2, *refresh_delta(stale, [1, 2, 3], actions, trainer_lps), 0.3, "bf16")
+    assert refresh_delta(stale, [1, 2, 3], [[], []], [[], []]) == (0.0, 0.0) and len(stale.calls) == 1
+
+
 def test_the_loop_and_sample_and_score_import_without_prefect_vllm_deepspeed_or_the_pipeline() -> None:
     import subprocess
     import sys
