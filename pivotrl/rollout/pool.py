@@ -66,12 +66,16 @@ def refresh_delta(engine: Any, prompt: list[int] | None, actions: Sequence[list[
     log-probs), pooled over every token of every action; (0, 0) without an action.
 
     Several actions: in bf16 one action's mean is a noisy statistic (one sampled token of low
-    probability can carry |Δ| > 1), so the check reads a group's actions together."""
-    actions = [a for a in actions if a]
-    if not actions:
+    probability can carry |Δ| > 1), so the check reads a group's actions together. The engine
+    scores each distinct action once (a group often samples one short call several times; each
+    scored action is a prompt prefilled again, the prefix cache being off for scoring); a repeated
+    action counts as often as it was sampled."""
+    pairs = [(list(map(int, a)), t) for a, t in zip(actions, trainer_lps) if len(a)]
+    if not pairs:
         return 0.0, 0.0
-    eng = engine.score([prompt] * len(actions), actions)
-    deltas = [abs(a - float(b)) for e, t in zip(eng, trainer_lps) for a, b in zip(e, t)]
+    distinct = list(dict.fromkeys(tuple(a) for a, _ in pairs))
+    scored = dict(zip(distinct, engine.score([prompt] * len(distinct), [list(a) for a in distinct])))
+    deltas = [abs(e - float(b)) for a, t in pairs for e, b in zip(scored[tuple(a)], t)]
     return (max(deltas), sum(deltas) / len(deltas)) if deltas else (0.0, 0.0)
 
 

@@ -203,6 +203,12 @@ def test_the_refresh_check_reads_the_whole_group_so_one_noisy_action_does_not_fa
     with pytest.raises(TrainingError, match="step 2"):
         check_refresh(2, *refresh_delta(stale, [1, 2, 3], actions, trainer_lps), 0.3, "bf16")
     assert refresh_delta(stale, [1, 2, 3], [[], []], [[], []]) == (0.0, 0.0) and len(stale.calls) == 1
+    # A repeated action is scored once and counts as often as it was sampled.
+    twice = Engine([0.113] + [0.01] * 7)
+    d_max, d_mean = refresh_delta(twice, [1, 2, 3], [actions[0], actions[1], actions[0], [], actions[1]],
+                                  [trainer_lps[0], trainer_lps[1], trainer_lps[0], [], trainer_lps[1]])
+    assert twice.calls == [(2, [tuple(actions[0]), tuple(actions[1])])]
+    assert (d_max, d_mean) == pytest.approx((0.113, (2 * 0.113 + 2 * 0.01) / 4))
 
 
 def test_the_loop_and_sample_and_score_import_without_prefect_vllm_deepspeed_or_the_pipeline() -> None:
