@@ -30,6 +30,10 @@ class Group:
     # K × (T_i,) the rollout engine's log-probs of each action's tokens (temperature 1, the sampler's
     # own numbers), or None: for the sampler–trainer mismatch metrics and ``training.tis_cap``.
     sampler_logprobs: list[list[float]] | None = None
+    # Which rollout engine sampled the actions: its index in a pool, or the host rank's index among
+    # the engine-owning ranks (pivotrl.training.rank_engines); 0 with one engine. The refresh check
+    # reads the sampler–trainer mismatch per engine (pivotrl.training.loop).
+    engine: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-able dict with the fields (the record format of a batches file)."""
@@ -37,6 +41,8 @@ class Group:
         for optional in ("advantages", "sampler_logprobs"):
             if d[optional] is None:
                 del d[optional]
+        if not d["engine"]:
+            del d["engine"]
         return d
 
     @classmethod
@@ -51,6 +57,7 @@ class Group:
                 advantages=None if d.get("advantages") is None else [float(x) for x in d["advantages"]],
                 sampler_logprobs=None if d.get("sampler_logprobs") is None
                 else [[float(x) for x in a] for a in d["sampler_logprobs"]],
+                engine=int(d.get("engine", 0)),
             )
         except KeyError as err:
             raise DataError(f"group record {d.get('state_id', '?')!r} lacks key {err}") from None

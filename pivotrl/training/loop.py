@@ -19,9 +19,17 @@ or one engine on each of several host ranks): the batch's states are split acros
 order (engine j serves block j of the batch positions), they generate concurrently, each state
 seeded by its position in the whole batch (the same samples as one engine would draw), and after
 every step *every* engine is refreshed and checked against the trainer; a row then also carries
-``engines``, ``refresh_verified_engines`` (engines whose log-probs of the check action matched the
-trainer's; 0 when the batch had no action to check), ``refresh_max_abs_delta_e<j>`` and
-``rollout_states_e<j>`` (states engine j sampled at). With one engine the rows are as before.
+``engines``, ``refresh_verified_engines`` (engines whose check passed; 0 when nothing was checked),
+``refresh_max_abs_delta_e<j>`` and ``rollout_states_e<j>`` (states engine j sampled at). With one
+engine the rows are as before.
+
+The refresh check: the engines sample step t+1's batch with the weights refreshed after step t, and
+report each sampled token's log-prob (``Group.sampler_logprobs``); ``train_step`` computes the
+trainer's π_old on the same tokens for the loss, and their difference, per engine
+(``sampler_mismatch_*``), is the check of that refresh, read for free right after the step's update
+and before anything of it is recorded. Only the refresh after the last step (no batch samples it), and
+every refresh when the batch carried no sampling log-probs, are checked by scoring: each engine's
+log-probs of the first trained group's actions against the trainer's (:func:`refresh_step`).
 """
 
 from __future__ import annotations
@@ -181,8 +189,10 @@ def run_rl_loop(trainer: Any, engine: Any, verifier: Any, pivots: Sequence[Any],
     demonstration's, :data:`pivotrl.verifiers.base.NOT_DEMONSTRATED`), the trainer's
     metrics (reward_mean, kl, ...), rollout_s, step_time_s, refresh_s (writing the weights — the
     shared-memory block or the HF export — plus the engine's reload, on rank 0), refresh_max_abs_delta and
-    refresh_mean_abs_delta (engine vs trainer log-probs of a fixed action, nats per token; the
-    largest over the engines of a pool, whose per-engine columns the module docstring lists),
+    refresh_mean_abs_delta (engine vs trainer log-probs, nats per token, the check this step read:
+    from this step's batch, or by scoring after this step's refresh; the largest over the engines of
+    a pool, whose per-engine columns the module docstring lists), refresh_scored (1.0 where the check
+    scored after this step's refresh, 0.0 where it was read from this step's batch),
     rollout_tokens (tokens generated for the step's trained groups), the rollout's generation over
     every host rank's engines (``gen_*``: prompt/prefilled/generated tokens, TFLOP, seconds, MFU;
     with several host ranks their sum, the seconds of the slowest,
@@ -192,7 +202,8 @@ def run_rl_loop(trainer: Any, engine: Any, verifier: Any, pivots: Sequence[Any],
 
     Raises:
         TrainingError: the engine does not serve the trainer's weights after a refresh
-            (:func:`check_refresh`).
+            (:func:`check_refresh`), raised at the step whose batch (or, after the last step, whose
+            scoring) showed it.
     """
     from pivotrl.core.progress import Progress
 
@@ -219,6 +230,7 @@ def run_rl_loop(trainer: Any, engine: Any, verifier: Any, pivots: Sequence[Any],
     before: dict[str, Any] = {}  # held-out accuracy of the starting policy (the learning curve's step 0)
     if lead and tr.eval_every and start == 0:
         before = {k.replace("heldout_", "heldout_before_", 1): v for k, v in hooks.evaluate(0).items()}
+    n_engines = _num_engines(engine, hosts, world)
     try:
         for step in range(start, len(schedule)):
             t0 = time.time()
@@ -248,6 +260,14 @@ def run_rl_loop(trainer: Any, engine: Any, verifier: Any, pivots: Sequence[Any],
             groups, dropped, retries = batch.groups, batch.dropped, batch.retries
             t_roll = time.time() - t0
             metrics = trainer.train_step(groups) if groups else {}
+            # The refresh check, read from this batch: the engines sampled it with the weights the
+            # trainer holds as π_old (the refresh after the previous step, or the first load), so
+            # their sampling log-probs must match the trainer's on every trained token.
+            batch_check = _batch_check(metrics, n_engines)
+            for j, d in enumerate(batch_check or []):
+                if d is not None:
+                    check_refresh(step + 1, d[0], d[1], tr.refresh_tolerance, cfg.model.dtype,
+                                  engine=j if len(batch_check) > 1 else None, source=BATCH_SOURCE)
             if lead:
                 hooks.record_step(step + 1, batch.scored, groups)
             # Refresh π_old inside the running engines (no restart), then check that it took: each
@@ -265,13 +285,20 @@ def run_rl_loop(trainer: Any, engine: Any, verifier: Any, pivots: Sequence[Any],
                     trainer.export_hf(str(export), writers=list(hosts))
                 export = str(export)
             t_write = time.perf_counter() - t_sync
-            # The check reads every action of the first trained group (one prompt, K actions).
+            # The refreshed weights are checked by the next batch; only those that no batch samples
+            # (after the last step) or an engine without sampling log-probs need a scoring pass: every
+            # action of the first trained group (one prompt, K actions), by the engine and the trainer.
+            scored = step + 1 == len(schedule) or batch_check is None
             probe_prompt = groups[0].prompt_ids if groups else None
-            check = [a for a in groups[0].actions if a] if groups else []
+            check = [a for a in groups[0].actions if a] if groups and scored else []
             trainer_lps = trainer.group_logprobs(probe_prompt, check) if check else []
             timing: dict[str, float] = {}
             d_max, d_mean, per_engine = refresh_step(engine, export, probe_prompt, check, trainer_lps,
                                                      rank=rank, world=world, hosts=hosts, timing=timing)
+            if not scored:
+                d_max, d_mean = (max(d[i] for d in batch_check if d is not None) if any(batch_check) else 0.0
+                                 for i in (0, 1))
+                per_engine = batch_check if len(batch_check) > 1 else []
             engines_row = _engines_row(per_engine, served, cfg) if per_engine else {}
             shutil.rmtree(work / f"policy-{step - 1}", ignore_errors=True)
             row = {"step": step + 1, "pivots": sum(1 for i in idx if i < n_piv), **_anchor_columns(idx, n_piv, groups,
@@ -284,6 +311,7 @@ def run_rl_loop(trainer: Any, engine: Any, verifier: Any, pivots: Sequence[Any],
                    **{k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))},
                    "rollout_s": round(t_roll, 3), "step_time_s": round(time.time() - t0, 3),
                    "refresh_s": round(t_write + timing.get("reload_s", 0.0), 4),
+                   "refresh_scored": float(scored),
                    "refresh_max_abs_delta": d_max, "refresh_mean_abs_delta": d_mean, **engines_row, **refiltered,
                    "rollout_tokens": sum(len(a) for g in groups for a in g.actions),  # generated, trained groups
                    **(gen.metrics(gen_peak) if gen is not None else {})}
@@ -299,7 +327,7 @@ def run_rl_loop(trainer: Any, engine: Any, verifier: Any, pivots: Sequence[Any],
                 hooks.log_row(row)
             # Groups not trained (dropped, zero advantage, a short last batch) still count as done.
             bar.update((step + 1 - start) * per_step - bar.done, steps=1)
-            for j, d in enumerate(per_engine or [(d_max, d_mean)]):
+            for j, d in enumerate((per_engine or [(d_max, d_mean)]) if scored else []):
                 if d is not None:
                     check_refresh(step + 1, d[0], d[1], tr.refresh_tolerance, cfg.model.dtype,
                                   engine=j if per_engine else None)
@@ -347,6 +375,33 @@ def anchor_schedule(schedule: Sequence[Sequence[int]], num_pivots: int, num_anch
     return out
 
 
+BATCH_SOURCE = "the engine's sampling log-probs of this step's batch vs the trainer's π_old"
+
+
+def _num_engines(engine: Any, hosts: Sequence[int], world: int) -> int:
+    """The rollout engines serving a batch: the host ranks' engines, else rank 0's pool or engine
+    (the same count on every rank)."""
+    if len(hosts) > 1:
+        return len(hosts)
+    return int(broadcast(len(getattr(engine, "engines", ())) or 1, world))
+
+
+def _batch_check(metrics: dict[str, Any], engines: int) -> list[tuple[float, float] | None] | None:
+    """Per engine, (max, mean) per-token |Δ| between the engine's sampling log-probs of the batch
+    and the trainer's π_old (``sampler_mismatch_*`` of ``train_step``); None for an engine whose
+    actions were not trained; None in all when the batch carried no sampling log-probs (the engine
+    does not report them, or no group was trained)."""
+    if "sampler_mismatch_mean_abs" not in metrics or "sampler_mismatch_max_abs" not in metrics:
+        return None
+    overall = (float(metrics["sampler_mismatch_max_abs"]), float(metrics["sampler_mismatch_mean_abs"]))
+    if engines == 1 or not any(f"sampler_mismatch_mean_abs_e{j}" in metrics for j in range(engines)):
+        # one engine, or a batch whose groups all came from engine 0 (no per-engine columns)
+        return [overall] + [None] * (engines - 1)
+    out = [(float(metrics[f"sampler_mismatch_max_abs_e{j}"]), float(metrics[f"sampler_mismatch_mean_abs_e{j}"]))
+           if f"sampler_mismatch_mean_abs_e{j}" in metrics else None for j in range(engines)]
+    return out if any(out) else None
+
+
 def _engines_row(per_engine: Sequence[tuple[float, float] | None], served: Sequence[int],
                  cfg: "RunConfig") -> dict[str, Any]:
     """The per-engine columns of a metrics row (several engines only; see the module docstring)."""
@@ -366,10 +421,11 @@ def refresh_ok(d_max: float, d_mean: float, tol_max: float, dtype: str) -> bool:
 
 
 def check_refresh(step: int, d_max: float, d_mean: float, tol_max: float, dtype: str, *,
-                  engine: int | None = None) -> None:
+                  engine: int | None = None, source: str = "engine vs trainer log-probs") -> None:
     """Fail loudly if the rollout engine is not serving the trainer's weights after a refresh.
 
-    ``d_max`` / ``d_mean``: over every token of the first trained group's K actions
+    ``d_max`` / ``d_mean``: over every trained token of the step's batch (``source`` says so), or of
+    the first trained group's K actions scored after the refresh
     (:func:`~pivotrl.rollout.pool.refresh_delta`).
     fp32: both the max and the mean per-token |Δ| must be within tolerance (engines agree to ~1e-5).
     bf16: the mean must be ≤ 0.05; a max above ``refresh_tolerance`` alone is logged, not fatal —
@@ -382,7 +438,7 @@ def check_refresh(step: int, d_max: float, d_mean: float, tol_max: float, dtype:
     which = "" if engine is None else f" (rollout engine {engine})"
     if not refresh_ok(d_max, d_mean, tol_max, dtype):
         raise TrainingError(
-            f"policy refresh check failed at step {step}{which}: engine vs trainer log-probs differ by {d_max:.3g} "
+            f"policy refresh check failed at step {step}{which}: {source} differ by {d_max:.3g} "
             f"(max) / {d_mean:.3g} (mean) per token (tolerances {tol_max:g} / {mean_tol:g}); the rollout "
             "engine is not sampling from π_old")
     if d_max > tol_max:

@@ -216,8 +216,10 @@ class PivotRLTrainer:
             ``policy_tokens_per_s``, ``ref_tokens_per_s``, ``model_tflop``, ``threads``, and with a
             calibrated peak (``peak_gflops_per_thread``) ``peak_gflops`` and ``mfu``; when the groups
             carry the rollout engine's log-probs: ``sampler_mismatch_mean_abs`` (mean |log π_old − log
-            π_sampler| per action token, nats; π_old is the trainer's) and ``sampler_log_ratio_mean``
-            (mean whole-action Σ_t of that difference); with ``training.tis_cap``: ``tis_weight_mean``
+            π_sampler| per action token, nats; π_old is the trainer's), ``sampler_mismatch_max_abs``
+            (its largest token), with several engines both per engine (``…_e{j}``, ``Group.engine``),
+            and ``sampler_log_ratio_mean`` (mean whole-action Σ_t of that difference); with
+            ``training.tis_cap``: ``tis_weight_mean``
             (:mod:`pivotrl.objective.tis`).
             All values are global (reduced over ranks).
 
@@ -237,7 +239,7 @@ class PivotRLTrainer:
         n_micro = math.ceil(per_rank / s.micro_batch_groups)
         micro = [local[j * s.micro_batch_groups : (j + 1) * s.micro_batch_groups] for j in range(n_micro)]
         loss_scale = data_parallel_loss_scale()
-        sums = MetricSums()
+        sums = MetricSums(engines=max((g.engine for g in groups), default=0) + 1)
 
         # π_ref log-probs (no grad) of all this rank's groups, packed into shared forwards of at most
         # training.pack_tokens tokens (π_ref is a plain module on every rank: no collectives), then

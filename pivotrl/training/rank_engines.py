@@ -19,8 +19,11 @@ With engines on several ranks (the *host ranks* h_0 < h_1 < …, E of them) a st
 2. **Refresh** (:func:`refresh_step`). After the update every host writes its weights into its own
    shared-memory block (``rollout.weight_sync: memory``, ``shared_weights(writers=hosts)``) or its own
    HF export on its own disk (``disk``, ``export_hf(..., writers=hosts)``): a node never reads another
-   node's memory or files; it reloads its engine from there, and checks its engine's log-probs of a fixed action against the trainer's; the
-   per-engine deltas are all-gathered, so every rank sees every engine's check and raises together.
+   node's memory or files; it reloads its engine from there. The next batch checks the refresh (each
+   host's groups carry its index, ``Group.engine``, and the step's all-reduced metrics the mismatch
+   per engine, ``pivotrl.training.loop``); after the last step each host scores the check actions
+   with its engine against the trainer's log-probs, and the per-engine deltas are all-gathered, so
+   every rank sees every engine's check and raises together.
 
 Collectives go through ``torch.distributed`` object collectives (pickled Python objects: token ids,
 rewards, verifier results); with one process nothing is sent. Pure of the pipeline: no Prefect,
@@ -101,10 +104,13 @@ class Batch:
 
 
 def rollout_batch(engine: Any, verifier: Any, pivots: Sequence[Any], prompts: Sequence[list[int]], idx: list[int],
-                  cfg: Any, step: int, positions: list[int] | None = None) -> Batch:
+                  cfg: Any, step: int, positions: list[int] | None = None, engine_index: int | None = None) -> Batch:
     """Sample K = ``training.group_size`` actions of at most ``rollout.max_tokens`` at each pivot of
-    ``idx`` (temperature 1, seed ``run.seed * 100_003 + step``; ``cfg`` the run's RunConfig), score them, and build the trainer's groups. ``positions``: the pivots' positions in the
-    whole batch, when this engine samples a block of it. A pivot the verifier cannot decide is
+    ``idx`` (temperature 1, seed ``run.seed * 100_003 + step``; ``cfg`` the run's RunConfig), score
+    them, and build the trainer's groups. ``positions``: the pivots' positions in the whole batch,
+    when this engine samples a block of it. Each group's ``engine`` is the engine that sampled it:
+    ``engine_index`` when given (a host rank's engine), else its block of a pool
+    (:func:`~pivotrl.rollout.pool.split_positions`), else 0. A pivot the verifier cannot decide is
     dropped and counted (pivotrl.rollout.scoring)."""
     from pivotrl.rollout.base import SamplingConfig
     from pivotrl.rollout.scoring import sample_and_score, verifier_retries
@@ -114,15 +120,18 @@ def rollout_batch(engine: Any, verifier: Any, pivots: Sequence[Any], prompts: Se
                               max_tokens=cfg.rollout.max_tokens, seed=cfg.run.seed * 100_003 + step)
     batch = Batch()
     retries0 = verifier_retries(verifier)
-    for g in sample_and_score(engine, verifier, [pivots[i] for i in idx], [prompts[i] for i in idx], sampling,
-                              positions=positions):
+    n_engines = len(getattr(engine, "engines", ())) or 1
+    owner = {p: j for j, block in enumerate(split_positions(len(idx), n_engines)) for p in block}
+    for pos, g in enumerate(sample_and_score(engine, verifier, [pivots[i] for i in idx], [prompts[i] for i in idx],
+                                             sampling, positions=positions)):
         if not g.decided:  # the whole group is dropped: never advantages from a partial group
             batch.dropped += 1
             log.warning("dropping pivot %s at step %d: %s", g.state.state_id, step, g.error)
             continue
         batch.groups.append(Group(state_id=g.state.state_id, prompt_ids=g.prompt_ids,
                                   actions=[list(x.token_ids) for x in g.samples], rewards=g.rewards,
-                                  sampler_logprobs=_sampler_logprobs(g.samples)))
+                                  sampler_logprobs=_sampler_logprobs(g.samples),
+                                  engine=owner[pos] if engine_index is None else engine_index))
         batch.scored.append((g.state.state_id, g.samples, g.results))
     batch.retries = verifier_retries(verifier) - retries0
     return batch
@@ -156,7 +165,7 @@ def rollout_step(engine: Any, verifier: Any, pivots: Sequence[Any], prompts: Seq
         block = list(blocks[hosts.index(rank)])
         if block:
             part = rollout_batch(engine, verifier, pivots, prompts, [idx[i] for i in block], cfg, step,
-                                 positions=block)
+                                 positions=block, engine_index=hosts.index(rank))
     parts = all_gather(part, world)
     mine = [parts[h] for h in hosts]
     merged = Batch(groups=[g for p in mine for g in p.groups], dropped=sum(p.dropped for p in mine),

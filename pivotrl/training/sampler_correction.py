@@ -3,8 +3,9 @@
 A rollout engine samples with its own numerics (vLLM in bf16, another kernel), so the log-probs it
 reports for its actions (``Group.sampler_logprobs``, one list of per-token log-probs per action)
 differ from the trainer's π_old on the same tokens. :func:`sampler_terms` adds, for one micro-batch,
-the mismatch sums (mean |log π_old − log π_sampler| per token, whole-action log-ratio; nats) to the
-step's counters and, with ``training.tis_cap``, returns the truncated importance-sampling weights
+the mismatch sums (mean |log π_old − log π_sampler| per token, whole-action log-ratio; nats), in
+all and per rollout engine (``Group.engine``: sums and the largest per-token |Δ|), to the step's
+counters and, with ``training.tis_cap``, returns the truncated importance-sampling weights
 of its actions, shape (B,) (:mod:`pivotrl.objective.tis`). DataError when ``tis_cap`` is set and a
 group lacks the sampler's log-probs.
 """
@@ -46,6 +47,13 @@ def sampler_terms(settings: Any, groups: Sequence[Group], mb: Sequence[int], old
     sums.add("mismatch_tokens", m["tokens"])
     sums.add("mismatch_log_ratio", m["log_ratio_sum"])
     sums.add("mismatch_actions", m["actions"])
+    engine_of_row = [groups[i].engine for i in mb for _ in groups[i].sampler_logprobs]
+    for j in sorted(set(engine_of_row)):
+        rows_j = torch.tensor([e == j for e in engine_of_row], device=old.device)
+        mj = sampler_mismatch(old[rows_j], sampler[rows_j], mask[rows_j])
+        sums.add(f"mismatch_abs_e{j}", mj["abs_sum"])
+        sums.add(f"mismatch_tokens_e{j}", mj["tokens"])
+        sums.engine_max[j] = max(sums.engine_max[j], mj["max_abs"])
     if cap is None:
         return None
     w = truncated_is_weights(old, sampler, mask, cap, log_ratio_clamp=LOG_RATIO_CLAMP)

@@ -68,6 +68,14 @@ def step_metrics(tot: Mapping[str, float], ratio_min: float, ratio_max: float, g
     if tot["mismatch_tokens"]:  # sampler (engine) vs trainer π_old on the sampled tokens
         metrics["sampler_mismatch_mean_abs"] = tot["mismatch_abs"] / tot["mismatch_tokens"]
         metrics["sampler_log_ratio_mean"] = tot["mismatch_log_ratio"] / max(tot["mismatch_actions"], 1.0)
+        engines = sorted(int(k.rsplit("_e", 1)[1]) for k in tot if k.startswith("mismatch_max_e"))
+        if engines:
+            metrics["sampler_mismatch_max_abs"] = max(tot[f"mismatch_max_e{j}"] for j in engines)
+        if len(engines) > 1:
+            for j in engines:
+                if tot[f"mismatch_tokens_e{j}"]:
+                    metrics[f"sampler_mismatch_mean_abs_e{j}"] = tot[f"mismatch_abs_e{j}"] / tot[f"mismatch_tokens_e{j}"]
+                    metrics[f"sampler_mismatch_max_abs_e{j}"] = tot[f"mismatch_max_e{j}"]
     if tot["tis_actions"]:
         metrics["tis_weight_mean"] = tot["tis_weight_sum"] / tot["tis_actions"]
     return metrics

@@ -86,8 +86,12 @@ class MetricSums:
         "ref_flop",
     )
 
-    def __init__(self) -> None:
-        self.sums = dict.fromkeys(self.SUM_KEYS, 0.0)
+    def __init__(self, engines: int = 1) -> None:
+        # per rollout engine j < engines: the sampler–trainer mismatch sums of the actions it sampled
+        # (``mismatch_abs_e{j}``, ``mismatch_tokens_e{j}``) and the largest per-token |Δ| (``mismatch_max_e{j}``)
+        self.keys = self.SUM_KEYS + tuple(f"mismatch_{k}_e{j}" for j in range(engines) for k in ("abs", "tokens"))
+        self.sums = dict.fromkeys(self.keys, 0.0)
+        self.engine_max = [0.0] * engines
         self.ratio_min = math.inf
         self.ratio_max = -math.inf
 
@@ -95,17 +99,20 @@ class MetricSums:
         self.sums[key] += value
 
     def reduce(self) -> tuple[dict[str, float], float, float]:
-        """(global sums, global ratio min, global ratio max), all-reduced when world > 1."""
+        """(global sums with ``mismatch_max_e{j}`` per engine, global ratio min, global ratio max),
+        all-reduced when world > 1 (every rank builds the same engines count from the same batch)."""
         rank, world = rank_and_world()
-        vec = torch.tensor([self.sums[k] for k in self.SUM_KEYS], dtype=torch.float64)
+        vec = torch.tensor([self.sums[k] for k in self.keys], dtype=torch.float64)
         lo = torch.tensor([self.ratio_min], dtype=torch.float64)
-        hi = torch.tensor([self.ratio_max], dtype=torch.float64)
+        hi = torch.tensor([self.ratio_max] + self.engine_max, dtype=torch.float64)
         if world > 1:
             dist = torch.distributed
             dist.all_reduce(vec, op=dist.ReduceOp.SUM)
             dist.all_reduce(lo, op=dist.ReduceOp.MIN)
             dist.all_reduce(hi, op=dist.ReduceOp.MAX)
-        return dict(zip(self.SUM_KEYS, vec.tolist())), float(lo), float(hi)
+        tot = dict(zip(self.keys, vec.tolist()))
+        tot.update({f"mismatch_max_e{j}": float(v) for j, v in enumerate(hi.tolist()[1:])})
+        return tot, float(lo), float(hi[0])
 
 
 def save_trainer_checkpoint(trainer: Any, directory: str | os.PathLike[str]) -> Path:

@@ -108,8 +108,13 @@ def test_two_engines_serve_the_batch_and_are_refreshed_and_verified_every_step(c
     rows = run_rl_loop(trainer, pool, EvenVerifier(), pivots, PROMPTS, schedule, _settings(), tmp_path / "work",
                        progress=False)
     assert len(rows) == 2
-    # Counted by the engines: each was refreshed and checked once per step.
-    assert [e.refreshes for e in engines] == [2, 2] and [e.scores for e in engines] == [2, 2]
+    # Counted by the engines: each was refreshed once per step; the check of step 2's weights came from
+    # step 2's batch (each engine's sampling log-probs against the trainer's π_old), so each engine
+    # scored the check group once, after the last refresh, which no batch samples.
+    assert [e.refreshes for e in engines] == [2, 2] and [e.scores for e in engines] == [1, 1]
+    assert [r["refresh_scored"] for r in rows] == [0.0, 1.0]
+    assert rows[0]["refresh_max_abs_delta_e0"] == rows[0]["sampler_mismatch_max_abs_e0"]
+    assert rows[0]["refresh_max_abs_delta_e1"] == rows[0]["sampler_mismatch_max_abs_e1"]
     # Engine 0 sampled at the first 2 states of each batch, engine 1 at the other 3 (fixed blocks).
     for step, order in enumerate(schedule):
         assert engines[0].prompts[step] == [tuple(PROMPTS[i]) for i in order[:2]]
@@ -132,6 +137,10 @@ def test_two_engines_serve_the_batch_and_are_refreshed_and_verified_every_step(c
     rows1 = run_rl_loop(trainer1, single, EvenVerifier(), pivots, PROMPTS, schedule, _settings(), tmp_path / "work1",
                         progress=False)
     assert _same_part(rows) == _same_part(rows1) and "engines" not in rows1[0]
+    # A batch-read check's mean is the largest engine's (one engine: the batch's)
+    assert rows[0]["refresh_mean_abs_delta"] == max(rows[0]["sampler_mismatch_mean_abs_e0"],
+                                                    rows[0]["sampler_mismatch_mean_abs_e1"])
+    assert rows1[0]["refresh_mean_abs_delta"] == rows1[0]["sampler_mismatch_mean_abs"]
     # one rank: the pool's generation counters are the single engine's (the same prompts, the same tokens)
     counts = ("gen_prompt_tokens", "gen_prefill_tokens", "gen_tokens", "gen_tflop")
     assert [[r[k] for k in counts] for r in rows] == [[r[k] for k in counts] for r in rows1]
@@ -143,7 +152,8 @@ def _same_part(rows: list[dict]) -> list[dict]:
     """The rows without times, the hardware used (threads × ranks), engine columns and the generation
     counters (``gen_*``: a rank counts its own engines' work only): what one engine or several must
     agree on."""
-    skip = ("rollout_s", "step_time_s", "tokens_per_s", "trainer_s", "refresh_s", "gen_s", "mfu", "threads", "peak_gflops", "engines", "refresh_verified_engines", "_e0", "_e1")
+    skip = ("rollout_s", "step_time_s", "tokens_per_s", "trainer_s", "refresh_s", "gen_s", "mfu", "threads", "peak_gflops", "engines", "refresh_verified_engines", "_e0", "_e1",
+            "refresh_mean_abs_delta")
     return [{k: v for k, v in r.items() if not k.endswith(skip) and not k.startswith("gen_")} for r in rows]
 
 
@@ -172,11 +182,13 @@ def test_an_engine_on_each_of_two_ranks_serves_its_block_and_is_refreshed_and_ve
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
     schedule = pivot_schedule(len(PROMPTS), 5, 2, seed=0, max_steps=None)
     assert [r["world"] for r in ranks] == [2, 2]
-    # Each rank's engine sampled at its block of each batch (2 and 3 states), once per step, and was
-    # refreshed and scored (the refresh check) once per step.
+    # Each rank's engine sampled at its block of each batch (2 and 3 states), once per step, was
+    # refreshed once per step, checked on step 2 by its own block of step 2's batch, and scored (the
+    # check of the last refresh) once.
     for rank, block in ((0, slice(0, 2)), (1, slice(2, 5))):
         assert ranks[rank]["prompts"] == [[list(PROMPTS[i]) for i in order[block]] for order in schedule]
-        assert (ranks[rank]["refreshes"], ranks[rank]["scores"]) == (2, 2)
+        assert (ranks[rank]["refreshes"], ranks[rank]["scores"]) == (2, 1)
+    assert [r["refresh_scored"] for r in ranks[0]["rows"]] == [0.0, 1.0]
     assert _same_part(ranks[0]["rows"]) == _same_part(ranks[1]["rows"])  # the same batches and checks
     for r in ranks[0]["rows"]:
         assert r["engines"] == 2 and r["refresh_verified_engines"] == 2
@@ -228,6 +240,21 @@ def test_one_engine_that_missed_its_refresh_fails_the_step_naming_it(ckpt: Path,
         run_rl_loop(trainer, EnginePool([good, stale]), EvenVerifier(), pivots, PROMPTS, [[0, 1, 2, 3, 4]],
                     _settings(), tmp_path / "work", progress=False)
     assert good.refreshes == stale.refreshes == 1
+
+
+def test_an_engine_that_missed_a_refresh_fails_on_the_next_batch_before_any_scoring(ckpt: Path, tmp_path: Path) -> None:
+    """The refresh after step 1 is checked by step 2's batch: the stale engine sampled it with step 0's
+    weights, so its sampling log-probs differ from the trainer's π_old; the run stops at step 2 naming
+    that engine and the batch check, and no engine ever ran a scoring pass."""
+    from pivotrl.training.pivotrl import PivotRLTrainer
+
+    trainer = PivotRLTrainer.build(ckpt, group_size=4, dtype="float32", lr=1e-2, beta=0.0, updates_per_batch=1, seed=0)
+    good, stale = _engines(ckpt, 1)[0], _engines(ckpt, 1, skip_refresh=True)[0]
+    pivots = [SimpleNamespace(state_id=f"p{i}") for i in range(len(PROMPTS))]
+    with pytest.raises(TrainingError, match="step 2 \\(rollout engine 1\\): the engine's sampling log-probs"):
+        run_rl_loop(trainer, EnginePool([good, stale]), EvenVerifier(), pivots, PROMPTS, [[0, 1, 2, 3, 4]] * 3,
+                    _settings(), tmp_path / "work", progress=False)
+    assert good.refreshes == stale.refreshes == 1 and good.scores == stale.scores == 0
 
 
 def test_the_pool_imports_without_prefect_vllm_deepspeed_or_torch() -> None:

@@ -149,8 +149,12 @@ def test_the_loop_trains_refreshes_drops_undecided_pivots_and_checkpoints(engine
     assert sum(r["dropped_groups"] for r in rows) == 1  # the undecided pivot, never a reward of 0
     assert sum(r["groups"] for r in rows) == 3 and all(r["pivots"] == 2 for r in rows)
     assert sorted(verifier.calls) == ["p0", "p1", "p3", "undecided-2"]
-    # π_old refreshed in the engine every step: its log-probs match the trainer's (fp32)
+    # π_old refreshed in the engine every step: its log-probs match the trainer's (fp32). Step 1's
+    # check is read from step 1's batch (the engine's sampling log-probs against the trainer's π_old);
+    # the last refresh, which no batch samples, is checked by scoring.
     assert all(r["refresh_max_abs_delta"] <= 1e-4 for r in rows)
+    assert [r["refresh_scored"] for r in rows] == [0.0, 1.0]
+    assert rows[0]["refresh_mean_abs_delta"] == rows[0]["sampler_mismatch_mean_abs"]
     assert all(0.0 <= r["reward_mean"] <= 1.0 for r in rows if "reward_mean" in r)
     assert events[0] == ("before", 0) and ("checkpoint", 2, 2) in events and ("row", 2) in events
     assert [e for e in events if e[0] == "checkpoint"] == [("checkpoint", 2, 2)]  # every 2 steps, and the last
