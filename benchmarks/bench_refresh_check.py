@@ -12,7 +12,7 @@ Usage::
 per state at temperature 1 on the configured engine and dtype, and each action is scored by the
 engine (:func:`pivotrl.rollout.pool.refresh_delta`) and by the trainer built as the train stage
 builds it. Nothing is trained, so every difference is the two kernels' own (no refresh is
-involved): the floor the check's tolerance (``pivotrl.training.loop.check_refresh``) must clear.
+involved): the floor the check's tolerance (``pivotrl.training.refresh_check.check_refresh``) must clear.
 Reported: per action the prompt and action lengths, max and mean |Δ| per token; over the actions
 the distribution of the one-action mean (the check before it pooled) and, per state, the mean
 pooled over that state's actions (the check now: a group's actions after one prompt).

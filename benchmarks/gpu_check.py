@@ -197,7 +197,7 @@ def vllm_check(model_dir: str, *, gpu_memory_utilization: float | None = 0.35,
     from pivotrl.config import load_config
     from pivotrl.rollout import make_engine
     from pivotrl.rollout.base import SamplingConfig
-    from pivotrl.training.loop import REFRESH_MEAN_TOLERANCE, refresh_ok
+    from pivotrl.training.refresh_check import REFRESH_MEAN_TOLERANCE, refresh_ok
     from pivotrl.training.rank_engines import refresh_delta, refresh_step
 
     tol_max = float(load_config(str(ROOT / "configs" / "default.yaml")).training.refresh_tolerance or 0.3)

@@ -14,7 +14,7 @@
   than its trainer rank's (each host rank has its own engine on its own node, so ``memory`` also
   works with ``rollout.engine_placement: node``).
 
-Either way the refresh check (``pivotrl.training.loop.check_refresh``) then compares the engine's
+Either way the refresh check (``pivotrl.training.refresh_check.check_refresh``) then compares the engine's
 log-probs of a fixed action with the trainer's.
 
 **GPUs (design; the broadcast primitives are here and tested on CPU with gloo).** On GPU

@@ -245,9 +245,9 @@ def _refresh(trainer: Any, engine: Any, group: Group, settings: E2ESettings, ste
     """Refresh π_old in ``engine`` the way PivotRL's loop does (``rollout.weight_sync``: ``memory`` =
     the trainer's shared-memory block, ``disk`` = an HF export read back), then check that it took:
     the engine's log-probs of the step's first trained group's actions against the trainer's
-    (:func:`pivotrl.training.loop.check_refresh`, raising TrainingError). → ``refresh_s``,
+    (:func:`pivotrl.training.refresh_check.check_refresh`, raising TrainingError). → ``refresh_s``,
     ``refresh_max_abs_delta``, ``refresh_mean_abs_delta`` (nats per token)."""
-    from pivotrl.training.loop import check_refresh
+    from pivotrl.training.refresh_check import check_refresh
     from pivotrl.training.rank_engines import refresh_delta, reload
 
     t0 = time.perf_counter()

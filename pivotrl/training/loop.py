@@ -43,10 +43,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
-from pivotrl.core.errors import TrainingError
 from pivotrl.runtime.generation import generation_peak, side_by_side, since, snapshot
 from pivotrl.training.checkpoints import broadcast
-from pivotrl.training.rank_engines import all_gather, refresh_delta, refresh_step, rollout_step
+from pivotrl.training.rank_engines import all_gather, refresh_step, rollout_step
+from pivotrl.training.refresh_check import BATCH_SOURCE, batch_check as _batch_check, check_refresh, engines_row, num_engines
 from pivotrl.verifiers.base import count_not_demonstrated
 
 if TYPE_CHECKING:
@@ -55,12 +55,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("pivotrl.training")
 
 __all__ = [
-    "LoopHooks", "REFRESH_MEAN_TOLERANCE", "anchor_schedule", "check_refresh", "pivot_schedule", "refilter_unused",
-    "refresh_delta", "refresh_ok", "run_rl_loop", "steps_per_epoch",
+    "LoopHooks", "anchor_schedule", "pivot_schedule", "refilter_unused", "run_rl_loop", "steps_per_epoch",
 ]
-
-#: Mean |Δ| per token allowed between engine and trainer log-probs after a refresh (spec tolerances).
-REFRESH_MEAN_TOLERANCE = {"fp32": 1e-4, "bf16": 0.05}
 
 
 def pivot_schedule(num_pivots: int, batch: int, epochs: int, seed: int, max_steps: int | None) -> list[list[int]]:
@@ -230,7 +226,7 @@ def run_rl_loop(trainer: Any, engine: Any, verifier: Any, pivots: Sequence[Any],
     before: dict[str, Any] = {}  # held-out accuracy of the starting policy (the learning curve's step 0)
     if lead and tr.eval_every and start == 0:
         before = {k.replace("heldout_", "heldout_before_", 1): v for k, v in hooks.evaluate(0).items()}
-    n_engines = _num_engines(engine, hosts, world)
+    n_engines = num_engines(engine, hosts, world)
     try:
         for step in range(start, len(schedule)):
             t0 = time.time()
@@ -299,7 +295,7 @@ def run_rl_loop(trainer: Any, engine: Any, verifier: Any, pivots: Sequence[Any],
                 d_max, d_mean = (max(d[i] for d in batch_check if d is not None) if any(batch_check) else 0.0
                                  for i in (0, 1))
                 per_engine = batch_check if len(batch_check) > 1 else []
-            engines_row = _engines_row(per_engine, served, cfg) if per_engine else {}
+            engines_row = engines_row(per_engine, served, cfg) if per_engine else {}
             shutil.rmtree(work / f"policy-{step - 1}", ignore_errors=True)
             row = {"step": step + 1, "pivots": sum(1 for i in idx if i < n_piv), **_anchor_columns(idx, n_piv, groups,
                                                                                                anchor_ids),
@@ -373,74 +369,3 @@ def anchor_schedule(schedule: Sequence[Sequence[int]], num_pivots: int, num_anch
                 order.append(a)
         out.append(list(batch) + extra)
     return out
-
-
-BATCH_SOURCE = "the engine's sampling log-probs of this step's batch vs the trainer's π_old"
-
-
-def _num_engines(engine: Any, hosts: Sequence[int], world: int) -> int:
-    """The rollout engines serving a batch: the host ranks' engines, else rank 0's pool or engine
-    (the same count on every rank)."""
-    if len(hosts) > 1:
-        return len(hosts)
-    return int(broadcast(len(getattr(engine, "engines", ())) or 1, world))
-
-
-def _batch_check(metrics: dict[str, Any], engines: int) -> list[tuple[float, float] | None] | None:
-    """Per engine, (max, mean) per-token |Δ| between the engine's sampling log-probs of the batch
-    and the trainer's π_old (``sampler_mismatch_*`` of ``train_step``); None for an engine whose
-    actions were not trained; None in all when the batch carried no sampling log-probs (the engine
-    does not report them, or no group was trained)."""
-    if "sampler_mismatch_mean_abs" not in metrics or "sampler_mismatch_max_abs" not in metrics:
-        return None
-    overall = (float(metrics["sampler_mismatch_max_abs"]), float(metrics["sampler_mismatch_mean_abs"]))
-    if engines == 1 or not any(f"sampler_mismatch_mean_abs_e{j}" in metrics for j in range(engines)):
-        # one engine, or a batch whose groups all came from engine 0 (no per-engine columns)
-        return [overall] + [None] * (engines - 1)
-    out = [(float(metrics[f"sampler_mismatch_max_abs_e{j}"]), float(metrics[f"sampler_mismatch_mean_abs_e{j}"]))
-           if f"sampler_mismatch_mean_abs_e{j}" in metrics else None for j in range(engines)]
-    return out if any(out) else None
-
-
-def _engines_row(per_engine: Sequence[tuple[float, float] | None], served: Sequence[int],
-                 cfg: "RunConfig") -> dict[str, Any]:
-    """The per-engine columns of a metrics row (several engines only; see the module docstring)."""
-    row: dict[str, Any] = {"engines": len(per_engine), "refresh_verified_engines": sum(
-        1 for d in per_engine if d is not None
-        and refresh_ok(d[0], d[1], cfg.training.refresh_tolerance, cfg.model.dtype))}
-    for j, d in enumerate(per_engine):
-        row[f"refresh_max_abs_delta_e{j}"] = d[0] if d is not None else 0.0
-    for j, n in enumerate(served):
-        row[f"rollout_states_e{j}"] = n
-    return row
-
-
-def refresh_ok(d_max: float, d_mean: float, tol_max: float, dtype: str) -> bool:
-    """Whether a refresh check passes (:func:`check_refresh`'s rule, without raising)."""
-    return not (d_mean > REFRESH_MEAN_TOLERANCE.get(dtype, 0.05) or (dtype == "fp32" and d_max > tol_max))
-
-
-def check_refresh(step: int, d_max: float, d_mean: float, tol_max: float, dtype: str, *,
-                  engine: int | None = None, source: str = "engine vs trainer log-probs") -> None:
-    """Fail loudly if the rollout engine is not serving the trainer's weights after a refresh.
-
-    ``d_max`` / ``d_mean``: over every trained token of the step's batch (``source`` says so), or of
-    the first trained group's K actions scored after the refresh
-    (:func:`~pivotrl.rollout.pool.refresh_delta`).
-    fp32: both the max and the mean per-token |Δ| must be within tolerance (engines agree to ~1e-5).
-    bf16: the mean must be ≤ 0.05; a max above ``refresh_tolerance`` alone is logged, not fatal —
-    single bf16 tokens differ by up to ~0.3–0.5 between kernels (measured), while a refresh that did
-    not take shows on the mean. One action's mean is not enough in bf16: on the multi-turn
-    showcase's ≈1,400-token states single actions' means under the same weights reached 0.035, and
-    after a refresh 0.054 and 0.113 (benchmarks/RESULTS.md §29), so the mean pools the group. Raises TrainingError naming the step, the engine (``engine``: its
-    index in a pool of several) and the numbers."""
-    mean_tol = REFRESH_MEAN_TOLERANCE.get(dtype, 0.05)
-    which = "" if engine is None else f" (rollout engine {engine})"
-    if not refresh_ok(d_max, d_mean, tol_max, dtype):
-        raise TrainingError(
-            f"policy refresh check failed at step {step}{which}: {source} differ by {d_max:.3g} "
-            f"(max) / {d_mean:.3g} (mean) per token (tolerances {tol_max:g} / {mean_tol:g}); the rollout "
-            "engine is not sampling from π_old")
-    if d_max > tol_max:
-        log.warning("refresh check at step %d: max per-token |Δ| %.3g exceeds %.3g (mean %.3g is within %.3g); "
-                    "bf16 kernel noise", step, d_max, tol_max, d_mean, mean_tol)

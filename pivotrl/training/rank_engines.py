@@ -195,7 +195,7 @@ def refresh_step(engine: Any, export_dir: Any, prompt: list[int] | None, actions
     (:func:`refresh_delta`); ``timing["reload_s"]`` receives this rank's reload seconds →
     ``(max |Δ|, max mean |Δ| over the engines, per-engine (max, mean) or None without an action)``
     on every rank. The per-engine list is empty for one engine on rank 0 (``hosts == [0]`` and no
-    pool). The caller raises on a failed check (``pivotrl.training.loop.check_refresh``)."""
+    pool). The caller raises on a failed check (``pivotrl.training.refresh_check.check_refresh``)."""
     hosts = list(hosts)
     per_engine: list[tuple[float, float] | None] = []
     d_max = d_mean = 0.0

@@ -14,7 +14,8 @@ from pivotrl.core.errors import TrainingError, VerifierError
 from pivotrl.rollout import SamplingConfig, make_engine
 from pivotrl.rollout.scoring import sample_and_score
 from pivotrl.testing import save_tiny_checkpoint
-from pivotrl.training.loop import LoopHooks, check_refresh, pivot_schedule, run_rl_loop
+from pivotrl.training.loop import LoopHooks, pivot_schedule, run_rl_loop
+from pivotrl.training.refresh_check import check_refresh
 from pivotrl.verifiers import VerifierResult
 
 
