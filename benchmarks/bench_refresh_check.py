@@ -14,8 +14,10 @@ engine (:func:`pivotrl.rollout.pool.refresh_delta`) and by the trainer built as 
 builds it. Nothing is trained, so every difference is the two kernels' own (no refresh is
 involved): the floor the check's tolerance (``pivotrl.training.refresh_check.check_refresh``) must clear.
 Reported: per action the prompt and action lengths, max and mean |Δ| per token; over the actions
-the distribution of the one-action mean (the check before it pooled) and, per state, the mean
-pooled over that state's actions (the check now: a group's actions after one prompt).
+the distribution of the one-action mean (the check before it pooled), per state the mean pooled
+over that state's actions (the scored check: a group's actions after one prompt), and the engine's
+own sampling log-probs of the same actions against the trainer's, pooled over every action of every
+state (the check read from a batch, ``pivotrl.training.refresh_check.batch_check``).
 """
 
 from __future__ import annotations
@@ -63,10 +65,12 @@ def main(argv: list[str] | None = None) -> None:
         gens = engine.generate(prompts, SamplingConfig(n=args.samples, temperature=1.0,
                                                        max_tokens=cfg.rollout.max_tokens, seed=cfg.run.seed))
         trainer = PivotRLTrainer.for_run(cfg, args.model)
-        rows, pooled = [], []
+        rows, pooled, sampled = [], [], []
         for s, p, group in zip(states, prompts, gens):
             actions = [g.token_ids for g in group if g.token_ids]
             lps = trainer.group_logprobs(p, actions)
+            sampled += [abs(float(e) - float(t)) for g, lp in zip([g for g in group if g.token_ids], lps)
+                        for e, t in zip(g.rollout_logprobs, lp)]
             for a, lp in zip(actions, lps):
                 d_max, d_mean = refresh_delta(engine, p, [a], [lp])
                 rows.append({"state": s.state_id, "prompt_len": len(p), "action_len": len(a),
@@ -80,7 +84,10 @@ def main(argv: list[str] | None = None) -> None:
     summary = {"dtype": cfg.model.dtype, "actions": len(rows), "states": len(pooled),
                "one_action_mean": {"median": statistics.median(means), "max": max(means)},
                "group_mean": {"median": statistics.median(group_means), "max": max(group_means)},
-               "max_abs_delta": max(r["max_abs_delta"] for r in rows), "load1": load1()}
+               "max_abs_delta": max(r["max_abs_delta"] for r in rows),
+               "batch_sampled": {"tokens": len(sampled), "mean": sum(sampled) / max(len(sampled), 1),
+                                 "max": max(sampled, default=0.0)},
+               "load1": load1()}
     print(md_table(["state", "prompt tok", "action tok", "max |Δ|", "mean |Δ|"],
                    [(r["state"], r["prompt_len"], r["action_len"], f"{r['max_abs_delta']:.4f}",
                      f"{r['mean_abs_delta']:.4f}") for r in rows]))

@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 from pivotrl.runtime.generation import generation_peak, side_by_side, since, snapshot
 from pivotrl.training.checkpoints import broadcast
 from pivotrl.training.rank_engines import all_gather, refresh_step, rollout_step
-from pivotrl.training.refresh_check import BATCH_SOURCE, batch_check as _batch_check, check_refresh, engines_row, num_engines
+from pivotrl.training.refresh_check import BATCH_SOURCE, batch_check, check_refresh, engines_row, num_engines
 from pivotrl.verifiers.base import count_not_demonstrated
 
 if TYPE_CHECKING:
@@ -259,11 +259,11 @@ def run_rl_loop(trainer: Any, engine: Any, verifier: Any, pivots: Sequence[Any],
             # The refresh check, read from this batch: the engines sampled it with the weights the
             # trainer holds as π_old (the refresh after the previous step, or the first load), so
             # their sampling log-probs must match the trainer's on every trained token.
-            batch_check = _batch_check(metrics, n_engines)
-            for j, d in enumerate(batch_check or []):
+            checked = batch_check(metrics, n_engines)
+            for j, d in enumerate(checked or []):
                 if d is not None:
                     check_refresh(step + 1, d[0], d[1], tr.refresh_tolerance, cfg.model.dtype,
-                                  engine=j if len(batch_check) > 1 else None, source=BATCH_SOURCE)
+                                  engine=j if len(checked) > 1 else None, source=BATCH_SOURCE)
             if lead:
                 hooks.record_step(step + 1, batch.scored, groups)
             # Refresh π_old inside the running engines (no restart), then check that it took: each
@@ -284,7 +284,7 @@ def run_rl_loop(trainer: Any, engine: Any, verifier: Any, pivots: Sequence[Any],
             # The refreshed weights are checked by the next batch; only those that no batch samples
             # (after the last step) or an engine without sampling log-probs need a scoring pass: every
             # action of the first trained group (one prompt, K actions), by the engine and the trainer.
-            scored = step + 1 == len(schedule) or batch_check is None
+            scored = step + 1 == len(schedule) or checked is None
             probe_prompt = groups[0].prompt_ids if groups else None
             check = [a for a in groups[0].actions if a] if groups and scored else []
             trainer_lps = trainer.group_logprobs(probe_prompt, check) if check else []
@@ -292,10 +292,10 @@ def run_rl_loop(trainer: Any, engine: Any, verifier: Any, pivots: Sequence[Any],
             d_max, d_mean, per_engine = refresh_step(engine, export, probe_prompt, check, trainer_lps,
                                                      rank=rank, world=world, hosts=hosts, timing=timing)
             if not scored:
-                d_max, d_mean = (max(d[i] for d in batch_check if d is not None) if any(batch_check) else 0.0
+                d_max, d_mean = (max(d[i] for d in checked if d is not None) if any(checked) else 0.0
                                  for i in (0, 1))
-                per_engine = batch_check if len(batch_check) > 1 else []
-            engines_row = engines_row(per_engine, served, cfg) if per_engine else {}
+                per_engine = checked if len(checked) > 1 else []
+            engine_cols = engines_row(per_engine, served, cfg) if per_engine else {}
             shutil.rmtree(work / f"policy-{step - 1}", ignore_errors=True)
             row = {"step": step + 1, "pivots": sum(1 for i in idx if i < n_piv), **_anchor_columns(idx, n_piv, groups,
                                                                                                anchor_ids),
@@ -308,7 +308,7 @@ def run_rl_loop(trainer: Any, engine: Any, verifier: Any, pivots: Sequence[Any],
                    "rollout_s": round(t_roll, 3), "step_time_s": round(time.time() - t0, 3),
                    "refresh_s": round(t_write + timing.get("reload_s", 0.0), 4),
                    "refresh_scored": float(scored),
-                   "refresh_max_abs_delta": d_max, "refresh_mean_abs_delta": d_mean, **engines_row, **refiltered,
+                   "refresh_max_abs_delta": d_max, "refresh_mean_abs_delta": d_mean, **engine_cols, **refiltered,
                    "rollout_tokens": sum(len(a) for g in groups for a in g.actions),  # generated, trained groups
                    **(gen.metrics(gen_peak) if gen is not None else {})}
             if gen is not None and gen.requests:
