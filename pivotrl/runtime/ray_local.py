@@ -16,6 +16,9 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
+#: Prefix of the line that carries the alive nodes' JSON in :meth:`RayCluster.nodes`' child's stdout.
+_NODES = "pivotrl-ray-nodes:"
+
 
 class RayCluster:
     """A real Ray cluster on this machine: a head node with no CPUs (so no shard runs beside the
@@ -81,12 +84,19 @@ class RayCluster:
 
     def nodes(self) -> list[dict[str, Any]]:
         code = ("import json, ray; ray.init(address=%r, logging_level='ERROR'); "
-                "print(json.dumps([n for n in ray.nodes() if n['Alive']], default=str))" % self.address)
+                "print(%r + json.dumps([n for n in ray.nodes() if n['Alive']], default=str))" % (self.address, _NODES))
         try:
             out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
         except subprocess.TimeoutExpired:  # a head still starting (or a loaded machine): none known yet
             return []
-        return json.loads(out.stdout.strip().splitlines()[-1]) if out.returncode == 0 and out.stdout.strip() else []
+        # Ray may print its own lines to stdout too (a worker's log forwarded, a warning): read ours.
+        lines = [ln for ln in out.stdout.splitlines() if ln.startswith(_NODES)]
+        if out.returncode != 0 or not lines:
+            return []
+        try:
+            return json.loads(lines[-1][len(_NODES):])
+        except json.JSONDecodeError:  # a line cut short: none known this time, asked again by the caller
+            return []
 
     def _wait(self, ready, timeout: float = 120) -> None:
         t0 = time.time()

@@ -125,3 +125,24 @@ def test_packed_variant_equals_the_naive_computation():
     packed.sum().backward()
     for want, got in zip(expected, (p.grad for p in model.parameters())):
         assert torch.allclose(got, want, atol=1e-5 * float(want.abs().max()) + 1e-12, rtol=0)
+
+
+def test_e2e_signal_counts_groups_whose_episodes_differ_in_reward():
+    from bench_e2e_signal import group_stats
+    from pivotrl.training.e2e import E2E_REWARDS, Episode
+
+    def ep(task: str, i: int, passed: int, action: list[int]) -> Episode:
+        return Episode(task_id=task, index=i, calls=[([1, 2], action)], success=passed == 2, turns_passed=passed,
+                       n_turns=2)
+
+    same = [ep("a", i, 1, [5]) for i in range(4)]  # one text, one outcome: no signal under either reward
+    mixed = [ep("b", 0, 2, [6]), ep("b", 1, 1, [7]), ep("b", 2, 1, [7]), ep("b", 3, 0, [8])]
+    partial = [ep("c", 0, 1, [9]), ep("c", 1, 0, [9, 1]), ep("c", 2, 0, [9, 2]), ep("c", 3, 0, [9, 3])]
+    s = group_stats([same, mixed, partial], E2E_REWARDS)
+    assert (s["groups"], s["episodes"], s["model_calls"]) == (3, 12, 12)
+    assert s["varied_full_task"] == 1  # only b has an episode that passed every turn
+    assert s["varied_per_turn"] == 2  # b and c pass different numbers of turns
+    assert s["mean_reward_full_task"] == 1 / 12
+    assert s["mean_reward_per_turn"] == (0.5 * 4 + (1 + 0.5 + 0.5) + 0.5) / 12
+    assert s["distinct_first_call"] == (1 + 3 + 4) / 3
+    assert s["turns_passed"] == {0: 4, 1: 7, 2: 1}

@@ -97,7 +97,7 @@ class Cluster:
                 if len(alive) < 2:
                     try:
                         self.ray.add_worker(1)
-                    except RuntimeError as e:  # it exited or was slow to join: counted again next time
+                    except Exception as e:  # noqa: BLE001 - it exited or was slow to join: counted again next time
                         print(f"replacing a lost worker node: {e}", file=sys.stderr, flush=True)
                 time.sleep(1)
 
