@@ -12,8 +12,10 @@ order) with the run's π_ref exactly as the baseline's rollout does
 (:func:`pivotrl.training.e2e.collect_episodes`: temperature 1, the run's renderer, parser, judge and
 step limit), K episodes per task for every K of ``--group-sizes``, and reports per K: the share of
 groups with a reward variance under each reward of :data:`pivotrl.training.e2e.E2E_REWARDS`, how
-many distinct texts a task's K episodes produced (first model call; whole episode), and the turns
-passed (the per-turn reward's numerator) as a histogram over the K·tasks episodes. No training.
+many distinct texts a task's K episodes produced (first model call; whole episode), the turns
+passed (the per-turn reward's numerator) as a histogram over the K·tasks episodes, and (in the JSON
+and the log) which turns are passed: tasks whose first turn has no demonstrated call, tasks whose
+first turn every episode passes, episodes that pass a turn with calls. No training.
 
 The run's demonstrations and reference stages must be cached (``pivotrl probe`` or ``pivotrl run``
 with the same config and overrides first); the script says so and stops otherwise.
@@ -50,6 +52,26 @@ def group_stats(groups: list[list], rewards: tuple[str, ...]) -> dict:
     out["distinct_episode"] = sum(whole) / max(1, len(groups))
     out["model_calls"] = sum(len(e.calls) for g in groups for e in g)
     out["turns_passed"] = dict(sorted(Counter(e.turns_passed for g in groups for e in g).items()))
+    return out
+
+
+def call_turns_passed(groups: list[list], tasks: list) -> dict:
+    """Which turns the episodes pass: per task (in ``tasks``' order, one group each) whether its first
+    user turn has demonstrated calls, and how many of its episodes passed a turn that has them (the
+    turns passed from the start, counted against the demonstration's turns). → counts over tasks."""
+    from pivotrl.evaluation.task_env import split_user_turns
+
+    out = {"tasks_first_turn_without_calls": 0, "tasks_first_turn_passed_by_all": 0, "of_those_without_calls": 0,
+           "episodes_passing_a_call_turn": 0, "episodes": 0}
+    for task, group in zip(tasks, groups):
+        _, turns = split_user_turns(task)
+        no_call = not turns[0].demo_calls
+        everyone = all(e.turns_passed >= 1 for e in group)
+        out["tasks_first_turn_without_calls"] += no_call
+        out["tasks_first_turn_passed_by_all"] += everyone
+        out["of_those_without_calls"] += everyone and no_call
+        out["episodes"] += len(group)
+        out["episodes_passing_a_call_turn"] += sum(any(t.demo_calls for t in turns[: e.turns_passed]) for e in group)
     return out
 
 
@@ -103,6 +125,7 @@ def main(argv: list[str] | None = None) -> None:
             groups = collect_episodes(engine, tok, tasks, settings, step_seed=cfg.run.seed * 100_003 + k,
                                       bfcl_root=str(bfcl_root), **prompt_kwargs(cfg))
             stats = group_stats(groups, E2E_REWARDS)
+            stats["call_turns"] = call_turns_passed(groups, tasks)
             stats.update(wall_s=round(time.perf_counter() - t0, 1), load=round(max(l0, load1()), 2))
             report["by_k"][k] = stats
             rows.append([k, stats["groups"], stats["episodes"], stats["model_calls"],

@@ -146,3 +146,27 @@ def test_e2e_signal_counts_groups_whose_episodes_differ_in_reward():
     assert s["mean_reward_per_turn"] == (0.5 * 4 + (1 + 0.5 + 0.5) + 0.5) / 12
     assert s["distinct_first_call"] == (1 + 3 + 4) / 3
     assert s["turns_passed"] == {0: 4, 1: 7, 2: 1}
+
+
+def test_e2e_signal_tells_the_turns_without_calls_from_those_with_calls():
+    from bench_e2e_signal import call_turns_passed
+    from pivotrl.data.schema import Message, ToolCall, Trajectory
+    from pivotrl.training.e2e import Episode
+
+    def task(tid: str, first_turn_calls: bool) -> Trajectory:
+        call = ToolCall(id="c1", name="ls", arguments={})
+        turn1 = [Message(role="assistant", tool_calls=(call,)), Message(role="tool", content="x", tool_call_id="c1")]
+        msgs = [Message(role="system", content="s"), Message(role="user", content="u1"),
+                *(turn1 if first_turn_calls else [Message(role="assistant", content="which folder?")]),
+                Message(role="user", content="u2"), Message(role="assistant", tool_calls=(call,))]
+        return Trajectory(id=tid, messages=tuple(msgs), tools=())
+
+    def eps(tid: str, passed: list[int]) -> list[Episode]:
+        return [Episode(task_id=tid, index=i, calls=[], turns_passed=p, n_turns=2) for i, p in enumerate(passed)]
+
+    tasks = [task("ask", False), task("call", True)]
+    c = call_turns_passed([eps("ask", [1, 1, 1]), eps("call", [0, 1, 0])], tasks)
+    assert c == {"tasks_first_turn_without_calls": 1, "tasks_first_turn_passed_by_all": 1, "of_those_without_calls": 1,
+                 "episodes_passing_a_call_turn": 1, "episodes": 6}
+    c = call_turns_passed([eps("ask", [2, 1, 0]), eps("call", [0, 0, 0])], tasks)
+    assert c["tasks_first_turn_passed_by_all"] == 0 and c["episodes_passing_a_call_turn"] == 1  # "ask" passed turn 2
