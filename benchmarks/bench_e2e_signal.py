@@ -36,16 +36,15 @@ from _common import header, load1, md_table, write_json  # noqa: E402
 def group_stats(groups: list[list], rewards: tuple[str, ...]) -> dict:
     """Signal statistics of K-episode groups (each a list of ``Episode``): per reward kind the share
     of groups whose rewards are not all equal, the mean number of distinct first-call and whole-episode
-    texts per group (by generated token ids) and the histogram of turns passed."""
-    def _reward(success: bool, passed: int, n_turns: int, kind: str) -> float:  # as the baseline's rewards
-        return float(success) if kind == "full_task" else (passed / n_turns if n_turns else 0.0)
+    texts per group (by generated token ids) and the histogram of turns passed; rewards as the
+    baseline gives them (:func:`pivotrl.training.e2e.episode_reward`)."""
+    from pivotrl.training.e2e import episode_reward
 
     out: dict = {"groups": len(groups), "episodes": sum(len(g) for g in groups)}
     for kind in rewards:
-        varied = sum(len({_reward(e.success, e.turns_passed, e.n_turns, kind) for e in g}) > 1 for g in groups)
-        out[f"varied_{kind}"] = varied
-        out[f"mean_reward_{kind}"] = (sum(_reward(e.success, e.turns_passed, e.n_turns, kind) for g in groups for e in g)
-                                      / max(1, out["episodes"]))
+        rewards_by_group = [[episode_reward(e.success, e.turns_passed, e.n_turns, kind) for e in g] for g in groups]
+        out[f"varied_{kind}"] = sum(len(set(r)) > 1 for r in rewards_by_group)
+        out[f"mean_reward_{kind}"] = sum(map(sum, rewards_by_group)) / max(1, out["episodes"])
     first = [len({tuple(e.calls[0][1]) if e.calls else () for e in g}) for g in groups]
     whole = [len({tuple(tuple(a) for _, a in e.calls) for e in g}) for g in groups]
     out["distinct_first_call"] = sum(first) / max(1, len(groups))

@@ -65,7 +65,8 @@ from pivotrl.objective import compute_advantages
 from pivotrl.rollout.base import SamplingConfig
 from pivotrl.training.pivotrl import Group
 
-__all__ = ["E2E_REWARDS", "E2ESettings", "Episode", "collect_episodes", "e2e_step", "episode_groups", "run_e2e"]
+__all__ = ["E2E_REWARDS", "E2ESettings", "Episode", "collect_episodes", "e2e_step", "episode_groups", "episode_reward",
+           "run_e2e"]
 
 #: Episode rewards: all turns passed (0/1), or the fraction of turns passed.
 E2E_REWARDS: tuple[str, ...] = ("full_task", "per_turn")
@@ -124,7 +125,9 @@ class Episode:
     reward: float = 0.0
 
 
-def _reward(success: bool, turns_passed: int, n_turns: int, kind: str) -> float:
+def episode_reward(success: bool, turns_passed: int, n_turns: int, kind: str) -> float:
+    """An episode's reward under ``kind`` (one of :data:`E2E_REWARDS`): ``"full_task"`` 1.0 if every user
+    turn passed else 0.0; ``"per_turn"`` turns passed / turns (0.0 for a task without turns)."""
     if kind == "full_task":
         return 1.0 if success else 0.0
     return turns_passed / n_turns if n_turns else 0.0
@@ -175,7 +178,7 @@ def collect_episodes(
             r = rows[cid]
             ep = Episode(task_id=t.id, index=j, calls=calls[cid], success=bool(r["success"]),
                          turns_passed=int(r["turns_passed"]), n_turns=int(r["n_turns"]), tool_calls=int(r["tool_calls"]))
-            ep.reward = _reward(ep.success, ep.turns_passed, ep.n_turns, settings.reward)
+            ep.reward = episode_reward(ep.success, ep.turns_passed, ep.n_turns, settings.reward)
             group.append(ep)
         out.append(group)
     return out
