@@ -11,6 +11,7 @@ import re
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -29,8 +30,14 @@ def _api(url: str, body: Any | None = None, method: str | None = None) -> Any:
     data = None if body is None else json.dumps(body).encode()
     req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"},
                                  method=method or ("GET" if body is None else "POST"))
-    with urllib.request.urlopen(req, timeout=10) as r:
-        return json.loads(r.read() or b"null")
+    for attempt in range(5):  # the server answers 503 while its database is busy (a loaded machine): ask again
+        try:
+            with urllib.request.urlopen(req, timeout=10) as r:
+                return json.loads(r.read() or b"null")
+        except urllib.error.HTTPError as e:
+            if e.code != 503 or attempt == 4:
+                raise
+            time.sleep(2)
 
 
 @pytest.fixture(scope="module")
